@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Sets up everything plait needs on a fresh machine, idempotently: a virtual environment in .venv,
+# torch (the local CPU wheel torch==2.13.0 where there is no CUDA; the machine's own torch where
+# CUDA works), every plait distribution installed editable, and the test and peer dependencies.
+# Source it (". ci/setup.sh") to get the environment activated in the calling shell.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${PLAIT_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+
+has_cuda_torch() { "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if has_cuda_torch; then
+    echo "setup: CUDA torch found on this machine; the venv will use it (--system-site-packages)"
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  else
+    "$PYTHON" -m venv "$VENV"
+  fi
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+DISTS=("$ROOT/kernels")
+for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" ] && DISTS+=("$d"); done
+
+# Re-install only when a pyproject or this script changed since the last successful setup.
+STAMP="$VENV/.plait-setup-stamp"
+WANT="$(cat "${BASH_SOURCE[0]}" "$ROOT/ci/requirements-test.txt" "${DISTS[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  return 0 2>/dev/null || exit 0
+fi
+
+CONSTRAINTS="$VENV/plait-constraints.txt"
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  python -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINTS"
+else
+  echo "$TORCH_PIN" > "$CONSTRAINTS"
+  python -m pip install -q "$TORCH_PIN"
+fi
+echo "setup: torch $(python -c 'import torch; print(torch.__version__)')"
+python -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/ci/requirements-test.txt"
+# DeepSpeed is a peer and a test oracle. It builds from source: no ops, no isolation, torch pinned.
+if ! python -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==0.19.8" \
+    || echo "setup: WARNING deepspeed did not install; peer benchmarks and DeepSpeed-import tests will skip"
+fi
+EDITABLE=()
+for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
+python -m pip install -q --no-build-isolation -c "$CONSTRAINTS" "${EDITABLE[@]}"
+echo "$WANT" > "$STAMP"
+echo "setup: installed ${#DISTS[@]} plait distributions editable into $VENV"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, layout, install-alone, then every package's tests.
+# Sets itself up first (ci/setup.sh). Extra arguments go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck disable=SC1091
+. ci/setup.sh
+start=$(date +%s)
+echo "== ruff"; ruff check .
+echo "== layout"; python ci/check_layout.py
+echo "== install alone"; python ci/check_install_alone.py
+echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
+echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

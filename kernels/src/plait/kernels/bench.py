@@ -1,0 +1,183 @@
+"""The shared benchmark vocabulary: result rows, interleaved timing, the table and the JSON.
+
+A package registers a benchmark suite under the ``plait.benchmarks`` entry-point group as
+``NAME = "module:run"``; ``run(quick: bool) -> list[BenchRow]``. ``plait bench NAME`` calls it,
+prints the rows as the table of shared/benchmarks.md and writes them as JSON. Timings follow
+the project's rule: ours and the peer alternate in one run (A B A B), warm-up first, median
+with p10/p90, and a ratio inside the A-vs-A spread is reported as noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchRow:
+    """One line of a benchmark table.
+
+    Attributes:
+        benchmark: what was run, e.g. ``"rms_norm fwd 4096x4096 fp32"``.
+        figure: what was measured, e.g. ``"time (ms)"`` or ``"bytes/rank"``.
+        ours: plait's value.
+        peer: the name of the peer, e.g. ``"torch.compile"``; ``""`` when there is none.
+        peer_value: the peer's value in the same run (``None`` without a peer).
+        ratio: ours / peer for lower-is-better figures, as the benchmark defines it.
+        target: the bar as text, e.g. ``"<= 1.0"``.
+        passed: whether the target is met; ``None`` when there is no target.
+        note: anything the reader needs (noise, skipped peers, why a target is missed).
+    """
+
+    benchmark: str
+    figure: str
+    ours: float
+    peer: str = ""
+    peer_value: float | None = None
+    ratio: float | None = None
+    target: str = ""
+    passed: bool | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingStats:
+    """Median and p10/p90 of a list of seconds."""
+
+    median: float
+    p10: float
+    p90: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> TimingStats:
+        """Summarise ``samples`` (seconds)."""
+        ordered = sorted(samples)
+        return cls(
+            median=statistics.median(ordered),
+            p10=_quantile(ordered, 0.1),
+            p90=_quantile(ordered, 0.9),
+            samples=tuple(samples),
+        )
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: the run's own noise, used to call small differences noise."""
+        return (self.p90 - self.p10) / self.median if self.median else 0.0
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def interleaved_timing(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 3,
+    steps: int = 10,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, TimingStats]:
+    """Time several callables alternately (A B A B ...) in one run.
+
+    Args:
+        candidates: name -> zero-argument callable doing one step.
+        warmup: untimed rounds first.
+        steps: timed rounds (the project's minimum is 10).
+        sync: called before reading the clock (e.g. ``torch.cuda.synchronize``).
+
+    Returns:
+        name -> :class:`TimingStats` in seconds.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0.")
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(steps):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: TimingStats.of(samples) for name, samples in times.items()}
+
+
+def timing_row(
+    benchmark: str,
+    ours: TimingStats,
+    peer_name: str,
+    peer: TimingStats | None,
+    *,
+    target_ratio: float | None = None,
+    unit_scale: float = 1e3,
+    figure: str = "time (ms)",
+) -> BenchRow:
+    """Build a row comparing two timings; a ratio inside the noise is called noise.
+
+    Args:
+        benchmark: the row's name.
+        ours, peer: the two timings (``peer`` may be ``None`` when the peer is unavailable).
+        peer_name: the peer's name.
+        target_ratio: pass when ours/peer <= this.
+        unit_scale: seconds -> displayed unit (default milliseconds).
+        figure: the figure's label.
+    """
+    if peer is None:
+        return BenchRow(benchmark=benchmark, figure=figure, ours=ours.median * unit_scale,
+                        peer=peer_name, note="peer unavailable in this environment")
+    ratio = ours.median / peer.median
+    noise = max(ours.spread, peer.spread)
+    note = f"p10/p90 ours {ours.p10 * unit_scale:.3g}/{ours.p90 * unit_scale:.3g}"
+    if abs(ratio - 1.0) < noise:
+        note += "; difference within noise"
+    passed = None if target_ratio is None else ratio <= target_ratio
+    return BenchRow(benchmark=benchmark, figure=figure, ours=ours.median * unit_scale,
+                    peer=peer_name, peer_value=peer.median * unit_scale, ratio=ratio,
+                    target="" if target_ratio is None else f"<= {target_ratio:g}",
+                    passed=passed, note=note)
+
+
+def format_table(rows: Iterable[BenchRow]) -> str:
+    """Render rows as the table of shared/benchmarks.md (plain text, aligned columns)."""
+    header = ("benchmark", "figure", "ours", "peer", "peer's", "ratio", "target", "pass", "note")
+    lines = [header]
+    for row in rows:
+        lines.append((
+            row.benchmark, row.figure, _num(row.ours), row.peer or "-",
+            _num(row.peer_value), _num(row.ratio), row.target or "-",
+            {True: "PASS", False: "FAIL", None: "-"}[row.passed], row.note,
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(out)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
+        return f"{value:.4g}"
+    return f"{value:.3e}"
+
+
+def write_json(rows: Sequence[BenchRow], path: Path, *, meta: dict | None = None) -> Path:
+    """Write rows (and run metadata) as JSON so a README table can be regenerated.
+
+    The file is written to a temporary name and renamed, so an interrupted run never leaves
+    a half-written result where the previous one was.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta or {}, "rows": [dataclasses.asdict(row) for row in rows]}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
+    return path

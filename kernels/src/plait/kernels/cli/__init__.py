@@ -1,0 +1,1 @@
+"""The ``plait`` command: subcommands contributed by installed plait distributions."""

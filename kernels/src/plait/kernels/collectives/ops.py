@@ -1,0 +1,127 @@
+"""Thin wrappers over ``torch.distributed`` that every plait package uses.
+
+Same semantics and argument order as torch's functions, keyword-only ``group``/``async_op``,
+plus one line each: record the op's logical bytes in the active :class:`ByteLedger`. The
+wrappers add nothing else on purpose, so a reader of a plait engine sees exactly which
+collectives it issues, and the ledger is the only accounting there is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels.collectives.ledger import record, tensor_nbytes
+
+ReduceOp = dist.ReduceOp
+
+# Bound once at import: plait's calls go to torch's originals even while
+# count_torch_distributed() has swapped the module attributes, so they are counted once.
+_torch = {name: getattr(dist, name) for name in (
+    "all_gather", "all_reduce", "all_to_all_single", "broadcast", "send", "recv", "isend", "irecv", "barrier",
+)}
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); use whichever this torch has.
+_torch["all_gather_into_tensor"] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_torch["reduce_scatter_tensor"] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, *, group: Any | None = None, async_op: bool = False
+) -> Any:
+    """Gather equal-sized ``input`` from every rank into ``output`` (``world x input``).
+
+    Counted bytes: ``output`` (the full gathered tensor).
+    """
+    record("all_gather", group, tensor_nbytes(output), output.dtype)
+    return _torch["all_gather_into_tensor"](output, input, group=group, async_op=async_op)
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group: Any | None = None, async_op: bool = False
+) -> Any:
+    """Gather possibly differently-shaped tensors from every rank into ``tensor_list``.
+
+    Counted bytes: the sum over ``tensor_list`` (everything this rank ends up holding).
+    """
+    record("all_gather", group, sum(tensor_nbytes(t) for t in tensor_list), tensor.dtype)
+    return _torch["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    op: Any = ReduceOp.SUM,
+    group: Any | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Reduce ``input`` (``world x output``) across ranks; each rank keeps its slice in ``output``.
+
+    Counted bytes: ``input`` (the full tensor being reduced).
+    """
+    record("reduce_scatter", group, tensor_nbytes(input), input.dtype)
+    return _torch["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor, *, op: Any = ReduceOp.SUM, group: Any | None = None, async_op: bool = False
+) -> Any:
+    """Reduce ``tensor`` in place across ranks. Counted bytes: ``tensor``."""
+    record("all_reduce", group, tensor_nbytes(tensor), tensor.dtype)
+    return _torch["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any | None = None,
+    async_op: bool = False,
+) -> Any:
+    """Exchange slices of dim 0 between all ranks, with optional uneven splits.
+
+    Counted bytes: ``input`` (what this rank sends, its own slice included, as torch counts it).
+    """
+    record("all_to_all", group, tensor_nbytes(input), input.dtype)
+    return _torch["all_to_all_single"](
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def broadcast(tensor: torch.Tensor, *, src: int, group: Any | None = None, async_op: bool = False) -> Any:
+    """Broadcast ``tensor`` from global rank ``src``. Counted bytes: ``tensor`` (on every rank)."""
+    record("broadcast", group, tensor_nbytes(tensor), tensor.dtype)
+    return _torch["broadcast"](tensor, src=src, group=group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, *, dst: int, group: Any | None = None) -> None:
+    """Blocking point-to-point send to global rank ``dst``. Counted bytes: ``tensor``."""
+    record("send", group, tensor_nbytes(tensor), tensor.dtype)
+    _torch["send"](tensor, dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, *, src: int, group: Any | None = None) -> None:
+    """Blocking receive from global rank ``src`` into ``tensor``. Counted bytes: ``tensor``."""
+    record("recv", group, tensor_nbytes(tensor), tensor.dtype)
+    _torch["recv"](tensor, src=src, group=group)
+
+
+def isend(tensor: torch.Tensor, *, dst: int, group: Any | None = None) -> Any:
+    """Asynchronous :func:`send`; returns the work handle to ``wait()`` on."""
+    record("send", group, tensor_nbytes(tensor), tensor.dtype)
+    return _torch["isend"](tensor, dst=dst, group=group)
+
+
+def irecv(tensor: torch.Tensor, *, src: int, group: Any | None = None) -> Any:
+    """Asynchronous :func:`recv`; returns the work handle to ``wait()`` on."""
+    record("recv", group, tensor_nbytes(tensor), tensor.dtype)
+    return _torch["irecv"](tensor, src=src, group=group)
+
+
+def barrier(*, group: Any | None = None) -> None:
+    """Synchronise the group (moves no logical bytes, so nothing is recorded)."""
+    _torch["barrier"](group=group)

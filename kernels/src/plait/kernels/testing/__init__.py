@@ -1,0 +1,25 @@
+"""Testing tools shared by every plait package: the gloo harness, parity helpers, tiny-llama and data."""
+
+from plait.kernels.testing.data import (
+    ByteTokenizer,
+    CorpusDataset,
+    corpus_text,
+    corpus_tokens,
+    global_batch,
+    rank_slice,
+)
+from plait.kernels.testing.distributed import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    free_port,
+    run_distributed,
+)
+from plait.kernels.testing.parity import assert_close_maps, assert_replicas_equal, state_digest, tensor_digest
+from plait.kernels.testing.tiny_llama import CausalLMOutput, TinyLlama, TinyLlamaConfig, tiny_llama, tiny_llama_moe
+
+__all__ = [
+    "ByteTokenizer", "CausalLMOutput", "CorpusDataset", "DistributedTestError", "DistributedTimeoutError",
+    "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "corpus_text", "corpus_tokens",
+    "free_port", "global_batch", "rank_slice", "run_distributed", "state_digest", "tensor_digest", "tiny_llama",
+    "tiny_llama_moe",
+]

@@ -1,0 +1,89 @@
+"""The distributed test harness: results, failures, skips and hangs come back named."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.kernels.testing.distributed import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    run_distributed,
+)
+
+
+def _sum_of_ranks() -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _raise_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise KeyError("boom on one")
+    dist.barrier()  # rank 0 waits in a collective that never completes
+
+
+def _hang_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        _sleep_forever()
+    dist.barrier()
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def _skip_everywhere() -> None:
+    pytest.skip("not on this machine")
+
+
+def _env_value() -> str:
+    import os
+
+    return os.environ.get("PLAIT_HARNESS_PROBE", "")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_per_rank(world_size):
+    results = run_distributed(_sum_of_ranks, world_size, timeout=60)
+    expected_sum = float(sum(range(world_size)))
+    assert results == [(rank, world_size, expected_sum) for rank in range(world_size)]
+
+
+def test_a_failing_rank_is_named_and_others_do_not_hang():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"(?s)failed on rank 1 of 2.*KeyError: 'boom on one'"):
+        run_distributed(_raise_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < 45
+
+
+def test_a_hanging_rank_fails_within_timeout_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_hang_on_rank_one, 2, timeout=8)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "rank(s) [0, 1] still running" in message or "rank(s) [1]" in message
+    assert "_sleep_forever" in message  # the stuck rank's stack names where it was
+    assert elapsed < 8 + 15
+
+
+def test_skips_are_carried_back():
+    with pytest.raises(pytest.skip.Exception, match="not on this machine"):
+        run_distributed(_skip_everywhere, 2, timeout=60)
+
+
+def test_environment_reaches_the_ranks(monkeypatch):
+    monkeypatch.setenv("PLAIT_HARNESS_PROBE", "seen")
+    assert run_distributed(_env_value, 2, timeout=60) == ["seen", "seen"]
+
+
+def test_local_functions_are_refused_with_a_fix():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(local, 1)

@@ -1,0 +1,78 @@
+"""tiny-llama, the corpus and the tokenizer are what benchmarks.md says they are."""
+
+import pytest
+import torch
+
+from plait.kernels.testing import (
+    ByteTokenizer,
+    CorpusDataset,
+    TinyLlamaConfig,
+    corpus_text,
+    global_batch,
+    rank_slice,
+    tiny_llama,
+    tiny_llama_moe,
+)
+
+
+def test_tiny_llama_has_the_benchmark_shape():
+    model = tiny_llama()
+    cfg = model.config
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.intermediate_size) == (
+        4096, 256, 8, 4, 64, 688)
+    numel = sum(p.numel() for p in model.parameters())
+    assert 8.3e6 < numel < 8.5e6
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()  # untied
+
+
+def test_moe_variant_swaps_every_other_mlp():
+    model = tiny_llama_moe(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=48, vocab_size=300)
+    kinds = [type(block.mlp).__name__ for block in model.layers]
+    assert kinds == ["SwiGLU", "MoEMLP", "SwiGLU", "MoEMLP"]
+    assert len(model.layers[1].mlp.experts) == 8
+    batch = global_batch(0, 2, 16)
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_loss_goes_down_and_generation_is_deterministic():
+    torch.manual_seed(0)
+    model = tiny_llama(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=96, vocab_size=300)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(15):
+        loss = model(**global_batch(step, 8, 32)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+    prompt = torch.tensor([ByteTokenizer().encode("The ")])
+    assert torch.equal(model.generate(prompt, 5), model.generate(prompt, 5))
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    a, b = global_batch(3, 4, 32, seed=1), global_batch(3, 4, 32, seed=1)
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert not torch.equal(a["input_ids"], global_batch(4, 4, 32, seed=1)["input_ids"])
+    assert torch.equal(a["labels"][:, :-1], a["input_ids"][:, 1:])
+    halves = [rank_slice(a, r, 2)["input_ids"] for r in range(2)]
+    assert torch.equal(torch.cat(halves), a["input_ids"])
+    with pytest.raises(ValueError, match="not divisible"):
+        rank_slice(a, 0, 3)
+
+
+def test_tokenizer_round_trips_the_corpus():
+    tok = ByteTokenizer()
+    text = corpus_text()
+    assert len(text) > 5000 and tok.decode(tok.encode(text)) == text
+    assert tok.encode("a", add_bos=True) == [tok.bos_id, 97]
+    assert len(CorpusDataset(64)) > 50
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="num_heads=3"):
+        TinyLlamaConfig(hidden_size=64, num_heads=3)
+    with pytest.raises(ValueError, match="top_k"):
+        TinyLlamaConfig(num_experts=2, top_k=3)
