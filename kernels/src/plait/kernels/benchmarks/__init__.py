@@ -1,0 +1,1 @@
+"""plait-kernels' benchmarks (``plait bench kernels``): one module per kernel, gathered by ``suite``."""

@@ -1,0 +1,253 @@
+"""Blockwise quantization: Triton against the reference bit for bit, the error bound, edge cases, errors.
+
+The Triton path runs on CUDA when this machine has a GPU, and otherwise under the Triton CPU
+interpreter (``TRITON_INTERPRET=1`` with ``PLAIT_KERNEL_BACKEND=triton``). Codes, scales and
+dequantized values must be equal bit for bit (the ``quantize_blockwise`` tolerance entries are zero).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from plait.kernels import dispatch
+from plait.kernels.ops.quantize import (
+    QMAX,
+    code_numel,
+    dequantize_blockwise,
+    dequantize_blockwise_reference,
+    num_blocks,
+    quantize_blockwise,
+    quantize_blockwise_reference,
+    quantized_nbytes,
+)
+from plait.kernels.tolerances import tolerance
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+# fp32 slack on the scale/2 bound: y = x / scale rounds once (relative to scale), and code * scale
+# rounds once more (half an fp32 ulp of the result, relative to |x|): exact halves, e.g. bf16 inputs
+# with x / scale = 63.5, reach scale/2 plus that last rounding.
+BOUND_SLACK = 2.0**-20
+VALUE_SLACK = 2.0**-22
+
+
+def _import_triton_for_this_machine() -> bool:
+    """Import triton in the mode this machine can run (interpreter without a GPU); False if missing.
+
+    Triton decides compiled-vs-interpreted for its own jitted library when first imported, so
+    without a GPU it must be imported with TRITON_INTERPRET=1 set; the variable is restored at once.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if ON_CUDA or "triton" in sys.modules:
+        return True
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return True
+
+
+HAVE_TRITON = _import_triton_for_this_machine()
+
+
+@pytest.fixture
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force the Triton path (interpreted on CPU); returns the device to put tensors on."""
+    if not HAVE_TRITON:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return DEVICE
+
+
+def _data(numel: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # Mixed magnitudes per element, so blocks have very different scales.
+    x = torch.randn(numel, generator=gen) * torch.exp(2 * torch.randn(numel, generator=gen))
+    return x.to(device=device, dtype=dtype)
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{got.shape} vs {want.dtype}"
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_got, nan_want), f"{what}: NaN positions differ"
+    if got.is_floating_point():
+        tolerance("quantize_blockwise", want.dtype).assert_close(
+            got[~nan_got], want[~nan_want], what=what
+        )
+    else:
+        assert torch.equal(got, want), f"{what}: codes differ at {(got != want).nonzero()[:5].flatten().tolist()}"
+
+
+def _compare_backends(x: torch.Tensor, bits: int, block_size: int, what: str) -> None:
+    codes, scales = quantize_blockwise(x, bits=bits, block_size=block_size)
+    ref_codes, ref_scales = quantize_blockwise_reference(x.cpu(), bits=bits, block_size=block_size)
+    _same_bits(codes.cpu(), ref_codes, f"codes {what}")
+    _same_bits(scales.cpu(), ref_scales, f"scales {what}")
+    for out_dtype in DTYPES:
+        values = dequantize_blockwise(codes, scales, bits=bits, block_size=block_size, numel=x.numel(),
+                                      dtype=out_dtype)
+        ref = dequantize_blockwise_reference(ref_codes, ref_scales, bits=bits, block_size=block_size,
+                                             numel=x.numel(), dtype=out_dtype)
+        _same_bits(values.cpu(), ref, f"dequantized->{out_dtype} {what}")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("block_size", (2, 16, 256, 8192))
+@pytest.mark.parametrize("numel", (1, 2, 3, 31, 256, 257, 3001))
+def test_triton_matches_reference_bitwise(triton_backend, bits, dtype, block_size, numel):
+    x = _data(numel, dtype, seed=numel + block_size, device=triton_backend)
+    _compare_backends(x, bits, block_size, f"bits={bits} {dtype} block={block_size} numel={numel}")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_triton_special_values_and_layouts(triton_backend, bits):
+    x = _data(1000, torch.float32, seed=7)
+    x[3] = math.inf
+    x[300] = math.nan
+    x[520:600] = 0.0  # part of a block; the whole block 512..575 is not zero
+    x[640:704] = 0.0  # a whole 64-block of zeros
+    x[800] = -math.inf
+    _compare_backends(x.to(triton_backend), bits, 64, "special values")
+    # Non-contiguous and multi-dimensional inputs are read flat in row-major order.
+    grid = _data(33 * 20, torch.bfloat16, seed=8).view(33, 20).to(triton_backend)
+    _compare_backends(grid.t(), bits, 16, "transposed bf16")
+    _compare_backends(grid[:, ::3], bits, 8, "strided bf16")
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("block_size", (2, 32, 256))
+def test_error_bound_half_scale(bits, dtype, block_size):
+    numel = 5 * block_size + 3  # a partial last block
+    x = _data(numel, dtype, seed=bits * block_size)
+    codes, scales = quantize_blockwise(x, bits=bits, block_size=block_size)
+    assert codes.numel() == code_numel(numel, bits) and scales.numel() == num_blocks(numel, block_size)
+    assert scales.dtype == torch.float32
+    values = dequantize_blockwise(codes, scales, bits=bits, block_size=block_size, numel=numel)
+    per_element = scales.repeat_interleave(block_size)[:numel]
+    err = (x.float() - values).abs()
+    bound = per_element / 2 * (1 + BOUND_SLACK) + x.float().abs() * VALUE_SLACK
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3e}"
+    # The largest magnitude of each block is reproduced to within an fp32 rounding: nothing clips.
+    blocks = torch.nn.functional.pad(x.float().abs(), (0, num_blocks(numel, block_size) * block_size - numel))
+    torch.testing.assert_close(scales * QMAX[bits], blocks.view(-1, block_size).amax(dim=1), rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_code_ranges_and_packing(bits):
+    x = _data(4097, torch.float32, seed=1)
+    codes, _ = quantize_blockwise(x, bits=bits, block_size=64)
+    if bits == 8:
+        assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+        return
+    assert codes.dtype == torch.uint8 and codes.numel() == 2049
+    low, high = codes.to(torch.int32) & 15, codes.to(torch.int32) >> 4
+    # Symmetric codes: -8 (nibble 8) never appears; the odd tail's high nibble is padding zero.
+    assert not bool(((low == 8) | (high == 8)).any())
+    assert int(high[-1]) == 0
+
+
+def test_rounding_and_nibble_order_by_hand():
+    # absmax 7 gives scale 1.0 for int4 exactly, so the codes are the rounded inputs themselves.
+    codes, scales = quantize_blockwise(torch.tensor([7.0, 2.5, -2.5, 0.5, -7.0]), bits=4, block_size=8)
+    assert scales.tolist() == [1.0]
+    # Halves round away from zero: 2.5 -> 3, -2.5 -> -3 (nibble 13), 0.5 -> 1; element 2i is the low nibble.
+    assert codes.tolist() == [7 | (3 << 4), 13 | (1 << 4), 9]
+    values = dequantize_blockwise(codes, scales, bits=4, block_size=8, numel=5)
+    assert values.tolist() == [7.0, 3.0, -3.0, 1.0, -7.0]
+    codes8, scales8 = quantize_blockwise(torch.tensor([127.0, -0.5, 63.5]), bits=8, block_size=2)
+    assert codes8.tolist() == [127, -1, 127] and scales8.tolist() == [1.0, 0.5]
+
+
+def test_zeros_nonfinite_and_empty():
+    zeros = torch.zeros(300, dtype=torch.bfloat16)
+    codes, scales = quantize_blockwise(zeros, bits=4, block_size=128)
+    assert not bool(codes.any()) and not bool(scales.any())
+    restored = dequantize_blockwise(codes, scales, bits=4, block_size=128, numel=300, dtype=torch.bfloat16)
+    assert torch.equal(restored, zeros)
+    x = _data(256, torch.float32, seed=2)
+    x[70] = math.nan
+    x[200] = math.inf
+    codes, scales = quantize_blockwise(x, bits=8, block_size=64)
+    assert torch.isnan(scales).tolist() == [False, True, False, True]
+    assert not bool(codes[64:128].any()) and not bool(codes[192:].any())
+    values = dequantize_blockwise(codes, scales, bits=8, block_size=64, numel=256)
+    assert bool(torch.isnan(values[64:128]).all()) and bool(torch.isnan(values[192:]).all())
+    assert bool(torch.isfinite(values[:64]).all()) and bool(torch.isfinite(values[128:192]).all())
+    empty_codes, empty_scales = quantize_blockwise(torch.empty(0), bits=4, block_size=8)
+    assert empty_codes.numel() == 0 and empty_scales.numel() == 0
+    assert dequantize_blockwise(empty_codes, empty_scales, bits=4, block_size=8, numel=0).numel() == 0
+
+
+def test_dequantize_into_out_slice():
+    x = _data(100, torch.float32, seed=3)
+    codes, scales = quantize_blockwise(x, bits=8, block_size=32)
+    buffer = torch.full((300,), 5.0, dtype=torch.float16)
+    got = dequantize_blockwise(codes, scales, bits=8, block_size=32, numel=100, dtype=torch.float16,
+                               out=buffer[100:200])
+    assert got.data_ptr() == buffer[100:200].data_ptr()
+    want = dequantize_blockwise_reference(codes, scales, bits=8, block_size=32, numel=100, dtype=torch.float16)
+    assert torch.equal(buffer[100:200], want)
+    assert bool((buffer[:100] == 5).all()) and bool((buffer[200:] == 5).all())
+
+
+def test_quantized_nbytes_formula():
+    assert quantized_nbytes(1000, bits=8, block_size=256) == 1000 + 4 * 4
+    assert quantized_nbytes(1001, bits=4, block_size=256) == 501 + 4 * 4
+    assert quantized_nbytes(0, bits=4, block_size=256) == 0
+
+
+def test_default_cpu_backend_is_reference(monkeypatch):
+    monkeypatch.delenv("PLAIT_KERNEL_BACKEND", raising=False)
+    assert dispatch.select_backend(torch.zeros(3)) == dispatch.REFERENCE
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bits": 3}, "bits=3"),
+        ({"bits": True}, "bits=True"),
+        ({"block_size": 48}, "block_size=48"),
+        ({"block_size": 1}, "block_size=1"),
+        ({"block_size": 2**17}, "power of two"),
+    ],
+)
+def test_quantize_refuses_bad_format(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_blockwise(torch.zeros(8), **kwargs)
+
+
+def test_refuses_bad_inputs():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        quantize_blockwise([1.0, 2.0])
+    with pytest.raises(ValueError, match="x.dtype=torch.int32"):
+        quantize_blockwise(torch.zeros(8, dtype=torch.int32))
+    codes, scales = quantize_blockwise(torch.ones(10), bits=4, block_size=4)
+    with pytest.raises(ValueError, match="codes must be torch.int8 with 10"):
+        dequantize_blockwise(codes, scales, bits=8, block_size=4, numel=10)
+    with pytest.raises(ValueError, match="codes must be torch.uint8 with 6"):
+        dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=12)
+    with pytest.raises(ValueError, match="scales must be float32 with 2"):
+        dequantize_blockwise(codes, scales, bits=4, block_size=8, numel=10)
+    with pytest.raises(ValueError, match="dtype=torch.float64"):
+        dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=10, dtype=torch.float64)
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=10, out=torch.zeros(9))
+    with pytest.raises(ValueError, match="numel=-1"):
+        dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=-1)
