@@ -9,8 +9,6 @@ import sys
 from plait.kernels import dispatch, settings
 from plait.kernels.cli.registry import plait_distributions
 
-# Ops whose dispatch ``report`` shows; a package adding an op lists it here via its module path.
-REPORTED_OPS = ("rms_norm", "silu_and_mul", "gelu_and_mul", "apply_rotary", "quantize_blockwise")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,8 +92,16 @@ def _kernels() -> list[str]:
     except ValueError as exc:
         backend = f"error: {exc}"
     lines = [f"PLAIT_KERNEL_BACKEND={forced}; triton importable: {dispatch.triton_available()}"]
-    lines += [f"{op:20s} on {device}: {backend}" for op in REPORTED_OPS]
+    lines += [f"{op:22s} on {device}: {backend}" for op in _public_ops()]
     return lines
+
+
+def _public_ops() -> list[str]:
+    """The dispatching ops plait.kernels.ops exports (functions, not their references or modules)."""
+    from plait.kernels import ops
+
+    return [name for name in ops.__all__
+            if name[0].islower() and not name.endswith("_reference") and callable(getattr(ops, name))]
 
 
 def _distributions() -> list[str]:
