@@ -22,6 +22,12 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# This machine's pip config names local index folders that may not exist; pip warns about each
+# one on every package. Keep real errors, drop that noise.
+pipq() {
+  python -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 
 DISTS=("$ROOT/kernels")
 for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" ] && DISTS+=("$d"); done
@@ -38,17 +44,17 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
   python -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINTS"
 else
   echo "$TORCH_PIN" > "$CONSTRAINTS"
-  python -m pip install -q "$TORCH_PIN"
+  pipq install -q "$TORCH_PIN" numpy
 fi
 echo "setup: torch $(python -c 'import torch; print(torch.__version__)')"
-python -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/ci/requirements-test.txt"
+pipq install -q -c "$CONSTRAINTS" -r "$ROOT/ci/requirements-test.txt"
 # DeepSpeed is a peer and a test oracle. It builds from source: no ops, no isolation, torch pinned.
 if ! python -c "import deepspeed" 2>/dev/null; then
-  DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==0.19.8" \
+  DS_BUILD_OPS=0 pipq install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==0.19.8" \
     || echo "setup: WARNING deepspeed did not install; peer benchmarks and DeepSpeed-import tests will skip"
 fi
 EDITABLE=()
 for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
-python -m pip install -q --no-build-isolation -c "$CONSTRAINTS" "${EDITABLE[@]}"
+pipq install -q --no-build-isolation -c "$CONSTRAINTS" "${EDITABLE[@]}"
 echo "$WANT" > "$STAMP"
 echo "setup: installed ${#DISTS[@]} plait distributions editable into $VENV"
