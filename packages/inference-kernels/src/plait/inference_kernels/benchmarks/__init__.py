@@ -1,0 +1,1 @@
+"""Benchmarks of plait-inference-kernels (``plait bench inference-kernels``)."""
