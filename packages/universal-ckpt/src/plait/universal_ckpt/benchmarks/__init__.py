@@ -1,0 +1,1 @@
+"""The universal-ckpt benchmark suite (`plait bench universal-ckpt`)."""

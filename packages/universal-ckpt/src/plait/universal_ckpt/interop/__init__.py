@@ -1,0 +1,1 @@
+"""Interop with other checkpoint formats: HF safetensors, PyTorch DCP, DeepSpeed ZeRO."""

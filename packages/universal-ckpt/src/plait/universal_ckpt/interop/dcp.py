@@ -1,0 +1,109 @@
+"""PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``): export and import.
+
+Export writes consolidated tensors under their manifest names (``key/name``) plus one bytes
+entry, ``__plait_universal_ckpt__``, carrying what DCP has no place for (kinds, step, layout,
+every rank's non-tensor state), so ours -> DCP -> ours is lossless. Import accepts any DCP
+checkpoint: tensors named ``key/name`` keep their key, others go under ``dcp``. Both run in one
+process and hold the consolidated tensors in memory (DCP's own planner needs the whole state
+dict up front).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.universal_ckpt.directory import resolve
+from plait.universal_ckpt.offline import write_offline
+from plait.universal_ckpt.reader import read_full, read_manifest, read_objects
+
+META_KEY = "__plait_universal_ckpt__"
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, verify: bool = True,
+               progress: Callable[[int], None] | None = None) -> Path:
+    """Write a checkpoint as a PyTorch DCP checkpoint at ``dst`` (a directory).
+
+    Args:
+        src: a checkpoint directory or root.
+        dst: the DCP directory to create.
+        verify: check hashes while reading.
+        progress: called with the bytes of each tensor read.
+
+    Returns:
+        ``dst``.
+    """
+    ckpt = resolve(src)
+    manifest = read_manifest(ckpt)
+    state: dict[str, Any] = {}
+    for full, entry in sorted(manifest.tensors.items()):
+        state[full] = read_full(ckpt, manifest, entry, verify=verify)
+        if progress is not None:
+            progress(entry.nbytes)
+    meta = {"kinds": {full: e.kind for full, e in manifest.tensors.items()}, "step": manifest.step,
+            "layout": dataclasses.asdict(manifest.layout), "user_meta": manifest.user_meta,
+            "objects": {rank: read_objects(ckpt, manifest, rank, verify=verify) for rank in manifest.objects}}
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    state[META_KEY] = buffer.getvalue()
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    _dcp().save(state, checkpoint_id=str(dst), no_dist=True)
+    return Path(dst)
+
+
+def import_dcp(src: str | os.PathLike, dst_root: str | os.PathLike, *, step: int | None = None,
+               progress: Callable[[int], None] | None = None) -> Path:
+    """Convert a DCP checkpoint into a universal checkpoint under the root ``dst_root``.
+
+    Args:
+        src: the DCP directory.
+        dst_root: the universal checkpoint root (the result is ``dst_root/step-<step>``).
+        step: the step to record (default: the exported step, else 0).
+        progress: called with the bytes of each tensor written.
+
+    Returns:
+        The committed checkpoint directory.
+    """
+    dcp = _dcp()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(src)).read_metadata()
+    state: dict[str, Any] = {}
+    for fqn, info in metadata.state_dict_metadata.items():
+        if isinstance(info, TensorStorageMetadata):
+            state[fqn] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
+        else:
+            state[fqn] = None
+    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    meta: dict[str, Any] = {}
+    if isinstance(state.get(META_KEY), bytes):
+        meta = torch.load(io.BytesIO(state.pop(META_KEY)), weights_only=False)
+    kinds = meta.get("kinds", {})
+    objects = meta.get("objects") or {}
+    extra = {fqn: value for fqn, value in state.items() if not isinstance(value, torch.Tensor)}
+    if extra:
+        objects = {rank: {**objs, **{f"dcp.{k}": v for k, v in extra.items()}} for rank, objs in objects.items()} \
+            if objects else {0: {"dcp": extra}}
+
+    def tensors():
+        for fqn, value in state.items():
+            if isinstance(value, torch.Tensor):
+                key, name = fqn.split("/", 1) if "/" in fqn else ("dcp", fqn)
+                yield key, name, kinds.get(fqn, "parameter"), value
+
+    # The import is written by one process as whole tensors; the original layout is kept for reference.
+    user_meta = {**(meta.get("user_meta") or {}), "imported_from": "dcp", "source_layout": meta.get("layout")}
+    return write_offline(dst_root, step=meta.get("step", 0) if step is None else step, tensors=tensors(),
+                         objects=objects, user_meta=user_meta, progress=progress)

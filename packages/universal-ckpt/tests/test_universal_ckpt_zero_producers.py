@@ -1,0 +1,74 @@
+"""Real producers: plait.zero_sharding ZeRO-1/2/3 models saved at one layout and loaded at another.
+
+plait-universal-ckpt never imports plait.zero_sharding; only this test does, and it is skipped
+when that package is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plait.universal_ckpt as uc
+from plait.kernels.testing import global_batch, rank_slice, run_distributed
+from plait.universal_ckpt.testing import small_model
+
+pytest.importorskip("plait.zero_sharding")
+
+
+def _zero_model(stage: int, seed: int):
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    model = small_model(seed)
+    return zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=stage), lr=1e-3)
+
+
+def _train(model, optim, steps: range) -> list[float]:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses = []
+    for step in steps:
+        batch = rank_slice(global_batch(step, 12, 16), rank, world)
+        loss = model(batch["input_ids"], batch["labels"]).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def save_zero(root: str, stage: int) -> None:
+    model, optim = _zero_model(stage, 0)
+    _train(model, optim, range(2))
+    uc.save({"model": model, "rng": uc.RNGState()}, root, step=2, layout={"zero_stage": stage})
+
+
+def load_zero_resave(src: str, dst: str, stage: int) -> list[float]:
+    model, optim = _zero_model(stage, 5)
+    _train(model, optim, range(1))  # optimizer state exists and differs: the load must replace it
+    uc.load({"model": model, "rng": uc.RNGState()}, src)
+    uc.save({"model": model}, dst, step=2, layout={"zero_stage": stage})
+    return _train(model, optim, range(2, 3))
+
+
+def _consolidated(root, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    ckpt = uc.latest(root)
+    manifest = uc.read_manifest(ckpt)
+    return {n: uc.read_full(ckpt, manifest, e) for n, e in manifest.tensors.items() if n.startswith(prefix)}
+
+
+@pytest.mark.parametrize(("save_stage", "save_world", "load_stage", "load_world"), [
+    (3, 4, 1, 2),
+    pytest.param(1, 2, 3, 3, marks=pytest.mark.slow),
+    pytest.param(2, 4, 2, 1, marks=pytest.mark.slow),
+])
+def test_zero_reshard(tmp_path, save_stage, save_world, load_stage, load_world):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    run_distributed(save_zero, save_world, src, save_stage, timeout=150)
+    manifest = uc.read_manifest(uc.latest(src))
+    assert manifest.layout.zero_stage == save_stage and manifest.layout.world_size == save_world
+    assert any(e.kind == "optimizer_state" for e in manifest.tensors.values())
+    run_distributed(load_zero_resave, load_world, src, dst, load_stage, timeout=150)
+    before, after = _consolidated(src), _consolidated(dst)
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
