@@ -20,3 +20,28 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402 - after the environment is set, on purpose
+
+
+@pytest.fixture
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force every op onto its Triton path (the interpreter on CPU); returns the device to use.
+
+    Skips when triton is not installed; fails loudly when triton was imported in compiled mode
+    on a machine without CUDA (then nothing would run), which only happens when something
+    imported triton before this conftest set ``TRITON_INTERPRET=1``.
+    """
+    pytest.importorskip("triton")
+    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
+    if _cuda_available():
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.fail("triton was imported in compiled mode before the root conftest.py ran; "
+                    "set TRITON_INTERPRET=1 in the environment before anything imports triton.")
+    return "cpu"

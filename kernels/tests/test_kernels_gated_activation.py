@@ -46,12 +46,6 @@ def _input(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 SHAPES = ("row", "odd", "wide", "row_strided", "transposed", "empty")
 
 
-@pytest.fixture
-def triton_backend(monkeypatch):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))

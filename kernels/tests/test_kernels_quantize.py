@@ -7,10 +7,7 @@ dequantized values must be equal bit for bit (the ``quantize_blockwise`` toleran
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -38,40 +35,6 @@ BOUND_SLACK = 2.0**-20
 VALUE_SLACK = 2.0**-22
 
 
-def _import_triton_for_this_machine() -> bool:
-    """Import triton in the mode this machine can run (interpreter without a GPU); False if missing.
-
-    Triton decides compiled-vs-interpreted for its own jitted library when first imported, so
-    without a GPU it must be imported with TRITON_INTERPRET=1 set; the variable is restored at once.
-    """
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if ON_CUDA or "triton" in sys.modules:
-        return True
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return True
-
-
-HAVE_TRITON = _import_triton_for_this_machine()
-
-
-@pytest.fixture
-def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force the Triton path (interpreted on CPU); returns the device to put tensors on."""
-    if not HAVE_TRITON:
-        pytest.importorskip("triton")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return DEVICE
 
 
 def _data(numel: int, dtype: torch.dtype, *, seed: int = 0, device: str = "cpu") -> torch.Tensor:

@@ -9,8 +9,6 @@ interpreter (``TRITON_INTERPRET=1`` with ``PLAIT_KERNEL_BACKEND=triton``). Toler
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
@@ -25,48 +23,6 @@ ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 
 
-def _import_triton_for_this_machine() -> bool:
-    """Import triton as this machine can run it; False when it is not installed.
-
-    Triton decides compiled-vs-interpreted for its own jitted library (tl.sum, ...) when it is
-    first imported, so on a machine without a GPU it must first be imported with
-    TRITON_INTERPRET=1 set. The variable is restored at once; only the import mode persists,
-    which is harmless where nothing can be compiled anyway.
-    """
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if ON_CUDA or "triton" in sys.modules:
-        return True
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return True
-
-
-HAVE_TRITON = _import_triton_for_this_machine()
-
-
-@pytest.fixture
-def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force the Triton path (interpreted on CPU); returns the device to put tensors on."""
-    if not HAVE_TRITON:
-        pytest.importorskip("triton")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(tl.sum, InterpretedFunction):
-            pytest.fail("triton was imported in compiled mode before this module; set TRITON_INTERPRET=1 "
-                        "in the environment (or in conftest.py) before anything imports triton.")
-    return DEVICE
 
 
 def _inputs(shape, dtype, *, residual: bool, device: str, seed: int = 0):
@@ -259,7 +215,7 @@ def test_auto_backend_on_cpu_is_the_reference(monkeypatch):
 
 
 def test_forcing_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
-    if not HAVE_TRITON:
+    if not importlib.util.find_spec("triton") is not None:
         pytest.importorskip("triton")
     monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -5,7 +5,6 @@ refused before launch."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -25,12 +24,6 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture
-def triton_backend(monkeypatch):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
 
 
 def _qk(layout: str, q_heads: int, k_heads: int, head_size: int, dtype, seed: int = 0):

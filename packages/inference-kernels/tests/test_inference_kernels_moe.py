@@ -8,8 +8,6 @@ the masking and the block padding of the permutation are exercised.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 
@@ -39,37 +37,6 @@ SHAPES = ((7, 48, 40, 4, 2), (3, 33, 20, 8, 1), (37, 64, 24, 5, 3))
 SHAPE_IDS = ("T7-H48-I40-E4-k2", "T3-H33-I20-E8-k1", "T37-H64-I24-E5-k3")
 
 
-def _import_triton_for_this_machine() -> bool:
-    """Import triton in interpreter mode on a machine without a GPU (triton fixes the mode of its
-    own jitted library at import); the environment variable itself is restored at once."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if ON_CUDA or "triton" in sys.modules:
-        return True
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return True
-
-
-HAVE_TRITON = _import_triton_for_this_machine()
-
-
-@pytest.fixture
-def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force the Triton path (interpreted on CPU); returns the device for the tensors."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return DEVICE
 
 
 def _moe_inputs(shape, dtype, *, device="cpu", seed=0):

@@ -9,10 +9,7 @@ are garbage (-1), odd lengths (0, 1, a partial last block, a full table) and GQA
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -38,37 +35,6 @@ CASES = (
 CASE_IDS = ("G4-D80-bs8", "MHA-D32-bs4", "MQA-D64-bs16")
 
 
-def _import_triton_for_this_machine() -> bool:
-    """Import triton in interpreter mode on a machine without a GPU (triton fixes the mode of its
-    own jitted library at import); the environment variable itself is restored at once."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if ON_CUDA or "triton" in sys.modules:
-        return True
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return True
-
-
-HAVE_TRITON = _import_triton_for_this_machine()
-
-
-@pytest.fixture
-def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Force the Triton path (interpreted on CPU); returns the device for the tensors."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return DEVICE
 
 
 def _paged_inputs(case, dtype, *, device="cpu", seed=0, spare_blocks=3):

@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-if HAVE_TRITON and "triton" not in sys.modules and not torch.cuda.is_available():
-    # Triton fixes compiled-vs-interpreted for its own jitted library (tl.sum, used by the RMSNorm
-    # kernel) at first import, and building an HF model imports triton. Import it first, in
-    # interpreter mode, then restore the variable (only the import mode persists).
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language  # noqa: F401
-
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-
+# The root conftest.py sets TRITON_INTERPRET=1 before any import on a machine without CUDA.
 transformers = pytest.importorskip("transformers")
 
 from plait.inference_kernels.patching import apply, revert  # noqa: E402

@@ -10,7 +10,6 @@ from plait.kernels import dispatch, settings
 from plait.kernels.cli.registry import plait_distributions
 
 
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``plait report``."""
     parser = subparsers.add_parser(
