@@ -106,7 +106,8 @@ def _ddp_step_counted_from_outside() -> tuple[int, int, int]:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     C.count_ddp(ddp)
     reference = [p.detach().clone() for p in model.parameters()]
-    with C.ByteLedger() as ledger:
+    # inside count_torch_distributed too: the hook's all-reduce must still be counted once
+    with C.ByteLedger() as ledger, C.count_torch_distributed():
         ddp(torch.randn(4, 13) + dist.get_rank()).sum().backward()
     # the counting hook must not change what DDP computes: gradients are averaged across ranks
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])

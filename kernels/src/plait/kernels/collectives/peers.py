@@ -22,6 +22,10 @@ import torch.distributed as dist
 
 from plait.kernels.collectives.ledger import record, tensor_nbytes
 
+# Bound at import, before count_torch_distributed() can swap the module attribute, so the DDP
+# hook's own all-reduce is recorded once (by the hook) even inside that block.
+_torch_all_reduce = dist.all_reduce
+
 
 def _size_all_gather_into_tensor(args: tuple, kwargs: dict) -> tuple[int, torch.dtype]:
     output = kwargs.get("output_tensor", args[0] if args else None)
@@ -64,6 +68,7 @@ _COUNTED: dict[str, tuple[str, Callable[[tuple, dict], tuple[int, torch.dtype]]]
     "_reduce_scatter_base": ("reduce_scatter", _size_second_tensor),
     "reduce_scatter": ("reduce_scatter", _size_reduce_scatter_list),
     "all_reduce": ("all_reduce", _size_first_tensor),
+    "reduce": ("reduce", _size_first_tensor),
     "all_to_all_single": ("all_to_all", _size_second_tensor),
     "all_to_all": ("all_to_all", _size_all_to_all_list),
     "broadcast": ("broadcast", _size_first_tensor),
@@ -122,7 +127,7 @@ def count_ddp(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         buffer = bucket.buffer()
         record("all_reduce", group, tensor_nbytes(buffer), buffer.dtype, source="torch.distributed")
         buffer.div_(dist.get_world_size(group))
-        work = dist.all_reduce(buffer, group=group, async_op=True)
+        work = _torch_all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
