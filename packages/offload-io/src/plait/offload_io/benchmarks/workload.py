@@ -1,0 +1,161 @@
+"""The training workload the step benchmarks share: tiny-llama on the shared corpus, fp32 CPU.
+
+Also the per-variant process of the memory figures: ``python -m
+plait.offload_io.benchmarks.workload VARIANT STEPS [PATH]`` trains tiny-llama for STEPS steps with
+the variant's optimizer and prints one JSON line (resident set after the imports, after the
+model, after training, the peak, and the model-state bytes it accounts for), so each variant's
+resident memory is its own and it runs exactly the model, batch and optimizer of the timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+from plait.offload_io.optimizer import OffloadedOptimizer
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+BATCH, SEQ = 4, 64
+SUB_GROUP_SIZE = 1 << 20  # ~9 sub-groups on tiny-llama: enough to show read/step/write overlap
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    """tiny-llama (about 8.4M parameters) with a fixed seed."""
+    from plait.kernels.testing import tiny_llama
+
+    torch.manual_seed(seed)
+    return tiny_llama()
+
+
+def batch(step: int) -> dict[str, torch.Tensor]:
+    """The global batch of ``step`` from the shared corpus."""
+    from plait.kernels.testing import global_batch
+
+    return global_batch(step, BATCH, SEQ)
+
+
+def make_optimizer(variant: str, model: torch.nn.Module, path: str | None = None):
+    """One optimizer per benchmark variant.
+
+    Args:
+        variant: ``"memory"`` (torch fused AdamW), ``"cpu"`` / ``"nvme"`` (OffloadedOptimizer),
+            ``"deepspeed"`` (DeepSpeedCPUAdam, which JIT-builds its op on first use).
+        model: the model.
+        path: directory for ``"nvme"``.
+
+    Returns:
+        The optimizer.
+    """
+    params = model.parameters()
+    if variant == "memory":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    if variant == "cpu":  # nothing streams, so the default (larger) sub-groups: less per-group overhead
+        return OffloadedOptimizer(params, torch.optim.AdamW, device="cpu", lr=LR, weight_decay=WEIGHT_DECAY)
+    if variant == "nvme":
+        return OffloadedOptimizer(params, torch.optim.AdamW, device="nvme", path=path,
+                                  sub_group_size=SUB_GROUP_SIZE, lr=LR, weight_decay=WEIGHT_DECAY)
+    if variant == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    raise ValueError(f"unknown variant {variant!r}; use memory, cpu, nvme or deepspeed.")
+
+
+def train_step(model: torch.nn.Module, optimizer, step: int) -> tuple[float, float]:
+    """One forward, backward, step and zero_grad.
+
+    Returns:
+        (seconds of the whole step, seconds of ``optimizer.step()`` alone).
+    """
+    data = batch(step)
+    start = time.perf_counter()
+    loss = model(data["input_ids"], labels=data["labels"]).loss
+    loss.backward()
+    mid = time.perf_counter()
+    optimizer.step()
+    end = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    return end - start, end - mid
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current resident set, peak resident set) of this process in bytes, from /proc."""
+    with open(f"/proc/{os.getpid()}/status") as handle:
+        text = handle.read()
+    def field(name: str) -> int:
+        match = re.search(rf"^{name}:\s+(\d+) kB", text, re.MULTILINE)
+        return int(match.group(1)) * 1024 if match else 0
+    return field("VmRSS"), field("VmHWM")
+
+
+def deepspeed_cpu_adam_ready() -> tuple[bool, str]:
+    """Whether DeepSpeedCPUAdam can run here without a long JIT build (its op already built).
+
+    Returns:
+        (ready, reason when not).
+    """
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except Exception as exc:  # noqa: BLE001 - any import failure means "peer unavailable"
+        return False, f"deepspeed does not import: {type(exc).__name__}"
+    builder = CPUAdamBuilder()
+    if not builder.is_compatible(verbose=False):
+        return False, "DeepSpeed's cpu_adam op is not compatible with this machine"
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
+    if not os.path.exists(built):
+        return False, (f"DeepSpeed's cpu_adam op is not built (JIT build takes minutes; run "
+                       f"`python -c 'from deepspeed.ops.adam import DeepSpeedCPUAdam'` once to build it at {built})")
+    return True, ""
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state in memory (for an offloaded optimizer: its store's slots)."""
+    if hasattr(optimizer, "resident_state_bytes"):
+        return optimizer.resident_state_bytes
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Parameters + gradients + optimizer state (+ store slots) held in memory, in bytes."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = params  # gradients are resident during the step in every variant
+    return params + grads + optimizer_state_bytes(optimizer)
+
+
+def main(argv: list[str]) -> int:
+    """Run the variant and print its JSON line."""
+    variant, steps = argv[0], int(argv[1])
+    path = argv[2] if len(argv) > 2 else None
+    torch.set_num_threads(1)
+    # Pay the one-time costs both variants share before the baseline: fused AdamW pulls in a
+    # large part of torch on first use, which would otherwise count as "optimizer memory".
+    warm = torch.zeros(8, requires_grad=True)
+    warm.grad = torch.ones(8)
+    torch.optim.AdamW([warm], fused=True).step()
+    rss_imports, _ = rss_bytes()
+    model = build_model()
+    rss_model, _ = rss_bytes()
+    optimizer = make_optimizer(variant, model, path)
+    for step in range(steps):
+        train_step(model, optimizer, step)
+    rss_after, rss_peak = rss_bytes()
+    print(json.dumps({"variant": variant, "rss_imports": rss_imports, "rss_model": rss_model,
+                      "rss_after": rss_after, "rss_peak": rss_peak,
+                      "model_state_bytes": model_state_bytes(model, optimizer),
+                      "optimizer_state_bytes": optimizer_state_bytes(optimizer)}))
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

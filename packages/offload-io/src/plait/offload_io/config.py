@@ -1,0 +1,168 @@
+"""Configuration of the async tensor I/O engine.
+
+One frozen, keyword-only dataclass; every field is checked in ``__post_init__`` so a bad block
+size or queue depth is refused before a buffer is allocated or a file is opened (DeepSpeed's aio
+accepts such values and fails later with an opaque I/O error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MIB = 1 << 20
+# 4 KiB is the logical block size of NVMe and of ext4/xfs on every machine we target; O_DIRECT
+# needs buffer address, length and file offset aligned to it.
+DEFAULT_ALIGNMENT = 4096
+TRI_STATE = ("auto", "on", "off")
+
+
+def physical_memory_bytes() -> int:
+    """Total RAM of this machine in bytes (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """How the engine moves bytes between tensors and files.
+
+    Attributes:
+        block_size: bytes per request a worker hands to the kernel. A multiple of ``alignment``;
+            larger blocks mean fewer system calls, smaller ones finer overlap. ``plait io bench``
+            finds the best value for a path.
+        queue_depth: blocks that may be in flight at once across the engine (submitted to a
+            worker or staged in a bounce buffer). Must be >= ``workers`` so no worker idles for
+            lack of a buffer. Bounce-buffer memory is at most ``queue_depth * block_size``.
+        workers: threads issuing ``pwrite``/``preadv``; the GIL is released during the call, so
+            this is the number of requests the kernel sees at once.
+        use_o_direct: ``"auto"`` (O_DIRECT where a probe of the directory says it works, buffered
+            I/O elsewhere), ``"on"`` (fail if the directory rejects it) or ``"off"``.
+        pinned: ``"auto"`` (page-locked bounce buffers when CUDA is available), ``"on"``, ``"off"``.
+        fsync: when true a write's handle completes only after ``fdatasync`` of the file, so a
+            finished write survives a crash. With O_DIRECT the data already bypasses the page
+            cache; ``fdatasync`` still flushes the device cache and the file size.
+        alignment: O_DIRECT alignment in bytes (a power of two, at least 512).
+        min_free_bytes: space to leave free on the filesystem; a write that would eat into it is
+            refused up front with :class:`~plait.offload_io.errors.OffloadDiskFullError`.
+    """
+
+    block_size: int = 8 * MIB
+    queue_depth: int = 8
+    workers: int = 4
+    use_o_direct: str = "auto"
+    pinned: str = "auto"
+    fsync: bool = True
+    alignment: int = DEFAULT_ALIGNMENT
+    min_free_bytes: int = 64 * MIB
+
+    def __post_init__(self) -> None:
+        self._check_alignment()
+        if not isinstance(self.block_size, int) or self.block_size < self.alignment:
+            raise ValueError(
+                f"IOConfig.block_size={self.block_size!r} must be an int >= alignment ({self.alignment}); "
+                "use e.g. 1 MiB (1048576) to 16 MiB."
+            )
+        if self.block_size % self.alignment:
+            lower = self.block_size // self.alignment * self.alignment
+            raise ValueError(
+                f"IOConfig.block_size={self.block_size} is not a multiple of alignment={self.alignment}, "
+                f"so O_DIRECT requests would be rejected; use {lower} or {lower + self.alignment}."
+            )
+        if not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
+            raise ValueError(f"IOConfig.workers={self.workers!r} must be an int in 1..64; 2-8 suits NVMe.")
+        if not isinstance(self.queue_depth, int) or self.queue_depth < self.workers:
+            raise ValueError(
+                f"IOConfig.queue_depth={self.queue_depth!r} must be an int >= workers={self.workers} "
+                f"(each busy worker holds one block); set queue_depth to at least {self.workers}."
+            )
+        for name in ("use_o_direct", "pinned"):
+            value = getattr(self, name)
+            if value not in TRI_STATE:
+                raise ValueError(f"IOConfig.{name}={value!r} must be one of {', '.join(TRI_STATE)}.")
+        if not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
+            raise ValueError(f"IOConfig.min_free_bytes={self.min_free_bytes!r} must be an int >= 0.")
+        self._check_buffer_memory()
+
+    def _check_alignment(self) -> None:
+        a = self.alignment
+        if not isinstance(a, int) or a < 512 or a & (a - 1):
+            raise ValueError(
+                f"IOConfig.alignment={a!r} must be a power of two >= 512; use 4096 (the NVMe logical block)."
+            )
+
+    def _check_buffer_memory(self) -> None:
+        # Bounce buffers are allocated once and reused; more than a quarter of RAM for them is
+        # always a typo (a block size in bytes where MiB was meant) and would end in the OOM killer.
+        total = self.buffer_bytes
+        ram = physical_memory_bytes()
+        if ram and total > ram // 4:
+            raise ValueError(
+                f"IOConfig: queue_depth * block_size = {self.queue_depth} * {self.block_size} = {total} bytes "
+                f"of bounce buffers is more than a quarter of this machine's {ram} bytes of RAM; "
+                "lower block_size or queue_depth."
+            )
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of bounce buffers the engine may allocate (``queue_depth * block_size``)."""
+        return self.queue_depth * self.block_size
+
+
+DEVICES = ("cpu", "nvme")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where an offloaded optimizer keeps its state and how it steps.
+
+    Attributes:
+        device: ``"cpu"`` (optimizer state in CPU memory, ZeRO-Offload) or ``"nvme"`` (in files
+            under ``path``, ZeRO-Infinity).
+        path: directory for ``device="nvme"``; ignored for ``"cpu"``.
+        sub_group_size: most parameter elements stepped as one group. Smaller groups mean less
+            memory for the in-flight slots of the NVMe store and finer overlap; larger ones fewer
+            I/O requests. Every parameter lands whole in one group.
+        master_weights: ``"auto"`` keeps a separate fp32 CPU copy of a parameter only when the
+            parameter is not already fp32 on the CPU; ``"on"`` always does (grads are then copied
+            by hooks during backward and parameters copied back after the step); ``"off"`` never
+            does and requires fp32 CPU parameters. With ``device="nvme"`` separate masters are
+            kept on disk with the optimizer state.
+        slots: groups the NVMe store holds in memory at once (3: read next, step current, write
+            previous).
+        offload_ratio: fraction of each parameter group's elements (whole sub-groups, from the
+            front) whose state is offloaded; the remaining sub-groups keep their state and step
+            where the parameters are (Twin-Flow: on a GPU the accelerator's step then runs while
+            the CPU steps the offloaded part). 1.0 offloads everything.
+        io: the I/O engine's settings for ``device="nvme"``.
+    """
+
+    device: str = "cpu"
+    path: str | None = None
+    sub_group_size: int = 1 << 22
+    master_weights: str = "auto"
+    slots: int = 3
+    offload_ratio: float = 1.0
+    io: IOConfig = dataclasses.field(default_factory=IOConfig)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"OffloadConfig.device={self.device!r} must be one of {', '.join(DEVICES)}.")
+        if self.device == "nvme" and not self.path:
+            raise ValueError("OffloadConfig.device='nvme' needs path= (a directory on the NVMe drive, e.g. "
+                             "'/local_nvme/offload').")
+        if not isinstance(self.sub_group_size, int) or self.sub_group_size < 1:
+            raise ValueError(f"OffloadConfig.sub_group_size={self.sub_group_size!r} must be an int >= 1; "
+                             "1e6-1e8 elements is typical (use int(1e8), not 1e8).")
+        if self.master_weights not in TRI_STATE:
+            raise ValueError(f"OffloadConfig.master_weights={self.master_weights!r} must be one of "
+                             f"{', '.join(TRI_STATE)}.")
+        if not isinstance(self.slots, int) or self.slots < 2:
+            raise ValueError(f"OffloadConfig.slots={self.slots!r} must be an int >= 2; 3 gives double buffering.")
+        if not isinstance(self.offload_ratio, (int, float)) or not 0.0 < self.offload_ratio <= 1.0:
+            raise ValueError(f"OffloadConfig.offload_ratio={self.offload_ratio!r} must be in (0, 1]; 1.0 offloads "
+                             "all optimizer state, 0.7 keeps the last 30% of each group's elements on the device.")
+        if not isinstance(self.io, IOConfig):
+            raise ValueError(f"OffloadConfig.io must be an IOConfig, got {type(self.io).__name__}.")

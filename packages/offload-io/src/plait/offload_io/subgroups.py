@@ -1,0 +1,242 @@
+"""Sub-groups of an offloaded optimizer: the unit that is read, stepped and written back.
+
+A sub-group is a run of whole parameters of one parameter group, at most
+``OffloadConfig.sub_group_size`` elements (a single larger parameter gets a group of its own).
+Each has its own instance of the wrapped optimizer over its *masters*: the parameters
+themselves when they are fp32 CPU tensors, otherwise fp32 CPU copies (aligned, and pinned when
+the parameter is on CUDA so the copies can be asynchronous).
+
+With the NVMe store the fp32 masters live in the store too, under ``"<index>.__master__"``: between
+steps a master tensor keeps its identity (the inner optimizer's state is keyed by it) and its
+shape, but its data is a zero-stride placeholder of 4 bytes; before the step its data is pointed
+at the store's slot, after the step back at the placeholder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.offload_io.buffers import aligned_like
+from plait.offload_io.config import OffloadConfig
+
+MASTER_KEY = "__master__"
+
+# Bytes of state per parameter element, for the up-front disk-space check.
+_STATE_MULTIPLIER = {"Adam": 2, "AdamW": 2, "Adagrad": 1, "RMSprop": 1, "Adadelta": 2, "Adamax": 2, "NAdam": 3,
+                     "RAdam": 2, "SGD": 1}
+
+
+def state_bytes_estimate(optimizer_cls: type, kwargs: dict, elements: int, tensors: int, alignment: int) -> int:
+    """Bytes of state ``optimizer_cls`` will keep for ``elements`` fp32 parameter elements.
+
+    Args:
+        optimizer_cls: the wrapped optimizer class.
+        kwargs: its keyword arguments (``amsgrad``, ``momentum``, ``centered`` add buffers).
+        elements: parameter elements.
+        tensors: parameter tensors (each state tensor is padded to ``alignment``).
+        alignment: file alignment.
+
+    Returns:
+        The estimate in bytes (unknown optimizers are assumed to keep two buffers like Adam).
+    """
+    copies = _STATE_MULTIPLIER.get(optimizer_cls.__name__, 2)
+    if kwargs.get("amsgrad"):
+        copies += 1
+    if optimizer_cls.__name__ == "SGD" and not kwargs.get("momentum"):
+        copies = 0
+    if optimizer_cls.__name__ == "RMSprop":
+        copies += bool(kwargs.get("momentum")) + bool(kwargs.get("centered"))
+    return copies * (elements * 4 + tensors * alignment) + tensors * 2 * alignment
+
+
+class SubGroup:
+    """Parameters stepped together, with their masters and their own optimizer instance.
+
+    Args:
+        sub_id: the store's group id.
+        group_index: index of the parameter group the parameters belong to.
+        params: the model's parameters.
+        masters: what the optimizer steps (``params[i]`` itself, or an fp32 copy).
+        inner: the optimizer instance over ``masters``.
+        masters_in_store: separate masters live in the store (NVMe) between steps.
+        kept: not offloaded (Twin-Flow): state and fp32 masters stay on the parameters' device.
+    """
+
+    def __init__(self, sub_id: int, group_index: int, params: list[torch.Tensor], masters: list[torch.Tensor],
+                 inner: torch.optim.Optimizer, *, masters_in_store: bool = False, kept: bool = False) -> None:
+        self.id = sub_id
+        self.kept = kept
+        self.group_index = group_index
+        self.params = params
+        self.masters = masters
+        self.inner = inner
+        self.on_cuda = any(p.is_cuda for p in params)
+        self.masters_in_store = masters_in_store and any(m is not p for m, p in zip(masters, params))
+
+    def separate(self, j: int) -> bool:
+        """Whether parameter ``j`` has a separate fp32 master."""
+        return self.masters[j] is not self.params[j]
+
+    def has_grads(self) -> bool:
+        """Whether any parameter of the group has a gradient (otherwise the step skips it)."""
+        return any(p.grad is not None for p in self.params)
+
+    def copy_missing_grads(self, copied: set[int]) -> None:
+        """Copy gradients whose hook did not run (set by hand, not by backward) to the masters."""
+        for param, master in zip(self.params, self.masters):
+            if master is param or id(master) in copied:
+                continue
+            if param.grad is None:
+                master.grad = None
+            elif master.grad is None:
+                master.grad = param.grad.detach().to(master.device, torch.float32, copy=True)
+            else:
+                master.grad.copy_(param.grad)
+
+    def zero_master_grads(self, set_to_none: bool) -> None:
+        """Clear the host gradient copies."""
+        for param, master in zip(self.params, self.masters):
+            if master is not param and master.grad is not None:
+                if set_to_none:
+                    master.grad = None
+                else:
+                    master.grad.zero_()
+
+    def sync_hyperparameters(self, group: dict) -> None:
+        """Copy the user's current group settings (lr changed by a scheduler, ...) to the inner optimizer."""
+        inner_group = self.inner.param_groups[0]
+        for key, value in group.items():
+            if key != "params":
+                inner_group[key] = value
+
+    def install_state(self, views: dict[str, torch.Tensor]) -> None:
+        """Point the inner optimizer's state (and stored masters) at the store's tensors.
+
+        Names are ``"<index>.<key>"``; key ``__master__`` is a master weight.
+        """
+        for name, tensor in views.items():
+            j, key = name.split(".", 1)
+            if key == MASTER_KEY:
+                self.masters[int(j)].data = tensor
+            else:
+                self.inner.state[self.masters[int(j)]][key] = tensor
+
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """The inner optimizer's tensor state (and stored masters) under store names."""
+        out = {}
+        for j, master in enumerate(self.masters):
+            if self.masters_in_store and self.separate(j):
+                out[f"{j}.{MASTER_KEY}"] = master.data
+            for key, value in self.inner.state.get(master, {}).items():
+                if torch.is_tensor(value):
+                    out[f"{j}.{key}"] = value
+        return out
+
+    def non_tensor_state(self, j: int) -> dict:
+        """State entries of parameter ``j`` that are not tensors (kept in memory)."""
+        return {k: v for k, v in self.inner.state.get(self.masters[j], {}).items() if not torch.is_tensor(v)}
+
+    def drop_tensor_state(self) -> None:
+        """Forget the tensors the store now holds, so only the store keeps them."""
+        for j, master in enumerate(self.masters):
+            entry = self.inner.state.get(master)
+            if entry:
+                for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
+                    del entry[key]
+            if self.masters_in_store and self.separate(j):
+                master.data = torch.zeros((), dtype=master.dtype).expand(master.shape)
+
+    def take_ownership(self) -> None:
+        """Give every state tensor (and master) memory of its own, off the store's slots.
+
+        Used when the store could not take the group (disk full): the group then lives in the
+        inner optimizer until the store can, and a slot may be reused meanwhile.
+        """
+        for j, master in enumerate(self.masters):
+            entry = self.inner.state.get(master, {})
+            for key, value in list(entry.items()):
+                if torch.is_tensor(value):
+                    entry[key] = value.clone()
+            if self.masters_in_store and self.separate(j):
+                master.data = master.data.clone()
+
+    def copy_back(self) -> None:
+        """Copy updated fp32 masters into the model's parameters (cast to their dtype)."""
+        for param, master in zip(self.params, self.masters):
+            if master is not param and param.grad is not None:
+                param.data.copy_(master, non_blocking=param.is_cuda)
+
+    def load_master(self, j: int, saved: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Set master ``j`` from a saved fp32 tensor, or from its parameter when none was saved.
+
+        Returns:
+            ``{"<j>.__master__": value}`` when masters live in the store (the caller registers
+            it), else ``{}`` (the master was updated in place).
+        """
+        master, param = self.masters[j], self.params[j]
+        if master is param:
+            return {}
+        value = saved if saved is not None else param.detach()
+        if self.masters_in_store:
+            return {f"{j}.{MASTER_KEY}": value.detach().to("cpu", torch.float32, copy=True).view(master.shape)}
+        master.copy_(value)
+        return {}
+
+
+def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int, config: OffloadConfig,
+                    optimizer_cls: type, optim_kwargs: dict) -> list[SubGroup]:
+    """Cut one parameter group into sub-groups of at most ``config.sub_group_size`` elements.
+
+    Args:
+        params: the group's parameters, in order.
+        group_index: the group's index.
+        start_id: the first sub-group id to use.
+        config: the offload settings (``sub_group_size``, ``master_weights``).
+        optimizer_cls: the optimizer to instantiate per sub-group.
+        optim_kwargs: its keyword arguments.
+
+    Returns:
+        The sub-groups.
+
+    Raises:
+        ValueError: ``master_weights="off"`` with a parameter that is not fp32 on the CPU.
+    """
+    chunks: list[list[torch.Tensor]] = []
+    size = 0
+    for param in params:
+        if not chunks or size + param.numel() > config.sub_group_size:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(param)
+        size += param.numel()
+    total = sum(p.numel() for p in params)
+    subgroups, offloaded = [], 0
+    for i, chunk in enumerate(chunks):
+        elements = sum(p.numel() for p in chunk)
+        # Twin-Flow: whole sub-groups from the front are offloaded up to the ratio; the first one
+        # always is, so a ratio below one sub-group still offloads something.
+        kept = i > 0 and offloaded + elements > config.offload_ratio * total
+        offloaded += 0 if kept else elements
+        subgroups.append(_make_subgroup(start_id + i, group_index, chunk, config, optimizer_cls, optim_kwargs, kept))
+    return subgroups
+
+
+def _make_subgroup(sub_id: int, group_index: int, params: list[torch.Tensor], config: OffloadConfig,
+                   optimizer_cls: type, optim_kwargs: dict, kept: bool) -> SubGroup:
+    masters = []
+    for param in params:
+        native = param.dtype == torch.float32 and (kept or param.device.type == "cpu")
+        if config.master_weights == "off" and not native:
+            raise ValueError(f"OffloadConfig.master_weights='off' needs fp32 CPU parameters, got {param.dtype} on "
+                             f"{param.device}; use master_weights='auto'.")
+        if native and config.master_weights != "on":
+            masters.append(param)
+            continue
+        if kept:
+            master = param.detach().to(torch.float32, copy=True)  # on the parameter's device
+        else:
+            master = aligned_like(param.detach().float(), pinned=param.is_cuda)
+            master.copy_(param.detach())
+        masters.append(master)
+    return SubGroup(sub_id, group_index, params, masters, optimizer_cls(masters, **optim_kwargs),
+                    masters_in_store=config.device == "nvme" and not kept, kept=kept)

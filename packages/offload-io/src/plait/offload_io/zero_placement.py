@@ -1,0 +1,390 @@
+"""ZeRO-Offload through plait-zero-sharding's ``StatePlacement`` extension point.
+
+``zero_shard(model, torch.optim.AdamW, config, placement=zero_placement(OffloadConfig(...)))``
+hands this placement every fp32 master shard of the rank. It keeps a separate fp32 copy of each
+in host memory (page-locked when the shard is on CUDA) and builds the user's optimizer over those
+copies, so the optimizer state (Adam moments, step counters) is created and updated on the CPU:
+
+* ``device="cpu"``: masters and state stay in CPU memory between steps (ZeRO-Offload);
+* ``device="nvme"``: the state of each sub-group lives in a file of a
+  :class:`~plait.offload_io.file_store.FileStateStore`; a step reads the next sub-group while the
+  current one steps and writes the previous one back (double buffering, ZeRO-Infinity's optimizer
+  part). The fp32 masters stay in host memory, so ``read_master``, checkpoints and
+  ``gathered_parameters(writeback=True)`` never touch the disk.
+
+The step runs per sub-group (``OffloadConfig.sub_group_size`` elements of whole shards): gradients
+are copied to the host, the one inner optimizer steps only that sub-group (torch optimizers skip
+parameters without ``.grad``), and with ``offload_ratio`` < 1 the trailing sub-groups keep their
+masters where ZeRO built them and step there (Twin-Flow). The updates are elementwise, so on the
+CPU the result is bitwise what :class:`plait.zero_sharding.extension.LocalPlacement` gives.
+
+This module does not import plait.zero_sharding: it implements the protocol by its method names.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import errno
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from plait.offload_io import probe
+from plait.offload_io.buffers import aligned_like
+from plait.offload_io.config import OffloadConfig
+from plait.offload_io.engine import AsyncIOEngine
+from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.file_store import FileStateStore
+from plait.offload_io.subgroups import SubGroup, build_subgroups, state_bytes_estimate
+
+
+class ZeroOffloadPlacement:
+    """A plait.zero_sharding ``StatePlacement`` that offloads masters and optimizer state.
+
+    Args:
+        config: where the state goes (``device``, ``path``, ``sub_group_size``, ``slots``,
+            ``offload_ratio``, ``io``). ``master_weights`` is not consulted: ZeRO's masters are
+            always fp32, and an offloaded master is always a separate host copy.
+
+    Raises:
+        TypeError: ``config`` is not an :class:`OffloadConfig`.
+
+    Example::
+
+        placement = zero_placement(OffloadConfig(device="nvme", path="/local_nvme/offload"))
+        model, opt = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=1e-3)
+    """
+
+    def __init__(self, config: OffloadConfig) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"ZeroOffloadPlacement(config=...) needs a plait.offload_io.OffloadConfig, got "
+                            f"{type(config).__name__}; e.g. OffloadConfig(device='cpu').")
+        self.config = config
+        self.store: FileStateStore | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._masters: dict[str, nn.Parameter] = {}
+        self._origin: dict[str, Tensor] = {}  # ZeRO's own masters, until make_optimizer decides
+        self._key_of: dict[int, str] = {}
+        self._subgroups: list[SubGroup] = []
+        # Sub-groups whose state is in the optimizer's memory, not (only) in the store: after a failed
+        # write (disk full), or swapped in for a reader of optimizer.state; the next step stores them.
+        self._held: set[int] = set()
+        self._subgroup_of: dict[int, SubGroup] = {}
+        self._depth = 0
+
+    # -- the protocol -------------------------------------------------------------------------
+    def place_master(self, key: str, master: Tensor) -> Tensor:
+        """Return a host fp32 copy of ``master`` (a new ``nn.Parameter``) for the optimizer.
+
+        Args:
+            key: the unit key.
+            master: ZeRO's fp32 master shard on the compute device.
+
+        Returns:
+            The placed master (``optimizer.state`` is keyed by it).
+        """
+        host = aligned_like(master.detach().float(), pinned=master.is_cuda)
+        host.copy_(master.detach())
+        placed = nn.Parameter(host, requires_grad=True)
+        self._origin[key] = master
+        self._masters[key] = placed
+        self._key_of[id(placed)] = key
+        return placed
+
+    def make_optimizer(self, build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                       param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """Build the user's optimizer over the placed masters and cut them into sub-groups.
+
+        Args:
+            build: constructs the user's optimizer class with the user's options.
+            param_groups: groups referencing the placed masters.
+
+        Returns:
+            The inner optimizer (its ``state_dict``/``load_state_dict`` swap NVMe state in).
+
+        Raises:
+            OffloadDiskFullError: ``device="nvme"`` and the directory lacks room for the state.
+        """
+        inner = build(param_groups)
+        # Sub-groups reuse the single-process optimizer's chunking and Twin-Flow split; every
+        # sub-group shares the one inner optimizer (its param_groups are what schedulers see).
+        chunking = dataclasses.replace(self.config, master_weights="auto")
+        for index, group in enumerate(inner.param_groups):
+            self._subgroups += build_subgroups(group["params"], index, len(self._subgroups), chunking,
+                                               lambda _masters, **_kw: inner, {})
+        for sg in self._subgroups:
+            if sg.kept:
+                for master in sg.masters:  # Twin-Flow: back onto ZeRO's own (compute device) master
+                    master.data = self._origin[self._key_of[id(master)]].detach()
+        self._origin.clear()
+        self._subgroup_of = {id(m): sg for sg in self._subgroups if not sg.kept for m in sg.masters}
+        if self.config.device == "nvme":
+            self.store = self._make_store(inner)
+            weakref.finalize(self, self.store.close)
+            inner.register_state_dict_pre_hook(lambda _opt: self._swap_in())
+            inner.register_state_dict_post_hook(self._after_state_dict)
+            inner.register_load_state_dict_post_hook(self._after_load)
+            inner.state = _SwappingState(self, inner.state)
+        self.optimizer = inner
+        return inner
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
+        """Step every sub-group that has a gradient, streaming NVMe state through the store.
+
+        Args:
+            optimizer: the inner optimizer from :meth:`make_optimizer`.
+            grads: unit key -> fp32 gradient shard on the compute device.
+
+        Raises:
+            OffloadDiskFullError: some state could not be written (raised on every rank of the
+                world together, so none is left waiting in a collective). The step was applied
+                and the state is kept in memory; training may go on, or call :meth:`flush`.
+        """
+        errors: list[OffloadIOError] = []
+        with torch.no_grad(), self._internal():
+            # Kept sub-groups first: on a GPU their step is queued and runs while the CPU steps.
+            todo = sorted((sg for sg in self._subgroups if any(self._key_of[id(m)] in grads for m in sg.masters)),
+                          key=lambda sg: not sg.kept)
+            stored = [sg.id for sg in todo if self._from_store(sg)]
+            if stored:
+                self.store.prefetch(stored[0])
+            for sg in todo:
+                following = [gid for gid in stored if gid > sg.id]
+                if following:
+                    self.store.prefetch(following[0])  # read the next one while this one steps
+                self._step_subgroup(optimizer, sg, grads, errors)
+            if self.store is not None:
+                try:
+                    self.store.flush()
+                except OffloadIOError as exc:
+                    errors.append(exc)
+        self._agree_on(errors)
+
+    def read_master(self, key: str, out: Tensor) -> None:
+        """Copy (casting, host to device) the master of ``key`` into ``out``."""
+        master = self._masters[key]
+        if out.data_ptr() != master.data_ptr():
+            out.copy_(master, non_blocking=out.is_cuda and master.is_pinned())
+
+    def masters(self) -> Mapping[str, Tensor]:
+        """Unit key -> placed master (host fp32; ZeRO's own for Twin-Flow kept sub-groups)."""
+        return self._masters
+
+    # -- beyond the protocol ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Inside, ``optimizer.state`` holds every NVMe-resident tensor in memory; on exit it is
+        written back to the store (so edits made inside, e.g. a sharded checkpoint load, persist).
+
+        Use it around code that reads ``optimizer.inner.state`` directly, such as
+        ``ZeroModule.sharded_state_dict()``. A no-op with ``device="cpu"``.
+        """
+        self._swap_in()
+        try:
+            yield
+        finally:
+            self._swap_out(write=True)
+
+    def flush(self) -> None:
+        """Write state held in memory after a disk-full error, once space is back.
+
+        Raises:
+            OffloadDiskFullError: still no space; the state stays in memory.
+        """
+        with self._internal():
+            for sg in self._subgroups:
+                if sg.id in self._held:
+                    self.store.register(sg.id, sg.tensor_state())
+                    self._held.discard(sg.id)
+                    sg.drop_tensor_state()
+            if self.store is not None:
+                self.store.flush()
+
+    @property
+    def offloaded_elements(self) -> int:
+        """Master elements whose state is offloaded (the rest are Twin-Flow kept)."""
+        return sum(m.numel() for sg in self._subgroups if not sg.kept for m in sg.masters)
+
+    def close(self) -> None:
+        """Close the NVMe store (deletes its files). Idempotent."""
+        if self.store is not None:
+            self.store.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _make_store(self, inner: torch.optim.Optimizer) -> FileStateStore:
+        config = self.config
+        store = FileStateStore(config.path, engine=AsyncIOEngine(config.io), slots=config.slots, close_engine=True)
+        offloaded = [m for sg in self._subgroups if not sg.kept for m in sg.masters]
+        planned = state_bytes_estimate(type(inner), inner.defaults, sum(m.numel() for m in offloaded),
+                                       len(offloaded), config.io.alignment)
+        try:
+            probe.check_space(store.directory + "/state", planned, min_free_bytes=config.io.min_free_bytes,
+                              what=f"ZeRO optimizer state of {len(offloaded)} shards ({type(inner).__name__})")
+        except OffloadIOError:
+            store.close()
+            raise
+        return store
+
+    def _from_store(self, sg: SubGroup) -> bool:
+        return self.store is not None and sg.id in self.store and sg.id not in self._held
+
+    def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: Mapping[str, Tensor],
+                       errors: list[OffloadIOError]) -> None:
+        views = self.store.get(sg.id) if self._from_store(sg) else None
+        if views is not None:
+            sg.install_state(views)
+        for master in sg.masters:
+            grad = grads.get(self._key_of[id(master)])
+            master.grad = None if grad is None else grad.to(master.device)
+        optimizer.step()  # parameters without .grad (other sub-groups) are skipped
+        for master in sg.masters:
+            master.grad = None
+        if self.store is None or sg.kept:
+            return
+        current = sg.tensor_state()
+        if views is not None and self.store.layout(sg.id).matches(current):
+            for name, tensor in current.items():
+                if tensor.data_ptr() != views[name].data_ptr():  # replaced instead of updated in place
+                    views[name].copy_(tensor)
+            sg.drop_tensor_state()
+            self.store.put(sg.id)
+            return
+        # First step of this sub-group, new state appeared, or it was held after a disk-full error.
+        if views is not None:
+            self.store.put(sg.id, dirty=False)
+        try:
+            self.store.register(sg.id, current)
+        except OffloadDiskFullError as exc:
+            sg.take_ownership()  # its slot may be reused; keep the only copy until flush()
+            self._held.add(sg.id)
+            errors.append(exc)
+            return
+        self._held.discard(sg.id)
+        sg.drop_tensor_state()
+
+    def _agree_on(self, errors: list[OffloadIOError]) -> None:
+        """Raise on every rank when any rank failed to write (NVMe only; one tiny all-reduce)."""
+        failed = bool(errors)
+        if self.store is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            from plait.kernels import collectives
+
+            flag = torch.tensor([float(failed)])
+            collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0 and not failed:
+                raise OffloadDiskFullError(errno.ENOSPC, "another rank could not write its offloaded optimizer "
+                                           "state (disk full); the step was applied everywhere",
+                                           path=self.config.path)
+        if errors:
+            raise errors[0]
+
+    def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # torch's state_dict shares the per-parameter dicts with optimizer.state; copy them before
+        # the swapped-in tensors are dropped from the optimizer again.
+        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
+        self._swap_out(write=False)
+        return state_dict
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch's load_state_dict replaces optimizer.state with a plain dict: store what it holds,
+        # then wrap it again (ZeroOptimizer re-reads inner.state after this hook).
+        with self._internal():
+            self._held.clear()
+            self._swap_out(write=True)
+        optimizer.state = _SwappingState(self, optimizer.state)
+
+    @contextlib.contextmanager
+    def _internal(self) -> Iterator[None]:
+        """The placement's own state accesses: no lazy swap-in (see :class:`_SwappingState`)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def _materialize(self, master: Tensor) -> None:
+        """Bring the sub-group of ``master`` into the optimizer's memory for outside readers."""
+        if self._depth:
+            return
+        sg = self._subgroup_of.get(id(master))
+        if sg is None or not self._from_store(sg):
+            return
+        with self._internal():
+            views = self.store.get(sg.id)
+            sg.install_state({name: tensor.clone() for name, tensor in views.items()})
+            self.store.put(sg.id, dirty=False)
+            # Held: the next step steps it from memory and registers it again, so in-place edits
+            # made meanwhile (a sharded checkpoint load) are kept.
+            self._held.add(sg.id)
+
+    def _swap_in(self) -> None:
+        """Give every stored sub-group's state memory of its own inside the optimizer."""
+        with self._internal():
+            for sg in self._subgroups:
+                if self._from_store(sg):
+                    views = self.store.get(sg.id)
+                    sg.install_state({name: tensor.clone() for name, tensor in views.items()})
+                    self.store.put(sg.id, dirty=False)
+
+    def _swap_out(self, *, write: bool) -> None:
+        """Drop the swapped-in state again; with ``write`` store what the optimizer holds first."""
+        if self.store is None:
+            return
+        with self._internal():
+            for sg in self._subgroups:
+                if sg.kept or sg.id in self._held:
+                    continue
+                current = sg.tensor_state()
+                if write and current:
+                    self.store.register(sg.id, current)
+                if current and sg.id in self.store:
+                    sg.drop_tensor_state()
+            if write:
+                self.store.flush()
+
+
+class _SwappingState(collections.defaultdict):
+    """``optimizer.state`` for ``device="nvme"``: reading an offloaded master's entry from outside
+    the placement (``state[master]``, ``state.get(master)``, e.g. plait.zero_sharding's sharded
+    checkpoint) first brings its sub-group's tensors into memory, so readers never see the empty
+    entries the store leaves between steps."""
+
+    def __init__(self, placement: ZeroOffloadPlacement, state: Mapping) -> None:
+        super().__init__(dict, state)
+        self._placement = placement
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, Tensor):
+            self._placement._materialize(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if isinstance(key, Tensor):
+            self._placement._materialize(key)
+        return super().get(key, default)
+
+    def __reduce__(self) -> Any:  # deep copies and pickles are plain state dicts
+        return (collections.defaultdict, (dict, dict(self)))
+
+
+def zero_placement(config: OffloadConfig) -> ZeroOffloadPlacement:
+    """The placement to pass as ``zero_shard(..., placement=...)``.
+
+    Args:
+        config: where the optimizer state goes.
+
+    Returns:
+        A fresh :class:`ZeroOffloadPlacement` (one per model; it is stateful).
+
+    Raises:
+        TypeError: ``config`` is not an :class:`OffloadConfig`.
+    """
+    return ZeroOffloadPlacement(config)
+
+
+__all__ = ["ZeroOffloadPlacement", "zero_placement"]
