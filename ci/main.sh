@@ -6,3 +6,4 @@ cd "$ROOT"
 # shellcheck disable=SC1091
 . ci/setup.sh
 plait report
+plait train

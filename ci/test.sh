@@ -11,4 +11,6 @@ echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
 echo "== install alone"; python ci/check_install_alone.py
 echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
+# The main job itself, end to end, as the README's first command runs it (issue: run it in CI).
+if [ "$#" -eq 0 ]; then echo "== main job"; plait train --out build/main-job-ci; fi
 echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rows = suites[args.name](quick=args.quick)
     print(format_table(rows))
-    out = args.out or _default_out(args.name)
+    out = args.out or _default_out(args.name + ("-quick" if args.quick else ""), args.name)
     meta = {"suite": args.name, "quick": args.quick, "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "machine": platform.platform(), "processor": platform.processor(), "command": f"plait bench {args.name}"
             + (" --quick" if args.quick else "")}
@@ -59,8 +59,11 @@ def _lazy(loader):  # defer importing a suite (and its peers) until it is run
     return run_suite
 
 
-def _default_out(name: str) -> Path:
-    """``<source folder>/benchmarks/results/<name>.json`` for an editable install, else the cwd."""
+def _default_out(stem: str, name: str) -> Path:
+    """``<source folder>/benchmarks/results/<stem>.json`` for an editable install, else the cwd.
+
+    Quick runs get their own file (``<name>-quick.json``) so they never overwrite a full run's figures.
+    """
     dist_name = "plait-kernels" if name == "kernels" else f"plait-{name}"
     try:
         direct = json.loads(metadata.distribution(dist_name).read_text("direct_url.json") or "{}")
@@ -68,5 +71,5 @@ def _default_out(name: str) -> Path:
         direct = {}
     url = direct.get("url", "")
     if direct.get("dir_info", {}).get("editable") and url.startswith("file://"):
-        return Path(urllib.parse.unquote(url[len("file://"):])) / "benchmarks" / "results" / f"{name}.json"
-    return Path(f"plait-bench-{name}.json")
+        return Path(urllib.parse.unquote(url[len("file://"):])) / "benchmarks" / "results" / f"{stem}.json"
+    return Path(f"plait-bench-{stem}.json")

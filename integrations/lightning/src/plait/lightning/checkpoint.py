@@ -1,0 +1,216 @@
+"""Directory checkpoints through plait-universal-ckpt, and the way to get consolidated weights out.
+
+A plait strategy's checkpoint path is a directory (``ModelCheckpoint``'s ``epoch=0-step=10.ckpt``
+becomes one): a universal checkpoint whose ``model`` key holds the sharded model *and* its
+optimizer moments (ZeRO's sharded-state view, so it loads at any world size and stage) and whose
+``lightning`` key holds everything else Lightning or the user saved (loops, callbacks, LR
+schedulers, optimizer options, hyper-parameters) as a small pickled object per rank.
+
+Getting weights out, with no GPU and no process group::
+
+    from plait.lightning import consolidated_state_dict, export_weights
+    state = consolidated_state_dict("checkpoints/last.ckpt")     # {name: full fp32 tensor}
+    export_weights("checkpoints/last.ckpt", "hf-out/", strip="model.")  # HF safetensors + index
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait import universal_ckpt
+from plait.universal_ckpt.directory import resolve
+from plait.universal_ckpt.interop.hf import export_hf
+
+MODEL_KEY = "model"
+LIGHTNING_KEY = "lightning"
+# ZeroModule.sharded_state_dict names its parameter pieces "model.<parameter name>".
+PIECE_PREFIX = "model."
+PRODUCER = "plait.lightning"
+
+
+def _rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def is_directory_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a plait universal checkpoint (a root or one step directory)."""
+    try:
+        universal_ckpt.read_manifest(resolve(path))
+    except universal_ckpt.CheckpointError:
+        return False
+    return True
+
+
+def optimizer_options(optimizer: Any) -> dict[str, Any]:
+    """A ZeroOptimizer's small replicated state: group options (lr, betas...) and the step count.
+    Its moments and masters are in the model's sharded state."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"param_groups": groups, "steps_taken": int(getattr(optimizer, "steps_taken", 0))}
+
+
+def load_optimizer_options(optimizer: Any, state: dict[str, Any]) -> None:
+    """Restore :func:`optimizer_options` (LR schedulers do not restore ``lr`` themselves).
+
+    Raises:
+        ValueError: the number of parameter groups differs from the checkpoint's.
+    """
+    saved = state["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(saved)} optimizer parameter groups, the optimizer has "
+                         f"{len(optimizer.param_groups)}; configure_optimizers must build the same groups.")
+    for group, options in zip(optimizer.param_groups, saved):
+        group.update(options)
+    if hasattr(optimizer, "steps_taken"):
+        optimizer.steps_taken = int(state.get("steps_taken", 0))
+
+
+class OptimizerOptions:
+    """Stateful view of a ZeroOptimizer for a universal checkpoint (see :func:`optimizer_options`)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """See :func:`optimizer_options`."""
+        return optimizer_options(self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :func:`load_optimizer_options`."""
+        load_optimizer_options(self.optimizer, state)
+
+
+class ShardedModelView:
+    """A sharded model's ``ShardedStateful`` view, with the replica ranks of per-parameter scalar
+    optimizer state (Adam's ``step``) widened to every rank holding a piece of that parameter.
+
+    ``ZeroModule.sharded_state_dict`` names as replicas of a step counter only the ranks holding
+    *this rank's piece* of the parameter, so for a parameter split across ranks each rank thinks
+    it is the only writer and the checkpoint refuses the overlap. The ranks holding any piece of
+    ``model.<name>`` are exchanged once here (one small all-gather of names) and the counters'
+    ``replica_ranks`` set to them; the lowest one writes, as for any replicated piece.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The module's pieces with corrected replica ranks (collective when distributed)."""
+        pieces = self.module.sharded_state_dict()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return pieces
+        mine = sorted(name for name in pieces if name.startswith(PIECE_PREFIX))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        holders: dict[str, list[int]] = {}
+        for rank, names in enumerate(everyone):
+            for name in names:
+                holders.setdefault(name[len(PIECE_PREFIX):], []).append(rank)
+        out = {}
+        for name, piece in pieces.items():
+            spec = piece.spec
+            if name.startswith("optim.") and spec.global_shape == ():
+                param = name.split(".", 2)[2]
+                ranks = tuple(holders.get(param, spec.replica_ranks))
+                piece = dataclasses.replace(piece, spec=dataclasses.replace(spec, replica_ranks=ranks))
+            out[name] = piece
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand the filled pieces to the module."""
+        self.module.load_sharded_state_dict(state)
+
+
+def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int) -> Path:
+    """Save ``state`` as the universal checkpoint directory ``path`` (replacing what is there, as a
+    file save would). Collective: every rank calls it.
+
+    Returns:
+        The committed step directory.
+    """
+    root = Path(path)
+    if _rank_zero() and (root.exists() or root.is_symlink()):
+        if root.is_dir() and not root.is_symlink():
+            shutil.rmtree(root)
+        else:
+            root.unlink()
+    _barrier()
+    handle = universal_ckpt.save(state, root, step=int(step), user_meta={"producer": PRODUCER})
+    return handle.wait()
+
+
+def load_directory(path: str | os.PathLike, state: dict[str, Any], *, verify: bool = True,
+                   strict: bool = True) -> universal_ckpt.Manifest:
+    """Load a universal checkpoint into ``state`` in place (resharding to this world size).
+
+    Raises:
+        plait.universal_ckpt.CheckpointError: missing, damaged or incompatible checkpoint.
+    """
+    return universal_ckpt.load(state, path, verify=verify, strict=strict)
+
+
+def _strip(name: str, strip: str) -> str:
+    name = name[len(PIECE_PREFIX):] if name.startswith(PIECE_PREFIX) else name
+    return name[len(strip):] if strip and name.startswith(strip) else name
+
+
+def consolidated_state_dict(checkpoint: str | os.PathLike, *, strip: str = "", dtype: torch.dtype | None = None,
+                            verify: bool = True) -> dict[str, torch.Tensor]:
+    """Whole parameters of a plait Lightning checkpoint, read in one process (any saved world size).
+
+    Args:
+        checkpoint: a checkpoint directory (root or step directory).
+        strip: a further name prefix to remove (e.g. ``"model."`` for the model held as
+            ``self.model`` inside a LightningModule).
+        dtype: cast floating tensors (default: fp32 masters as saved).
+        verify: check hashes while reading.
+
+    Returns:
+        ``{name: tensor}`` in the LightningModule's ``state_dict`` naming (minus ``strip``).
+    """
+    ckpt = resolve(checkpoint)
+    manifest = universal_ckpt.read_manifest(ckpt)
+    out = {}
+    for entry in manifest.tensors.values():
+        if entry.key == MODEL_KEY and entry.kind in ("parameter", "buffer"):
+            tensor = universal_ckpt.read_full(ckpt, manifest, entry, verify=verify)
+            out[_strip(entry.name, strip)] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
+                else tensor
+    return out
+
+
+def export_weights(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, strip: str = "",
+                   dtype: torch.dtype | None = None, config: Any = None,
+                   max_shard_bytes: int = 2 << 30) -> Path:
+    """Write consolidated weights as Hugging Face safetensors shards plus their index.
+
+    Args:
+        checkpoint: a checkpoint directory.
+        out_dir: output directory (created).
+        strip: a further name prefix to remove (see :func:`consolidated_state_dict`).
+        dtype: cast floating tensors (e.g. ``torch.bfloat16``).
+        config: an HF config (``save_pretrained``) or a dict written as ``config.json``.
+        max_shard_bytes: size bound of each safetensors shard.
+
+    Returns:
+        ``out_dir``.
+    """
+    return export_hf(checkpoint, out_dir, key=MODEL_KEY, dtype=dtype, config=config,
+                     max_shard_bytes=max_shard_bytes, rename=lambda name: _strip(name, strip))
+
+
+def checkpoint_bytes(checkpoint: str | os.PathLike) -> int:
+    """Bytes on disk of one checkpoint (the step directory)."""
+    ckpt = resolve(checkpoint)
+    return sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())

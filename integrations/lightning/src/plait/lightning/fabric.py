@@ -1,0 +1,225 @@
+"""PlaitFabricStrategy: ZeRO stages 1/2/3 for Lightning Fabric (Fabric's own strategy hierarchy).
+
+Usage::
+
+    fabric = L.Fabric(strategy="plait_zero3", devices=2, precision="bf16-mixed")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):      # parameters on meta; ZeRO materialises shards
+        model = MyModel()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
+    ...
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": step})   # a directory
+    fabric.load("ckpt", state)                                                    # any device count
+
+The model and its optimizer must be set up together (``fabric.setup(model, optimizer)``): ZeRO
+builds the optimizer over the shards it creates. ``fabric.setup(model)`` alone shards for
+evaluation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+
+from plait import universal_ckpt
+from plait.lightning import checkpoint as ckpt
+from plait.lightning.config import PlaitConfig, check_agreement
+from plait.lightning.pieces import check_plan, shard_module
+from plait.lightning.precision import PlaitFabricPrecision, precision_name_of
+from plait.lightning.strategy import build_config, move_module, rebind_schedulers
+from plait.universal_ckpt.directory import resolve
+from plait.zero_sharding import ZeroConfig, ZeroModule, ZeroOptimizer, sharded_init
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: accumulate gradients locally."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """ZeRO's ``no_sync`` when enabled.
+
+        Raises:
+            TypeError: the module was not set up by a plait strategy.
+        """
+        if not enabled:
+            return contextlib.nullcontext()
+        if not isinstance(module, ZeroModule):
+            raise TypeError(f"no_backward_sync needs a module set up by the plait strategy, got "
+                            f"{type(module).__name__}.")
+        return module.no_sync()
+
+
+def _for_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
+    """ZeroOptimizers become their small options view, sharded models their checkpoint view;
+    everything else is saved as it is."""
+    def view(value: Any) -> Any:
+        if isinstance(value, ZeroOptimizer):
+            return ckpt.OptimizerOptions(value)
+        if isinstance(value, ZeroModule):
+            return ckpt.ShardedModelView(value)
+        return value
+
+    return {k: view(v) for k, v in state.items()}
+
+
+class PlaitFabricStrategy(DDPStrategy):
+    """ZeRO for Lightning Fabric; arguments as :class:`plait.lightning.PlaitStrategy` (``precision``
+    instead of ``precision_plugin``).
+
+    Raises:
+        PieceMissingError: an offload setting without a usable plait-offload-io.
+        ValueError: contradictory settings (named, with the fix).
+    """
+
+    strategy_name = "plait"
+
+    def __init__(self, zero: ZeroConfig | None = None, *, offload: Any = None, extensions: tuple = (),
+                 init_fn: Any = None, verify_on_load: bool = True, config: PlaitConfig | None = None,
+                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision: Any = None,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 start_method: str = "popen") -> None:
+        self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
+                                         verify_on_load=verify_on_load)
+        check_plan(self.plait_config, "32-true")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self._backward_sync_control = _ZeroBackwardSyncControl()
+
+    @property
+    def precision(self) -> PlaitFabricPrecision:  # type: ignore[override]
+        return self._precision if self._precision is not None else PlaitFabricPrecision("32-true")
+
+    @precision.setter
+    def precision(self, plugin: Any) -> None:
+        if plugin is None:
+            self._precision = None
+            return
+        name = precision_name_of(plugin)
+        check_agreement(self.plait_config.zero, name)
+        check_plan(self.plait_config, name)
+        self._precision = plugin if isinstance(plugin, PlaitFabricPrecision) else PlaitFabricPrecision(name)
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``empty_init=True``: parameters on the meta device, materialised shard by shard by ZeRO."""
+        if empty_init:
+            return sharded_init()
+        return super().module_init_context(empty_init=empty_init)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Move the module (only its buffers while parameters are on meta)."""
+        move_module(module, self.root_device)
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any],
+                                    scheduler: Any = None) -> tuple[nn.Module, list[Any], Any]:
+        """Shard the module with its one optimizer; re-bind the scheduler to the ZeroOptimizer.
+
+        Raises:
+            ValueError: other than one optimizer.
+        """
+        if len(optimizers) != 1:
+            raise ValueError(f"fabric.setup got {len(optimizers)} optimizers; the plait strategies shard exactly one.")
+        self.precision.device_type = self.root_device.type
+        original = optimizers[0]
+        module, zero_optimizer = shard_module(module, original, self.plait_config, self.precision.precision)
+        if scheduler is not None:
+            rebind_schedulers([scheduler], original, zero_optimizer)
+        return module, [zero_optimizer], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard for evaluation only (an optimizer without state, SGD at lr 0)."""
+        self.precision.device_type = self.root_device.type
+        module, _ = shard_module(module, torch.optim.SGD, self.plait_config, self.precision.precision, lr=0.0)
+        return module
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        """Refused: ZeRO builds the optimizer over its shards.
+
+        Raises:
+            ValueError: always, with the call to use instead.
+        """
+        raise ValueError("the plait strategies set the model and optimizer up together: call "
+                         "fabric.setup(model, optimizer) instead of setup_module() + setup_optimizers().")
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Any, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Global L2 norm across every shard; clipping happens inside the next ``step()``.
+
+        Raises:
+            ValueError: a norm other than 2.
+            RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type}: the plait strategies clip the global L2 norm only; use 2.0.")
+        norm = torch.tensor(optimizer.clip_grad_norm_(float(max_norm)))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total gradient norm is {norm.item()}; pass error_if_nonfinite=False to go on.")
+        return norm
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float | int) -> None:
+        """Refused: ZeRO knows only the global norm of its sharded gradients.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("clip_gradients(clip_val=...) is not supported with ZeRO; use max_norm=.")
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: dict[str, Any] | None = None) -> None:
+        """Save ``state`` as a universal-checkpoint directory (collective).
+
+        Raises:
+            TypeError: ``storage_options`` or ``filter`` (not supported by directory checkpoints).
+        """
+        if storage_options is not None or filter:
+            raise TypeError("the plait strategies save universal-checkpoint directories; storage_options and "
+                            "filter are not supported.")
+        step = state.get("step", state.get("global_step", 0))
+        ckpt.save_directory(path, _for_checkpoint(state), step=int(step) if isinstance(step, int) else 0)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a directory checkpoint into ``state`` in place, resharding to this world size.
+
+        Returns:
+            Saved values whose keys are not in ``state``.
+
+        Raises:
+            ValueError: a directory checkpoint without a ``state`` dict to load into.
+        """
+        if not ckpt.is_directory_checkpoint(path):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not isinstance(state, dict) or not state:
+            raise ValueError("a plait checkpoint directory loads into live objects: pass fabric.load(path, "
+                             "{'model': model, 'optimizer': optimizer, ...}); for whole weights without a model use "
+                             "plait.lightning.consolidated_state_dict(path).")
+        keys = universal_ckpt.read_manifest(resolve(path)).keys
+        missing = [k for k in state if k not in keys]
+        if strict and missing:
+            raise KeyError(f"keys {missing} are not in checkpoint {path} (it has {keys}); pass strict=False.")
+        target = _for_checkpoint({k: v for k, v in state.items() if k in keys})
+        extra = {k: None for k in keys if k not in state}
+        loaded = {**target, **extra}
+        ckpt.load_directory(path, loaded, verify=self.plait_config.verify_on_load, strict=False)
+        for key, value in state.items():
+            if key in loaded and not isinstance(value, (nn.Module, torch.optim.Optimizer)) \
+                    and not hasattr(value, "load_state_dict"):
+                state[key] = loaded[key]
+        return {k: loaded[k] for k in extra}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the ``plait_*`` names in Fabric's registry."""
+        from plait.lightning.config import register_names
+
+        register_names(strategy_registry, cls)

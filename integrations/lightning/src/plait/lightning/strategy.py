@@ -1,0 +1,341 @@
+"""PlaitStrategy: ZeRO stages 1/2/3 for the Lightning Trainer, on CPU (gloo) and GPU (NCCL).
+
+Derived from Lightning's ``DDPStrategy`` for its process launching, rank bookkeeping and
+collectives (``self.log(..., sync_dist=True)``, barriers), not from ``DeepSpeedStrategy`` (which
+imports deepspeed). What differs from DDP:
+
+* ``setup``: the optimizer from ``configure_optimizers`` is handed to ``zero_shard`` together
+  with the LightningModule (sharded in place); LR schedulers are re-bound to the returned
+  ``ZeroOptimizer``. ``configure_model`` runs under :func:`plait.zero_sharding.sharded_init`, so
+  no rank ever materialises the whole model.
+* steps run through a thin root module, so ``training_step``/``validation_step`` go through the
+  LightningModule's ``__call__`` and ZeRO's stage-3 root hooks gather the top-level weights.
+* checkpoints are universal-checkpoint directories (see :mod:`plait.lightning.checkpoint`),
+  loadable at any number of devices.
+* every input check (precision, clip settings against ZeroConfig, missing pieces) runs when
+  the Trainer is built or right before the launcher starts processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from plait.lightning import checkpoint as ckpt
+from plait.lightning.config import PlaitConfig, check_agreement
+from plait.lightning.pieces import check_plan, shard_module
+from plait.lightning.precision import PlaitPrecision, precision_name_of
+from plait.zero_sharding import ZeroConfig, ZeroModule, sharded_init
+
+_FROM_DIRECTORY = "plait_directory_checkpoint"
+
+
+class _CheckedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, checking the Trainer's arguments before it starts any process."""
+
+    def __init__(self, strategy: PlaitStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._plait_strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Check, then launch as Lightning does."""
+        if trainer is not None:
+            self._plait_strategy.check_trainer(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiprocessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, checking the Trainer's arguments first."""
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Check, then launch as Lightning does."""
+        if trainer is not None:
+            self._strategy.check_trainer(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class ShardedRoot(nn.Module):
+    """The module Lightning calls for every step: forwards to the LightningModule's ``__call__``
+    (which Lightning's forward redirection points at ``training_step`` etc.), so the hooks ZeRO
+    registered on the LightningModule run around every step."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped LightningModule."""
+        return self.module(*args, **kwargs)
+
+
+def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload: Any, extensions: tuple,
+                 init_fn: Any, verify_on_load: bool) -> PlaitConfig:
+    """One PlaitConfig from either ``config=`` or its fields.
+
+    Raises:
+        ValueError: both were given.
+    """
+    if config is not None:
+        if zero is not None or offload is not None or extensions or init_fn is not None or not verify_on_load:
+            raise ValueError("pass config=PlaitConfig(...) or zero=/offload=/extensions=/init_fn=/verify_on_load=, "
+                             "not both.")
+        return config
+    return PlaitConfig(zero=zero or ZeroConfig(), offload=offload, extensions=tuple(extensions), init_fn=init_fn,
+                       verify_on_load=verify_on_load)
+
+
+def rebind_schedulers(schedulers: list[Any], old: Any, new: Any) -> None:
+    """Point LR schedulers built on the user's optimizer at the ZeroOptimizer (whose groups were
+    copied from it, ``initial_lr`` included), keeping torch's step-order bookkeeping."""
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+    if schedulers and not hasattr(new.step, "_wrapped_by_lr_sched"):
+        step = new.step
+
+        @functools.wraps(step)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            new._opt_called = True
+            return step(*args, **kwargs)
+
+        tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        new.step = tracked
+
+
+def move_module(module: nn.Module, device: torch.device) -> None:
+    """Move a module to ``device``; with meta parameters (built under ``sharded_init``) only its
+    buffers move, and ZeRO allocates the parameters on ``device`` when it shards."""
+    if any(p.is_meta for p in module.parameters()):
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    sub._buffers[name] = buf.to(device)
+    else:
+        module.to(device)
+
+
+class PlaitStrategy(DDPStrategy):
+    """ZeRO for the Lightning Trainer.
+
+    Args:
+        zero: the ZeRO settings (default ``ZeroConfig()``: stage 3).
+        offload: ``"cpu"``/``"nvme"`` (needs plait-offload-io) or an ``OffloadConfig``.
+        extensions: :class:`~plait.lightning.pieces.ShardingExtension` objects.
+        init_fn: initialiser for modules built in ``configure_model``.
+        verify_on_load: check checkpoint hashes on load.
+        config: a whole :class:`PlaitConfig` instead of the fields above.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+
+    Raises:
+        PieceMissingError: an offload setting without a usable plait-offload-io.
+        ValueError: contradictory settings (named, with the fix).
+
+    Example::
+
+        trainer = L.Trainer(strategy=PlaitStrategy(zero=ZeroConfig(stage=2)), devices=2)
+    """
+
+    strategy_name = "plait"
+
+    def __init__(self, zero: ZeroConfig | None = None, *, offload: Any = None, extensions: tuple = (),
+                 init_fn: Any = None, verify_on_load: bool = True, config: PlaitConfig | None = None,
+                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 start_method: str = "popen") -> None:
+        self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
+                                         verify_on_load=verify_on_load)
+        check_plan(self.plait_config, "32-true")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+
+    # ---- precision: whatever plugin the connector built becomes a PlaitPrecision -----------------
+    @property
+    def precision_plugin(self) -> PlaitPrecision:  # type: ignore[override]
+        return self._precision_plugin if self._precision_plugin is not None else PlaitPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        name = precision_name_of(plugin)
+        check_agreement(self.plait_config.zero, name)
+        check_plan(self.plait_config, name)
+        device = "cuda" if type(getattr(self, "_accelerator", None)).__name__ == "CUDAAccelerator" else None
+        self._precision_plugin = plugin if isinstance(plugin, PlaitPrecision) else PlaitPrecision(name, device)
+
+    # ---- checks right before processes start ----------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _CheckedScriptLauncher(self, self.cluster_environment, self.num_processes,
+                                                    self.num_nodes)
+        else:
+            self._launcher = _CheckedMultiprocessingLauncher(self, start_method=self._start_method)
+
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        """Refuse Trainer arguments that contradict the ZeroConfig (runs before any process starts).
+
+        Raises:
+            ValueError: naming both settings and the fix.
+        """
+        algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+        algorithm = getattr(algorithm, "value", algorithm)
+        check_agreement(self.plait_config.zero, self.precision_plugin.precision,
+                        gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
+                        gradient_clip_algorithm=algorithm if getattr(trainer, "gradient_clip_val", None) else None)
+        check_plan(self.plait_config, self.precision_plugin.precision)
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def model_to_device(self) -> None:
+        """Move the LightningModule (only buffers when its parameters are still on meta)."""
+        move_module(self.lightning_module, self.root_device)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds parameters on the meta device; ZeRO materialises shards."""
+        with sharded_init():
+            yield
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the LightningModule and its optimizer (see the module docstring).
+
+        Raises:
+            ValueError: ``configure_optimizers`` returned other than one optimizer, or a model
+                already sharded for evaluation is now fitted.
+        """
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        module = self.lightning_module
+        self.model_to_device()
+        clip = getattr(trainer, "gradient_clip_val", None) or None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; the plait "
+                                 "strategies shard exactly one (put parameter groups in one optimizer).")
+            original = self.optimizers[0]
+            if isinstance(module, ZeroModule) and type(module.zero_optimizer.inner) is not type(original):
+                raise ValueError("this LightningModule was sharded for evaluation (validate/test/predict) before "
+                                 "fit; build a fresh model for training.")
+            _, zero_optimizer = shard_module(module, original, self.plait_config, self.precision_plugin.precision,
+                                             gradient_clip_val=clip)
+            rebind_schedulers([c.scheduler for c in self.lr_scheduler_configs], original, zero_optimizer)
+            self.optimizers = [zero_optimizer]
+        else:
+            # Evaluation only: shard with an optimizer that holds no state (SGD at lr 0).
+            shard_module(module, torch.optim.SGD, self.plait_config, self.precision_plugin.precision, lr=0.0)
+        self.model = ShardedRoot(module)
+        self.setup_precision_plugin()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backward passes inside keep gradients local."""
+        module = self.lightning_module
+        if isinstance(module, ZeroModule):
+            with module.no_sync():
+                yield
+        else:
+            yield
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the sharded model, so after ``setup``."""
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the model is saved sharded, under the checkpoint's ``model`` key."""
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's options and step count (moments travel with the sharded model)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.optimizer_options(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Save a universal-checkpoint directory at ``filepath`` (collective; every rank writes its shard)."""
+        if storage_options is not None:
+            raise TypeError("the plait strategies save universal-checkpoint directories and take no storage_options.")
+        rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        ckpt.save_directory(filepath, {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
+                                      ckpt.LIGHTNING_KEY: rest},
+                            step=int(checkpoint.get("global_step", 0)))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a universal-checkpoint directory into the sharded model (any saved world size) and
+        return Lightning's part of it; a regular ``.ckpt`` file is read as usual (weights only)."""
+        if not ckpt.is_directory_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
+                                 ckpt.LIGHTNING_KEY: None}
+        ckpt.load_directory(checkpoint_path, state, verify=self.plait_config.verify_on_load)
+        loaded = dict(state[ckpt.LIGHTNING_KEY] or {})
+        loaded["state_dict"] = {}
+        loaded[_FROM_DIRECTORY] = True
+        return loaded
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing for directory checkpoints (already loaded); whole tensors from a file otherwise."""
+        if not checkpoint.get(_FROM_DIRECTORY):
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore optimizer options and step count (moments came with the model).
+
+        Raises:
+            ValueError: a file checkpoint's full optimizer state (it cannot be split into shards here).
+        """
+        if not checkpoint.get(_FROM_DIRECTORY):
+            raise ValueError("this checkpoint is a regular Lightning file: its weights load into the plait strategy, "
+                             "its optimizer state does not. Load weights only (LightningModule.load_from_checkpoint) "
+                             "or resume from a plait checkpoint directory.")
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            ckpt.load_optimizer_options(optimizer, state)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint directory (rank 0)."""
+        path = Path(filepath)
+        if self.is_global_zero and (path.exists() or path.is_symlink()):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+    def teardown(self) -> None:
+        """Unwrap the root; leave shards and optimizer state where ZeRO put them."""
+        if self.lightning_module is not None:
+            self.model = self.lightning_module
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the ``plait_*`` names (see :mod:`plait.lightning.registry`)."""
+        from plait.lightning.config import register_names
+
+        register_names(strategy_registry, cls)

@@ -1,0 +1,34 @@
+"""ZeRO stages 1/2/3 for plain PyTorch modules and optimizers.
+
+Example::
+
+    with sharded_init(mesh):
+        model = MyTransformer(cfg)
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh, lr=3e-4)
+    for batch in loader:
+        loss = model(**batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+
+from plait.zero_sharding.api import gathered_parameters, resolve_group, sharded_init, zero_shard
+from plait.zero_sharding.checkpoint import export_full_weights, iter_full_parameters
+from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.extension import (
+    DefaultGatherer,
+    DefaultReducer,
+    GradientReducer,
+    LocalPlacement,
+    ParamGatherer,
+    StatePlacement,
+)
+from plait.zero_sharding.memory import model_state_bytes, zero_formula_bytes
+from plait.zero_sharding.module import ZeroModule
+from plait.zero_sharding.optimizer import ZeroOptimizer
+from plait.zero_sharding.profiling import StepBreakdown
+from plait.zero_sharding.replicas import ReplicaMismatchError, check_replicas
+
+__all__ = [
+    "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement", "ParamGatherer",
+    "ReplicaMismatchError", "StatePlacement", "StepBreakdown", "ZeroConfig", "ZeroModule", "ZeroOptimizer",
+    "check_replicas", "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes",
+    "resolve_group", "sharded_init", "zero_formula_bytes", "zero_shard",
+]

@@ -1,0 +1,260 @@
+"""The public API: ``zero_shard``, ``sharded_init``, ``gathered_parameters``.
+
+``zero_shard(model, optimizer, config, mesh=...)`` modifies ``model`` in place (its class becomes
+a :class:`~plait.zero_sharding.module.ZeroModule` subclass, as ``fully_shard`` does) and returns it
+with a :class:`~plait.zero_sharding.optimizer.ZeroOptimizer`. The user's forward,
+``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()`` and LR schedulers stay as they
+are. Everything that can be wrong with the input is checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.engine import ZeroEngine
+from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
+from plait.zero_sharding.loss_scaler import LossScaler
+from plait.zero_sharding.module import ZeroModule, install
+from plait.zero_sharding.optimizer import ZeroOptimizer
+from plait.zero_sharding.partition import OptionGroup, build_partition
+from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
+
+_before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_init_mesh: list[Any] = []
+
+
+def resolve_group(mesh: Any, config: ZeroConfig) -> Any:
+    """The process group to shard over: a 1-D mesh's group, the flattened ``shard_dims`` of an
+    N-D mesh (sequence-parallel ranks count as data-parallel), a process group, or the world.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an N-D mesh without any of ``config.shard_dims``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "zero_shard needs torch.distributed initialised (torchrun, or dist.init_process_group('gloo'|'nccl')) "
+            "before sharding; a single process uses world size 1."
+        )
+    if mesh is None:
+        return dist.group.WORLD
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        names = mesh.mesh_dim_names or ()
+        dims = tuple(name for name in names if name in config.shard_dims)
+        if not dims:
+            raise ValueError(
+                f"mesh has dimensions {names} but ZeroConfig.shard_dims={config.shard_dims} names none of them; "
+                "pass mesh['dp'] or set shard_dims to the data-parallel dimension names."
+            )
+        return mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten().get_group()
+    return mesh
+
+
+def compute_device(model: nn.Module, mesh: Any) -> torch.device:
+    """Where units live: the mesh's device type, else the model's (non-meta) parameters, else
+    the current CUDA device when the process group is NCCL, else CPU."""
+    if isinstance(mesh, DeviceMesh) and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    if real:
+        return real[0]
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any], group: Any) -> tuple[list[OptionGroup], type]:
+    world = dist.get_world_size()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError(
+                f"optimizer {type(optimizer).__name__} already has state; shard before the first step "
+                "(or pass the optimizer class instead of an instance)."
+            )
+        if param_groups is not None or kwargs:
+            raise ValueError("pass either an optimizer instance or an optimizer class with options, not both.")
+        raw = [dict(g) for g in optimizer.param_groups]
+        cls = type(optimizer)
+    else:
+        cls = optimizer
+        raw = [dict(g) for g in param_groups] if param_groups is not None else [{"params": list(model.parameters())}]
+        for g in raw:
+            for key, value in kwargs.items():
+                g.setdefault(key, value)
+    model_params = {id(p): p for p in model.parameters()}
+    seen: set[int] = set()
+    out = []
+    for index, g in enumerate(raw):
+        params = list(g.pop("params"))
+        foreign = [p for p in params if id(p) not in model_params]
+        if foreign:
+            raise ValueError(f"param_groups[{index}] holds {len(foreign)} tensor(s) that are not parameters of the "
+                             "model; pass only model.parameters() (or subsets of them).")
+        twice = [p for p in params if id(p) in seen]
+        if twice:
+            raise ValueError(f"param_groups[{index}] repeats parameters of an earlier group; list each once.")
+        seen.update(id(p) for p in params)
+        sub = g.pop("zero_group", None)
+        distinct = g.pop("zero_distinct", sub is not None)
+        pg = group if sub is None else (sub.get_group() if isinstance(sub, DeviceMesh) else sub)
+        size = dist.get_world_size(pg)
+        order = {id(p): i for i, p in enumerate(model_params.values())}
+        params.sort(key=lambda p: order[id(p)])
+        out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
+                               replicas=1 if distinct else max(1, world // size)))
+    rest = [p for p in model_params.values() if id(p) not in seen]
+    if rest:
+        # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
+        size = dist.get_world_size(group)
+        out.append(OptionGroup(options={"lr": 0.0}, params=rest, group=group, group_rank=dist.get_rank(group),
+                               group_size=size, replicas=max(1, world // size)))
+    return out, cls
+
+
+def _constructor_options(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The subset of an optimizer instance's ``defaults`` its constructor accepts. torch stores
+    derived entries there too (AdamW's ``decoupled_weight_decay``), which the constructor refuses."""
+    accepted = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in accepted}
+
+
+def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = None, *, mesh: Any = None,
+               param_groups: list[dict[str, Any]] | None = None, reducer: Any = None, gatherer: Any = None,
+               placement: Any = None, init_fn: Callable[[nn.Module], None] | None = None,
+               **optimizer_kwargs: Any) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard ``model`` and its optimizer with ZeRO stage 1, 2 or 3 (in place).
+
+    Args:
+        model: a plain ``nn.Module`` (parameters may be on the meta device, e.g. built under
+            :func:`sharded_init`; they are then allocated and initialised one module at a time).
+        optimizer: an optimizer class (e.g. ``torch.optim.AdamW``) built with
+            ``optimizer_kwargs``, or an optimizer instance with no state yet (its class, groups
+            and options are used).
+        config: the :class:`ZeroConfig` (default ``ZeroConfig()``, stage 3).
+        mesh: a 1-D ``DeviceMesh``, an N-D mesh (its ``config.shard_dims`` are flattened), a
+            process group, or ``None`` for the world.
+        param_groups: optimizer parameter groups (dicts with ``params`` and options). Extra keys:
+            ``zero_group`` shards that group over another process group or mesh (MoE experts over
+            the expert-data-parallel group); ``zero_distinct`` (default ``True`` with
+            ``zero_group``) says its parameters differ across the other ranks.
+        reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
+        init_fn: initialises a module whose meta parameters were just allocated (default
+            ``module.reset_parameters()``).
+        **optimizer_kwargs: options for the optimizer class.
+
+    Returns:
+        ``(model, optimizer)``: the same model object, now a ``ZeroModule``, and a ``ZeroOptimizer``.
+
+    Raises:
+        TypeError: ``config`` is not a ``ZeroConfig`` or ``model`` not an ``nn.Module``.
+        ValueError: unsupported optimizer, bad parameter groups, configs differing across ranks.
+        RuntimeError: torch.distributed is not initialised.
+    """
+    config = ZeroConfig() if config is None else config
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a plait.zero_sharding.ZeroConfig, got {type(config).__name__}; "
+                        "build one with ZeroConfig(stage=...).")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zero_shard(model=...) needs an nn.Module, got {type(model).__name__}.")
+    if isinstance(model, ZeroModule):
+        if model.zero_engine.config == config:
+            return model, model.zero_optimizer
+        raise ValueError("model is already sharded with a different ZeroConfig; build a fresh model to re-shard.")
+    cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    check_optimizer(cls, config)
+    if mesh is None and _init_mesh:
+        mesh = _init_mesh[-1]
+    group = resolve_group(mesh, config)
+    groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group)
+    check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
+    for module in model.modules():
+        handle = _before_sharding.pop(module, None)
+        if handle is not None:
+            handle.remove()
+    partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
+    engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
+                        gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
+    inner_groups = []
+    for index, og in enumerate(groups):
+        masters = []
+        for unit in partition.units:
+            if unit.option_index == index:
+                placed = engine.placement.place_master(unit.key, nn.Parameter(unit.master, requires_grad=True))
+                unit.master = placed
+                masters.append(placed)
+        inner_groups.append({"params": masters, **og.options})
+    inner = engine.placement.make_optimizer(lambda pg: cls(pg, **optimizer_kwargs) if not isinstance(
+        optimizer, torch.optim.Optimizer) else cls(pg, **_constructor_options(cls, optimizer.defaults)), inner_groups)
+    scaler = LossScaler(config, enabled=config.compute_dtype == torch.float16)
+    zero_optimizer = ZeroOptimizer(engine, inner, scaler)
+    install(model, engine, zero_optimizer)
+    return model, zero_optimizer
+
+
+@contextlib.contextmanager
+def sharded_init(mesh: Any = None) -> Iterator[None]:
+    """Build a model without allocating its parameters: every parameter registered inside goes to
+    the meta device (buffers stay real, so computed tables such as RoPE survive). ``zero_shard``
+    then allocates and initialises one module at a time and keeps only this rank's shard, so no
+    rank ever holds the whole model. Using the model before ``zero_shard`` raises an error.
+
+    Args:
+        mesh: the mesh ``zero_shard`` should use when it is not given one.
+    """
+    original = nn.Module.register_parameter
+    created: list[nn.Module] = []
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            created.append(self)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    _init_mesh.append(mesh)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _init_mesh.pop()
+        for module in {id(m): m for m in created}.values():
+            _before_sharding[module] = module.register_forward_pre_hook(_refuse_unsharded)
+
+
+def _refuse_unsharded(module: nn.Module, args: Any) -> None:
+    raise RuntimeError(
+        f"{type(module).__name__} was built under sharded_init() and has no weights yet; call "
+        "zero_shard(model, optimizer, config) on the whole model before running it."
+    )
+
+
+def gathered_parameters(model: nn.Module, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Inside, every parameter of a sharded model is whole on every rank and the engine neither
+    gathers nor frees (so generation under stage 3 runs without per-token gathering).
+
+    Args:
+        model: a model returned by :func:`zero_shard`.
+        writeback: copy edits made inside back into the shards and fp32 masters on exit
+            (every rank must make the same edits).
+
+    Raises:
+        TypeError: ``model`` was not sharded with :func:`zero_shard`.
+    """
+    if not isinstance(model, ZeroModule):
+        raise TypeError(f"{type(model).__name__} is not sharded; call zero_shard(model, ...) first.")
+    return model.zero_engine.gathered(writeback)

@@ -1,0 +1,155 @@
+"""ZeroConfig: every option of the ZeRO engine, frozen and validated before anything is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as_dtype(field: str, value: object, *, allow_none: bool) -> torch.dtype | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        value = _DTYPES[value.lower()]
+    if value not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"ZeroConfig.{field}={value!r} is not supported; use torch.float32, torch.bfloat16 or "
+            f"torch.float16 (or the strings 'fp32', 'bf16', 'fp16')."
+        )
+    return value  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How :func:`plait.zero_sharding.zero_shard` partitions a model and its optimizer.
+
+    Attributes:
+        stage: 1 partitions fp32 master weights and optimizer state; 2 also reduce-scatters
+            gradients into each rank's partition during backward; 3 also partitions the
+            parameters and gathers them just in time around each module group.
+        reduce_bucket_elements: stages 1/2: parameters are packed into flat buckets of about this
+            many elements (a larger parameter gets a bucket of its own); a bucket is the unit
+            of reduce-scatter and of the post-step all-gather.
+        prefetch: stage 3: how many module groups ahead (forward order, reversed in backward)
+            to start gathering while the current one computes. 0 disables prefetch.
+        param_persistence_threshold: stage 3: parameters with fewer elements than this stay
+            resident (full on every rank, handled like stage 2) instead of being gathered each
+            time; norms and biases are the usual case. 0 shards every parameter.
+        unit_classes: stage 3: class names of the modules that form one gather unit each
+            (e.g. ``("Block",)``). Empty means: every child of an ``nn.ModuleList``; the
+            remaining parameters form the root unit.
+        reshard_after_forward: stage 3: free gathered parameters after each unit's forward
+            (gather again for backward). ``False`` keeps them until backward ends.
+        compute_dtype: dtype of the model's parameters during forward/backward. fp32 masters
+            are kept separately when this is bf16/fp16.
+        reduce_dtype: dtype gradients are reduced in; ``None`` means ``compute_dtype``.
+        overlap_comm: stage 2/3: launch each bucket's reduce-scatter as soon as its gradients
+            are ready during backward (otherwise at the end of backward).
+        max_grad_norm: clip the global gradient norm (across all shards) to this value inside
+            ``optimizer.step()``; ``None`` disables automatic clipping.
+        loss_scale: fp16 only: a fixed loss scale, or 0 for dynamic loss scaling.
+        initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
+        loss_scale_window: good steps before the scale grows by ``growth_factor``.
+        growth_factor: multiplier when the scale grows.
+        backoff_factor: multiplier applied on overflow.
+        hysteresis: overflowing steps tolerated before the scale backs off (each one is still
+            skipped); reset on growth.
+        min_loss_scale: the scale never backs off below this.
+        check_replicas_every: every this many steps compare a digest of every replicated tensor
+            across ranks and raise on a mismatch (flipped bits, diverged replicas); 0 disables.
+        elementwise_optimizer: ``None``: accept only optimizers known to update each element
+            independently (flat partitions are exact only for those); ``True``: trust that the
+            given optimizer is elementwise.
+        shard_dims: when a multi-dimensional ``DeviceMesh`` is given, the dimensions (present in
+            the mesh) counted as data-parallel for sharding, e.g. ``("dp", "sp")``.
+    """
+
+    stage: int = 3
+    reduce_bucket_elements: int = 25_000_000
+    prefetch: int = 1
+    param_persistence_threshold: int = 1024
+    unit_classes: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    compute_dtype: torch.dtype | str = torch.float32
+    reduce_dtype: torch.dtype | str | None = None
+    overlap_comm: bool = True
+    max_grad_norm: float | None = None
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    check_replicas_every: int = 0
+    elementwise_optimizer: bool | None = None
+    shard_dims: tuple[str, ...] = ("dp", "sp")
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"ZeroConfig.stage={self.stage!r} is unknown; use 1, 2 or 3.")
+        self._positive_int("reduce_bucket_elements", minimum=1, hint="e.g. 25_000_000 elements")
+        self._positive_int("prefetch", minimum=0, hint="0 disables prefetch, 1 is typical")
+        self._positive_int("param_persistence_threshold", minimum=0, hint="0 shards every parameter")
+        self._positive_int("initial_scale_power", minimum=0, hint="16 is typical")
+        self._positive_int("loss_scale_window", minimum=1, hint="1000 is typical")
+        self._positive_int("hysteresis", minimum=1, hint="2 is typical")
+        self._positive_int("check_replicas_every", minimum=0, hint="0 disables the check")
+        object.__setattr__(self, "compute_dtype", _as_dtype("compute_dtype", self.compute_dtype, allow_none=False))
+        object.__setattr__(self, "reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype, allow_none=True))
+        object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        object.__setattr__(self, "shard_dims", tuple(self.shard_dims))
+        if self.max_grad_norm is not None and not (_finite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"ZeroConfig.max_grad_norm={self.max_grad_norm!r} must be a positive number or None.")
+        if not (_finite(self.loss_scale) and self.loss_scale >= 0):
+            raise ValueError(f"ZeroConfig.loss_scale={self.loss_scale!r} must be >= 0 (0 = dynamic scaling).")
+        if not (_finite(self.growth_factor) and self.growth_factor > 1):
+            raise ValueError(f"ZeroConfig.growth_factor={self.growth_factor!r} must be > 1, e.g. 2.0.")
+        if not (_finite(self.backoff_factor) and 0 < self.backoff_factor < 1):
+            raise ValueError(f"ZeroConfig.backoff_factor={self.backoff_factor!r} must be in (0, 1), e.g. 0.5.")
+        if not (_finite(self.min_loss_scale) and self.min_loss_scale > 0):
+            raise ValueError(f"ZeroConfig.min_loss_scale={self.min_loss_scale!r} must be > 0, e.g. 1.0.")
+        if self.stage != 3 and self.unit_classes:
+            raise ValueError(
+                f"ZeroConfig.unit_classes={self.unit_classes} only applies to stage 3 (stage={self.stage}); "
+                "remove it or use stage=3."
+            )
+        if self.elementwise_optimizer not in (None, True):
+            raise ValueError(
+                f"ZeroConfig.elementwise_optimizer={self.elementwise_optimizer!r}; use None (known optimizers "
+                "only) or True (trust that the optimizer updates each element independently)."
+            )
+
+    def _positive_int(self, field: str, *, minimum: int, hint: str) -> None:
+        value = getattr(self, field)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+            object.__setattr__(self, field, value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"ZeroConfig.{field}={value!r} must be an integer >= {minimum} ({hint}).")
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in."""
+        return self.reduce_dtype or self.compute_dtype  # type: ignore[return-value]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether fp32 masters are kept apart from lower-precision compute parameters."""
+        return self.compute_dtype != torch.float32
+
+    def fingerprint(self) -> dict[str, str]:
+        """Field -> printable value, compared across ranks to refuse mismatched configs."""
+        return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

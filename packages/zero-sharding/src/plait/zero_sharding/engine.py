@@ -1,0 +1,253 @@
+"""The engine: every hook the ZeRO stages need, registered in one place.
+
+* Gradient hooks (stages 2/3): ``register_post_accumulate_grad_hook`` on each parameter counts
+  the unit's gradients; when a unit's last gradient arrives its bucket is reduce-scattered
+  (asynchronously, overlapping the rest of backward) and, in stage 3, its gathered parameters
+  are freed. A callback queued on the autograd engine finishes every unit at the end of
+  backward (waits for reductions, handles parameters that got no gradient).
+* Module hooks (stage 3): a forward pre-hook gathers a unit and prefetches the next ones in the
+  recorded forward order; a forward post-hook frees it and registers a multi-grad hook on the
+  outputs, which gathers it again (prefetching in reverse order) when backward reaches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from plait.zero_sharding import profiling
+from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.extension import wait
+from plait.zero_sharding.partition import Partition
+from plait.zero_sharding.units import FlatUnit
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Floating tensors requiring grad inside ``obj`` (pytrees, dataclasses, dicts)."""
+    if hasattr(obj, "__dataclass_fields__"):
+        obj = [getattr(obj, name) for name in obj.__dataclass_fields__]
+    leaves = pytree.tree_leaves(obj)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            out.append(leaf)
+        elif hasattr(leaf, "__dataclass_fields__"):
+            out.extend(_tensors(leaf))
+    return out
+
+
+class ZeroEngine:
+    """Holds the partition and runs communication around forward and backward.
+
+    Args:
+        model: the sharded model.
+        config: the engine config.
+        partition: units built by :func:`plait.zero_sharding.partition.build_partition`.
+        reducer, gatherer, placement: the extension points (see :mod:`.extension`).
+    """
+
+    def __init__(self, model: nn.Module, config: ZeroConfig, partition: Partition, *, reducer: Any,
+                 gatherer: Any, placement: Any) -> None:
+        self.model, self.config, self.partition = model, config, partition
+        self.reducer, self.gatherer, self.placement = reducer, gatherer, placement
+        self.units = partition.units
+        self.device = self.units[0].device if self.units else torch.device("cpu")
+        self.require_sync = True
+        self.pinned = 0  # >0 inside gathered_parameters(): hooks neither gather nor free
+        self.pending_reduce: list[tuple[FlatUnit, Any, torch.Tensor, torch.Tensor]] = []
+        self.callback_queued = False
+        self.forward_order: list[nn.Module] = []
+        self.order_frozen = False
+        self.handles: list[Any] = []
+        self._register_grad_hooks()
+        if config.stage == 3:
+            self._register_module_hooks()
+
+    # ---- registration -------------------------------------------------------------------------
+    def _register_grad_hooks(self) -> None:
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.param.requires_grad:
+                    self.handles.append(slot.param.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit: self._on_grad(unit)))
+
+    def _register_module_hooks(self) -> None:
+        for module, units in self.partition.module_units.items():
+            self.handles.append(module.register_forward_pre_hook(
+                lambda m, args, units=units: self._pre_forward(m, units)))
+            self.handles.append(module.register_forward_hook(
+                lambda m, args, out, units=units: self._post_forward(m, units, out)))
+        root = self.partition.root_units
+        self.handles.append(self.model.register_forward_pre_hook(lambda m, args: self._root_pre_forward(root)))
+        self.handles.append(self.model.register_forward_hook(lambda m, args, out: self._root_post_forward(root)))
+
+    def remove_hooks(self) -> None:
+        """Detach every hook (used when a model is sharded again)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # ---- stage 3 forward ----------------------------------------------------------------------
+    def _root_pre_forward(self, root: list[FlatUnit]) -> None:
+        if self.forward_order and not _in_backward():
+            self.order_frozen = True  # the first complete forward defined the order
+        for unit in root:
+            unit.gather(self.gatherer, "forward")
+
+    def _root_post_forward(self, root: list[FlatUnit]) -> None:
+        if not torch.is_grad_enabled() and not self.pinned:
+            for unit in root:
+                unit.release()
+
+    def _pre_forward(self, module: nn.Module, units: list[FlatUnit]) -> None:
+        if not self.order_frozen and module not in self.forward_order:
+            self.forward_order.append(module)
+        if self.pinned:
+            return
+        with profiling.range_("pre_forward"):
+            recompute = _in_backward()  # activation checkpointing re-runs forward inside backward
+            for unit in units:
+                unit.gather(self.gatherer, "backward" if recompute else "forward")
+            if not recompute:
+                self._prefetch(module, +1, "forward")
+
+    def _post_forward(self, module: nn.Module, units: list[FlatUnit], out: Any) -> None:
+        if self.pinned or _in_backward():
+            return
+        if self.config.reshard_after_forward:
+            for unit in units:
+                unit.release()
+        if torch.is_grad_enabled():
+            tensors = _tensors(out)
+            if tensors:
+                # Not kept in self.handles: the hook lives on this graph and dies with it.
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, m=module, us=units: self._pre_backward(m, us), mode="any")
+
+    def _prefetch(self, module: nn.Module, direction: int, phase: str) -> None:
+        if not self.config.prefetch or module not in self.forward_order:
+            return
+        index = self.forward_order.index(module)
+        for step in range(1, self.config.prefetch + 1):
+            other = index + direction * step
+            if 0 <= other < len(self.forward_order):
+                for unit in self.partition.module_units.get(self.forward_order[other], []):
+                    unit.gather(self.gatherer, phase, block=False)
+
+    # ---- backward -----------------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module, units: list[FlatUnit]) -> None:
+        self._queue_callback()
+        if self.pinned:
+            return
+        with profiling.range_("pre_backward"):
+            for unit in units:
+                unit.gather(self.gatherer, "backward")
+            self._prefetch(module, -1, "backward")
+
+    def _queue_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad(self, unit: FlatUnit) -> None:
+        self._queue_callback()
+        unit.ready += 1
+        if unit.ready < unit.trainable:
+            return
+        if self.config.stage >= 2 and self.require_sync and self.config.overlap_comm:
+            self._launch_reduce(unit)
+        if not self.pinned and not (self.config.stage == 3 and not self.config.reshard_after_forward):
+            unit.release()
+
+    def _launch_reduce(self, unit: FlatUnit) -> None:
+        flat = unit.flat_grads()
+        if flat is None:
+            return
+        out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
+        with profiling.comm_range("reduce_scatter", block=False):
+            handle = self.reducer.reduce_scatter(flat, out, group=unit.group, key=unit.key)
+        self.pending_reduce.append((unit, handle, flat, out))
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        if self.config.stage >= 2 and self.require_sync:
+            for unit in self.units:
+                if unit.ready < unit.trainable or not self.config.overlap_comm:
+                    self._launch_reduce(unit)
+        self.wait_reductions()
+        for unit in self.units:
+            unit.ready = 0
+            if not self.pinned:
+                unit.release()
+
+    def wait_reductions(self) -> None:
+        """Wait for every in-flight reduce-scatter and fold the results into ``grad_shard``."""
+        for unit, handle, _flat, out in self.pending_reduce:
+            with profiling.comm_range("wait_reduce_scatter"):
+                wait(handle)
+            unit.accumulate(out)
+        self.pending_reduce.clear()
+
+    def finish_gradients(self) -> None:
+        """Make every unit's ``grad_shard`` final before a step: reduce anything still local
+        (stage 1 always, stages 2/3 after ``no_sync`` backward passes) and wait."""
+        for unit in self.units:
+            if unit.full_grad is not None or any(s.param.grad is not None for s in unit.slots):
+                self._launch_reduce(unit)
+        self.wait_reductions()
+
+    # ---- contexts -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without communication."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool) -> Iterator[None]:
+        """Every unit gathered and hooks paused; with ``writeback`` edits go back to the masters."""
+        self.pinned += 1
+        try:
+            with profiling.range_("gather_all"):
+                # "step" asks the gatherer for exact values: a quantized (ZeRO++) forward gather
+                # would hand out rounded weights and, with writeback, round the fp32 masters.
+                for unit in self.units:
+                    unit.gather(self.gatherer, "step")
+            yield
+        finally:
+            self.pinned -= 1
+            if writeback:
+                self._write_back()
+            if not self.pinned:
+                for unit in self.units:
+                    unit.release()
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        """Copy edited elements of the full parameters into shards and masters. Only elements
+        that differ from the master's compute-dtype value are written, so untouched fp32 masters
+        keep their precision under bf16/fp16 compute."""
+        for unit in self.units:
+            lo, hi = unit.shard_range
+            edited = unit.full[lo:hi]
+            if not unit.resident:
+                unit.shard.copy_(edited)
+            master = self.placement.masters()[unit.key]
+            current = master.detach().to(device=edited.device, dtype=edited.dtype)
+            changed = edited != current
+            if bool(changed.any()):
+                updated = master.detach().to(edited.device, copy=True)
+                updated[changed] = edited[changed].float()
+                master.copy_(updated)

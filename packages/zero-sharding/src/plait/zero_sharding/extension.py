@@ -1,0 +1,170 @@
+"""Extension points: how gradients are reduced, how parameters are gathered, where state lives.
+
+The engine talks to communication and optimizer-state placement only through these three
+protocols, so other packages change *how* without touching the engine:
+
+* :class:`GradientReducer` - ZeRO++ quantized reduce-scatter, 1-bit optimizers.
+* :class:`ParamGatherer` - ZeRO++ quantized / hierarchical all-gather.
+* :class:`StatePlacement` - plait-offload-io keeps fp32 masters and optimizer state on CPU or NVMe
+  and runs the optimizer step there.
+
+The defaults (:class:`DefaultReducer`, :class:`DefaultGatherer`, :class:`LocalPlacement`) go
+through :mod:`plait.kernels.collectives`, so the byte ledger sees every byte.
+
+Handles: ``reduce_scatter``, ``all_reduce`` and ``all_gather`` may return ``None`` (the work is
+done when the call returns) or an object with a ``wait()`` method (the work is in flight; the
+engine calls ``wait()`` before it reads the output). The engine never assumes either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from plait.kernels import collectives
+
+GATHER_PHASES = ("forward", "backward", "step")
+
+
+@runtime_checkable
+class GradientReducer(Protocol):
+    """How gradients are reduced across the sharding group."""
+
+    def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
+        """Reduce a bucket and keep this rank's part.
+
+        Args:
+            full: flat 1-D bucket of ``world * shard`` elements in the reduce dtype (rank ``r``'s
+                part is ``full[r * shard:(r + 1) * shard]``).
+            shard_out: 1-D tensor of ``shard`` elements, same dtype; receives the SUM over the
+                group of this rank's part (the engine divides for averaging).
+            group: the process group to reduce over.
+            key: a stable id of the bucket (the same on every rank and every step), for
+                per-bucket state such as error feedback.
+
+        Returns:
+            ``None`` or a handle with ``wait()``.
+        """
+
+    def all_reduce(self, tensor: Tensor, *, group: Any, key: str) -> Any:
+        """In-place SUM of ``tensor`` over ``group`` (used where a bucket is not sharded).
+
+        Returns:
+            ``None`` or a handle with ``wait()``.
+        """
+
+
+@runtime_checkable
+class ParamGatherer(Protocol):
+    """How parameter shards are gathered into full flat buffers."""
+
+    def all_gather(self, shard: Tensor, full_out: Tensor, *, group: Any, key: str, phase: str) -> Any:
+        """Gather every rank's ``shard`` into ``full_out``.
+
+        Args:
+            shard: this rank's 1-D shard (compute dtype).
+            full_out: 1-D tensor of ``world * shard.numel()`` elements, same dtype.
+            group: the process group.
+            key: stable id of the parameter group (unit).
+            phase: ``"forward"``, ``"backward"`` (stage 3 just-in-time gathers) or ``"step"``
+                (refreshing replicated parameters after the optimizer step; a lossy gatherer
+                should be exact here or the replicas drift from the masters).
+
+        Returns:
+            ``None`` or a handle with ``wait()``.
+        """
+
+
+@runtime_checkable
+class StatePlacement(Protocol):
+    """Where fp32 master shards and optimizer state live, and where the optimizer step runs.
+
+    Life cycle: at sharding time the engine calls :meth:`place_master` once per unit key, then
+    :meth:`make_optimizer` once. Each ``optimizer.step()`` calls :meth:`step` with the unscaled,
+    clipped fp32 gradient shards (on the compute device), then :meth:`read_master` per key to
+    refresh the compute-dtype parameter shards.
+    """
+
+    def place_master(self, key: str, master: Tensor) -> Tensor:
+        """Take an fp32 master shard (an ``nn.Parameter`` on the compute device) and return the
+        ``nn.Parameter`` the optimizer will update: the same one when kept in place, one living
+        elsewhere (CPU, NVMe-backed) otherwise. ``optimizer.state`` is keyed by what is returned."""
+
+    def make_optimizer(self, build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                       param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """Construct the inner optimizer. ``param_groups`` reference the placed masters;
+        ``build(param_groups)`` constructs the user's optimizer class with the user's options."""
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
+        """One optimizer step: ``grads`` maps key -> fp32 gradient shard (compute device).
+        Attach each to its master's ``.grad``, run ``optimizer.step()``, release the grads."""
+
+    def read_master(self, key: str, out: Tensor) -> None:
+        """Copy the current master of ``key`` into ``out`` (compute device, any float dtype)."""
+
+    def masters(self) -> Mapping[str, Tensor]:
+        """key -> the placed master tensor (what ``optimizer.state`` is keyed by)."""
+
+
+class DefaultReducer:
+    """Plain reduce-scatter / all-reduce through :mod:`plait.kernels.collectives`, async."""
+
+    def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
+        """See :meth:`GradientReducer.reduce_scatter`."""
+        return collectives.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
+
+    def all_reduce(self, tensor: Tensor, *, group: Any, key: str) -> Any:
+        """See :meth:`GradientReducer.all_reduce`."""
+        return collectives.all_reduce(tensor, group=group, async_op=True)
+
+
+class DefaultGatherer:
+    """Plain all-gather through :mod:`plait.kernels.collectives`, async."""
+
+    def all_gather(self, shard: Tensor, full_out: Tensor, *, group: Any, key: str, phase: str) -> Any:
+        """See :meth:`ParamGatherer.all_gather`."""
+        return collectives.all_gather_into_tensor(full_out, shard, group=group, async_op=True)
+
+
+class LocalPlacement:
+    """Masters and optimizer state stay where they were built; the step runs there."""
+
+    def __init__(self) -> None:
+        self._masters: dict[str, Tensor] = {}
+
+    def place_master(self, key: str, master: Tensor) -> Tensor:
+        """Keep the master where it is."""
+        self._masters[key] = master
+        return master
+
+    def make_optimizer(self, build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                       param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """Build the user's optimizer over the masters."""
+        return build(param_groups)
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
+        """Attach grads, step, release."""
+        for key, grad in grads.items():
+            self._masters[key].grad = grad
+        optimizer.step()
+        for key in grads:
+            self._masters[key].grad = None
+
+    def read_master(self, key: str, out: Tensor) -> None:
+        """Copy (casting) the master into ``out``; a no-op when ``out`` is the master itself."""
+        master = self._masters[key]
+        if out.data_ptr() != master.data_ptr():
+            out.copy_(master)
+
+    def masters(self) -> Mapping[str, Tensor]:
+        """key -> master."""
+        return self._masters
+
+
+def wait(handle: Any) -> None:
+    """Wait on a handle returned by an extension (``None`` means already done)."""
+    if handle is not None:
+        handle.wait()

@@ -1,0 +1,126 @@
+"""ZeroModule: the class a sharded model becomes (``fully_shard`` style: a dynamic subclass).
+
+It adds the engine-facing methods next to the model's own: ``no_sync()``,
+``set_requires_gradient_sync()``, ``gathered_parameters()``, full-tensor ``state_dict`` /
+``load_state_dict``, the sharded-state protocol, ``export_full_weights`` and ``model_state_bytes``.
+The model's ``forward`` is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from plait.kernels.sharded_state import ShardedTensor
+from plait.zero_sharding import checkpoint
+from plait.zero_sharding.loss_scaler import ScaleGrad
+
+_classes: dict[type, type] = {}
+
+
+class ZeroModule:
+    """Mixin of a sharded model (see the module docstring). Attributes set by ``zero_shard``:
+    ``zero_engine`` and ``zero_optimizer``."""
+
+    zero_engine: Any
+    zero_optimizer: Any
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients locally, without communication."""
+        return self.zero_engine.no_sync()
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """``False``: later backward passes accumulate locally (as inside :meth:`no_sync`)."""
+        self.zero_engine.require_sync = bool(requires)
+
+    def gathered_parameters(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """See :func:`plait.zero_sharding.gathered_parameters`."""
+        return self.zero_engine.gathered(writeback)
+
+    def persistent_buffer_names(self) -> set[str]:
+        """Names of buffers that belong in a state dict."""
+        out = set()
+        for prefix, module in self.named_modules():  # type: ignore[attr-defined]
+            for name in module._buffers:
+                if name not in module._non_persistent_buffers_set and module._buffers[name] is not None:
+                    out.add(f"{prefix}.{name}" if prefix else name)
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Whole parameters (fp32 masters cast to each parameter's dtype) and persistent buffers.
+        Collective: every rank must call it."""
+        out: dict[str, torch.Tensor] = OrderedDict()
+        dtypes = {name: p.dtype for name, p in self.named_parameters()}  # type: ignore[attr-defined]
+        for name, value in checkpoint.iter_full_parameters(self.zero_engine):
+            out[name] = value.to(dtypes[name])
+        for name, buf in self.named_buffers():  # type: ignore[attr-defined]
+            if name in self.persistent_buffer_names():
+                out[name] = buf.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:  # type: ignore[override]
+        """Load whole tensors (each rank keeps its slices; no communication).
+
+        Raises:
+            KeyError: ``strict`` and parameters or buffers are missing, or keys are unexpected.
+        """
+        engine = self.zero_engine
+        names = {s.name for u in engine.units for s in u.slots}
+        buffers = self.persistent_buffer_names()
+        unexpected = sorted(k for k in state_dict if k not in names and k not in buffers)
+        if strict and unexpected:
+            raise KeyError(f"load_state_dict: unexpected keys {unexpected[:5]}; pass strict=False to ignore them.")
+        missing = checkpoint.load_full_parameters(engine, state_dict, strict=strict)
+        with torch.no_grad():
+            for name, buf in self.named_buffers():  # type: ignore[attr-defined]
+                if name in buffers:
+                    if name in state_dict:
+                        buf.copy_(state_dict[name])
+                    elif strict:
+                        raise KeyError(f"load_state_dict: missing buffer {name!r}; pass strict=False to keep it.")
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def sharded_state_dict(self) -> dict[str, ShardedTensor]:
+        """The :class:`~plait.kernels.sharded_state.ShardedStateful` view (see :mod:`.checkpoint`)."""
+        return checkpoint.sharded_state_dict(self.zero_engine, self.zero_optimizer)
+
+    def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
+        """Accept pieces filled in place (refreshes parameters from masters)."""
+        checkpoint.load_sharded_state_dict(self.zero_engine, self.zero_optimizer, state)
+
+    def export_full_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
+        """See :func:`plait.zero_sharding.checkpoint.export_full_weights`."""
+        return checkpoint.export_full_weights(self, path, dtype=dtype)
+
+
+def _scale_outputs(out: Any, scaler: Any) -> Any:
+    """Route output gradients through :class:`ScaleGrad` (fp16 loss scaling without user code)."""
+    def scale(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point():
+            return ScaleGrad.apply(x, scaler)
+        if hasattr(x, "__dataclass_fields__") and not isinstance(x, type):
+            for name in x.__dataclass_fields__:
+                setattr(x, name, scale(getattr(x, name)))
+        return x
+    return pytree.tree_map(scale, out)
+
+
+def install(model: nn.Module, engine: Any, optimizer: Any) -> None:
+    """Turn ``model`` into a ZeroModule subclass instance and attach engine and optimizer."""
+    base = type(model)
+    if base not in _classes:
+        _classes[base] = type(f"Zero{base.__name__}", (ZeroModule, base), {"__module__": base.__module__})
+    model.__class__ = _classes[base]
+    model.zero_engine = engine
+    model.zero_optimizer = optimizer
+    if optimizer.scaler.enabled:
+        scaler = optimizer.scaler
+        engine.handles.append(model.register_forward_hook(
+            lambda m, args, out: _scale_outputs(out, scaler) if torch.is_grad_enabled() else out))

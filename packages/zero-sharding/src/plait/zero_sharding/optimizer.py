@@ -1,0 +1,184 @@
+"""ZeroOptimizer: the optimizer the user steps, over this rank's fp32 master shards.
+
+It is a real ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the inner
+optimizer's (the user's optimizer class built over the master shards), so LR schedulers and
+code reading ``param_groups`` work unchanged. ``step()`` does, on every rank in the same order:
+
+1. finish gradient reduction (wait for backward's reduce-scatters, reduce anything local);
+2. turn reduced sums into fp32 averages, unscale (fp16);
+3. one all-reduce of ``[sum of squares, overflow flag]`` over the world: the global gradient
+   norm across all shards and the decision to skip, identical on every rank;
+4. skip (every rank together, nothing touched, loss scale backs off) or clip and step;
+5. refresh the compute parameters from the masters (all-gather for resident units).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels import collectives
+from plait.zero_sharding import profiling
+from plait.zero_sharding.engine import ZeroEngine
+from plait.zero_sharding.loss_scaler import LossScaler
+from plait.zero_sharding.replicas import check_replicas
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """See the module docstring.
+
+    Args:
+        engine: the model's engine.
+        inner: the user's optimizer over the master shards (built by the placement).
+        scaler: the loss scaler.
+    """
+
+    def __init__(self, engine: ZeroEngine, inner: torch.optim.Optimizer, scaler: LossScaler) -> None:
+        # Optimizer.__init__ needs a parameter; the real groups are swapped in right after so
+        # schedulers and hooks see exactly the inner optimizer's dicts.
+        super().__init__([torch.zeros(1, requires_grad=True)], dict(inner.defaults))
+        self.engine, self.inner, self.scaler = engine, inner, scaler
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.steps_taken = 0
+        self.last_grad_norm: float | None = None
+        self.last_breakdown: profiling.StepBreakdown | None = None
+        self._clip_request: float | None = None
+        self._cached: tuple[dict[str, torch.Tensor], float, bool] | None = None  # from clip_grad_norm_
+
+    # ---- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step (see the module docstring). Returns the closure's loss, if any.
+
+        Raises:
+            ReplicaMismatchError: ``check_replicas_every`` is set and replicated state differs.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine, config = self.engine, self.engine.config
+        with profiling.range_("step"):
+            if config.check_replicas_every and self.steps_taken % config.check_replicas_every == 0:
+                check_replicas(engine, self.scaler)
+            grads, sumsq, overflow = self._cached or self._averaged_grads()
+            self._cached = None
+            if overflow:
+                self._skip()
+                return loss
+            self.last_grad_norm = math.sqrt(sumsq)
+            max_norm = self._clip_request or config.max_grad_norm
+            self._clip_request = None
+            if max_norm is not None and self.last_grad_norm > max_norm:
+                coef = max_norm / (self.last_grad_norm + 1e-6)
+                for grad in grads.values():
+                    grad.mul_(coef)
+            with profiling.optimizer_range():
+                engine.placement.step(self.inner, grads)
+            for unit in engine.units:
+                unit.refresh_from_master(engine.placement, engine.gatherer, config.mixed_precision)
+                if config.stage == 1:
+                    unit.grad_shard = None  # stage 1 re-reduces its full buffer each step
+            self.scaler.update(False)
+            self.steps_taken += 1
+        self.last_breakdown = profiling.close_step()
+        return loss
+
+    def _averaged_grads(self) -> tuple[dict[str, torch.Tensor], float, bool]:
+        """fp32 averaged gradient shards, the global squared norm and the agreed overflow flag."""
+        engine = self.engine
+        engine.finish_gradients()
+        grads: dict[str, torch.Tensor] = {}
+        local = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        for unit in engine.units:
+            if unit.grad_shard is None:
+                continue
+            grad = unit.grad_shard.to(torch.float32, copy=True)
+            grad.mul_(1.0 / (unit.group_size * self.scaler.scale))
+            grads[unit.key] = grad
+            # fp32 norm of one shard (one pass, no float64 copy); shards are summed in float64.
+            sq = torch.linalg.vector_norm(grad).double().square()
+            if not torch.isfinite(sq):
+                local[1] = 1.0
+            else:
+                local[0] += sq / unit.replicas
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            with profiling.comm_range("grad_norm_all_reduce"):
+                collectives.all_reduce(local)
+        local = local.cpu()
+        return grads, float(local[0]), bool(local[1] > 0)
+
+    def _skip(self) -> None:
+        """Every rank skips together: masters, moments and parameters untouched."""
+        self.scaler.update(True)
+        for unit in self.engine.units:
+            unit.grad_shard = None
+        self.last_grad_norm = float("nan")
+        self.last_breakdown = profiling.close_step()
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient this rank holds (reduced shards, local full gradients)."""
+        self.engine.wait_reductions()
+        self._cached = None
+        for unit in self.engine.units:
+            unit.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global gradient norm across every shard; clipping to ``max_norm`` is applied inside the
+        next ``step()`` (after reduction, before the update), as one fused operation.
+
+        Returns:
+            The total norm of the averaged, unscaled gradients before clipping.
+
+        Raises:
+            ValueError: ``max_norm`` is not a positive finite number.
+        """
+        if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): pass a positive finite number, e.g. 1.0.")
+        with torch.no_grad():
+            self._cached = self._averaged_grads()
+        _grads, sumsq, overflow = self._cached
+        self._clip_request = float(max_norm)
+        return float("inf") if overflow else math.sqrt(sumsq)
+
+    # ---- state --------------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16)."""
+        return self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank saw a non-finite gradient."""
+        return self.scaler.skipped_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shards), the loss scaler and the step count.
+
+        Semantics: the inner optimizer's ``state_dict`` over this rank's master shards, valid for
+        a load at the same world size, stage and parameter grouping. To change layouts use
+        :meth:`plait.zero_sharding.ZeroModule.sharded_state_dict` (plait-universal-ckpt).
+        """
+        return {"inner": self.inner.state_dict(), "loss_scaler": self.scaler.state_dict(),
+                "steps_taken": self.steps_taken,
+                "masters": {key: m.detach().clone() for key, m in self.engine.placement.masters().items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same layout) and refresh the parameters from the masters."""
+        self.inner.load_state_dict(state_dict["inner"])
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
+        self.steps_taken = int(state_dict["steps_taken"])
+        with torch.no_grad():
+            for key, value in state_dict["masters"].items():
+                self.engine.placement.masters()[key].copy_(value)
+            for unit in self.engine.units:
+                unit.refresh_from_master(self.engine.placement, self.engine.gatherer,
+                                         self.engine.config.mixed_precision)

@@ -1,0 +1,224 @@
+"""Splitting a model's parameters into flat units, and materialising meta parameters unit by unit.
+
+Stages 1/2: parameters are packed into buckets of about ``reduce_bucket_elements`` in reverse
+registration order (roughly the order backward produces their gradients), one set of buckets
+per user parameter group. Stage 3: one unit per module group (children of ``nn.ModuleList`` by
+default), the remaining parameters form the root unit, and parameters smaller than
+``param_persistence_threshold`` go to resident buckets handled like stage 2. A parameter used by
+two module groups (tied weights) belongs to the root unit, which stays gathered from forward
+until backward ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.units import FlatUnit, ParamSlot
+
+
+@dataclasses.dataclass
+class OptionGroup:
+    """One user parameter group: optimizer options and where it is sharded.
+
+    Attributes:
+        options: optimizer options of the group (``lr``, ``weight_decay``...).
+        params: the group's parameters, in model order.
+        group: process group to shard over.
+        group_rank: this rank's index in ``group``.
+        group_size: ranks in ``group``.
+        replicas: identical copies of this group's state outside ``group`` (world / group for
+            dense parameters, 1 for parameters that differ across the other ranks, e.g. experts).
+    """
+
+    options: dict[str, Any]
+    params: list[nn.Parameter]
+    group: Any
+    group_rank: int
+    group_size: int
+    replicas: int
+
+
+@dataclasses.dataclass
+class Partition:
+    """The result: units, and for stage 3 which module gathers which units.
+
+    Attributes:
+        units: every unit, in a stable order (keys ``u0``, ``u1``...).
+        module_units: stage 3: module -> the sharded units it gathers in its hooks.
+        root_units: stage 3: sharded units of the root (gathered forward to end of backward).
+        unit_of: id(param) -> unit.
+    """
+
+    units: list[FlatUnit]
+    module_units: dict[nn.Module, list[FlatUnit]]
+    root_units: list[FlatUnit]
+    unit_of: dict[int, FlatUnit]
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its first fully qualified name (tied parameters appear once)."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def unit_modules(model: nn.Module, config: ZeroConfig) -> list[nn.Module]:
+    """Stage 3 module groups, outer before inner (pre-order)."""
+    if config.unit_classes:
+        found = [m for m in model.modules() if type(m).__name__ in config.unit_classes and m is not model]
+        if not found:
+            raise ValueError(
+                f"ZeroConfig.unit_classes={config.unit_classes} matched no module of {type(model).__name__}; "
+                "use class names that occur in the model (e.g. the transformer block class) or leave it empty."
+            )
+        return found
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            out.extend(module)
+    return out
+
+
+def _owners(model: nn.Module, modules: list[nn.Module]) -> dict[int, nn.Module | None]:
+    """id(param) -> deepest unit module owning it, or None (root) when shared by unrelated units."""
+    subtree = {id(m): {id(s) for s in m.modules()} for m in modules}
+    owner: dict[int, nn.Module | None] = {}
+    shared: set[int] = set()
+    for module in modules:
+        for p in module.parameters():
+            prev = owner.get(id(p))
+            if prev is None or id(module) in subtree[id(prev)]:
+                owner[id(p)] = module  # first owner, or a deeper one nested in it
+            elif id(prev) not in subtree[id(module)]:
+                shared.add(id(p))
+    for key in shared:
+        owner[key] = None
+    return owner
+
+
+def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    out: list[list[nn.Parameter]] = []
+    size = limit
+    for p in params:
+        if size + p.numel() > limit and (not out or out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return [b for b in out if b]
+
+
+def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGroup],
+                    init_fn: Callable[[nn.Module], None] | None, device: torch.device) -> Partition:
+    """Create and fill every unit (see the module docstring).
+
+    Args:
+        model: the model (parameters may be on the meta device).
+        config: the engine config.
+        groups: user parameter groups, every trainable and frozen parameter in exactly one.
+        init_fn: called on a module whose meta parameters were just allocated; default
+            ``module.reset_parameters()``.
+        device: the compute device every unit's storage is allocated on.
+
+    Returns:
+        The :class:`Partition`.
+
+    Raises:
+        ValueError: a meta parameter whose module has no ``reset_parameters`` and no ``init_fn``.
+    """
+    names = parameter_names(model)
+    plans: list[tuple[list[nn.Parameter], OptionGroup, int, bool, nn.Module | None]] = []
+    if config.stage < 3:
+        for index, og in enumerate(groups):
+            for bucket in _buckets(list(reversed(og.params)), config.reduce_bucket_elements):
+                plans.append((bucket, og, index, True, None))
+    else:
+        modules = unit_modules(model, config)
+        owner = _owners(model, modules)
+        for index, og in enumerate(groups):
+            small = [p for p in og.params if p.numel() < config.param_persistence_threshold]
+            big = [p for p in og.params if p.numel() >= config.param_persistence_threshold]
+            for module in [None, *modules]:
+                members = [p for p in big if owner.get(id(p)) is module]
+                if members:
+                    plans.append((members, og, index, False, module))
+            for bucket in _buckets(list(reversed(small)), config.reduce_bucket_elements):
+                plans.append((bucket, og, index, True, None))
+    materializer = _Materializer(model, init_fn, device)
+    units, module_units, root_units, unit_of = [], {}, [], {}
+    for params, og, index, resident, module in plans:
+        slots, offset = [], 0
+        for p in params:
+            slots.append(ParamSlot(names[id(p)], p, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        unit = FlatUnit(key=f"u{len(units)}", slots=slots, group=og.group, group_rank=og.group_rank,
+                        group_size=og.group_size, resident=resident, compute_dtype=config.compute_dtype,
+                        reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
+                        device=device)
+        values = materializer.values_for(unit)
+        unit.build(values, config.mixed_precision, config.stage)
+        materializer.done_with(unit)
+        units.append(unit)
+        for slot in slots:
+            unit_of[id(slot.param)] = unit
+        if not resident:
+            (root_units if module is None else module_units.setdefault(module, [])).append(unit)
+    return Partition(units, module_units, root_units, unit_of)
+
+
+class _Materializer:
+    """Allocates and initialises meta parameters one owning module at a time."""
+
+    def __init__(self, model: nn.Module, init_fn: Callable[[nn.Module], None] | None, device: torch.device) -> None:
+        self.init_fn, self.device = init_fn, device
+        self.owner_of: dict[int, nn.Module] = {}
+        self.locations: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    self.owner_of.setdefault(id(p), module)
+                    self.locations.setdefault(id(p), []).append((module, name))
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def values_for(self, unit: FlatUnit) -> dict[str, torch.Tensor] | None:
+        if not any(slot.param.is_meta for slot in unit.slots):
+            return None
+        values = {}
+        for slot in unit.slots:
+            if slot.param.is_meta:
+                self._materialize(self.owner_of[id(slot.param)])
+                new = self._current(slot)
+                slot.param = new
+            values[slot.name] = slot.param.detach()
+        return values
+
+    def _current(self, slot: ParamSlot) -> nn.Parameter:
+        module, name = self.locations[id(slot.param)][0]
+        return module._parameters[name]
+
+    def _materialize(self, module: nn.Module) -> None:
+        metas = {n: p for n, p in module._parameters.items() if p is not None and p.is_meta}
+        if not metas:
+            return
+        if self.init_fn is None and not hasattr(module, "reset_parameters"):
+            raise ValueError(
+                f"{type(module).__name__} has meta parameters {sorted(metas)} but no reset_parameters(); "
+                "pass init_fn=... to zero_shard to initialise it, or load weights with load_state_dict after."
+            )
+        for old in metas.values():
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device),
+                               requires_grad=old.requires_grad)
+            for owner, attr in self.locations[id(old)]:  # tied parameters: replace every occurrence
+                owner._parameters[attr] = new
+            self.locations[id(new)] = self.locations[id(old)]
+            self.owner_of[id(new)] = module
+        with torch.no_grad():
+            (self.init_fn or (lambda m: m.reset_parameters()))(module)
+
+    def done_with(self, unit: FlatUnit) -> None:
+        """Nothing is cached across units: values live only while their unit is built."""
+        self.pending.clear()

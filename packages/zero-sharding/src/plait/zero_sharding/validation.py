@@ -1,0 +1,78 @@
+"""Input checks that run before anything is allocated: optimizer support, cross-rank agreement."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from plait.zero_sharding.config import ZeroConfig
+
+# Optimizers whose update of an element depends only on that element's own gradient and state,
+# so a flat slice of a tensor can be updated independently of the rest of it.
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Lion", "ASGD", "Rprop",
+    "FusedAdam", "DeepSpeedCPUAdam",
+})
+
+
+def check_optimizer(cls: Any, config: ZeroConfig) -> None:
+    """Refuse optimizers whose update needs whole tensors (LAMB, Adafactor, Shampoo, Muon, LBFGS...).
+
+    Raises:
+        ValueError: naming the optimizer and the fix.
+    """
+    if not callable(cls):
+        raise ValueError(f"optimizer={cls!r} is neither an optimizer class nor an instance; pass e.g. "
+                         "torch.optim.AdamW.")
+    name = getattr(cls, "__name__", type(cls).__name__)
+    if name in ELEMENTWISE_OPTIMIZERS or config.elementwise_optimizer:
+        return
+    raise ValueError(
+        f"optimizer {name} is not known to be elementwise, and ZeRO updates flat slices of tensors, which is "
+        f"exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}). Optimizers that "
+        "need whole tensors (LAMB's trust ratio, Adafactor's factored moments, LBFGS) are not supported; if "
+        f"{name} does update each element independently, set ZeroConfig(elementwise_optimizer=True)."
+    )
+
+
+def _layout(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_same_across_ranks(model: nn.Module, config: ZeroConfig, optimizer_cls: Any, group: Any = None) -> None:
+    """Every rank of the sharding group must shard the same model with the same config and optimizer
+    (ranks outside it, e.g. other pipeline stages, may hold other models).
+
+    Raises:
+        ValueError: on every rank, naming the differing config fields (or the model/optimizer)
+            and the ranks that differ.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    mine = {"config": config.fingerprint(), "model": _layout(model),
+            "optimizer": getattr(optimizer_cls, "__name__", repr(optimizer_cls))}
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    reference, first = everyone[0], ranks[0]
+    problems = []
+    for rank, theirs in zip(ranks[1:], everyone[1:]):
+        fields = [k for k in reference["config"] if reference["config"][k] != theirs["config"].get(k)]
+        for field in fields:
+            problems.append(f"ZeroConfig.{field} is {reference['config'][field]} on rank {first} but "
+                            f"{theirs['config'][field]} on rank {rank}")
+        if theirs["model"] != reference["model"]:
+            problems.append(f"rank {rank} has different parameter names/shapes/dtypes than rank {first}")
+        if theirs["optimizer"] != reference["optimizer"]:
+            problems.append(f"optimizer is {reference['optimizer']} on rank {first} but {theirs['optimizer']} "
+                            f"on rank {rank}")
+    if problems:
+        raise ValueError("zero_shard inputs differ across ranks: " + "; ".join(problems)
+                         + ". Build the same model, config and optimizer on every rank.")

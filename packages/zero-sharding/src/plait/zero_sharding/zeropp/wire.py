@@ -1,0 +1,165 @@
+"""The bytes ZeRO++ puts on the wire: quantized rows packed as one ``uint8`` payload per row.
+
+A "row" is what one rank sends to one peer (qgZ: the slice of a gradient bucket that a
+destination rank owns) or what one rank contributes to everyone (qwZ: its parameter shard). Each
+row is quantized on its own with :func:`plait.kernels.ops.quantize.quantize_blockwise`, so block
+boundaries never straddle two ranks' data and a receiver needs nothing but its own rows to
+rebuild the values. A row's payload is its codes followed by the raw bytes of its fp32 scales::
+
+    [ codes: code_numel(n, bits) bytes | scales: 4 * ceil(n / block_size) bytes ]
+
+Codes and scales travel in one collective instead of two: one launch and one latency per
+gather or all-to-all, and the byte ledger records exactly ``rows x payload_bytes``. Keeping the
+scales in fp32 (not fp16) costs 2 more bytes per block (0.8% at block 256) and keeps the
+bound ``|x - x_hat| <= scale / 2`` exact, with no overflow for large gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plait.kernels.ops.quantize import (
+    SUPPORTED_BITS,
+    code_dtype,
+    code_numel,
+    dequantize_blockwise,
+    num_blocks,
+    quantize_blockwise,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Sizes of one quantized row of ``numel`` elements.
+
+    Attributes:
+        numel: elements in the row.
+        bits: 8 or 4.
+        block_size: elements per scale.
+    """
+
+    numel: int
+    bits: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        assert self.bits in SUPPORTED_BITS and self.numel >= 0, self  # validated by the configs upstream
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of codes (one per element for 8 bits, one per two elements for 4 bits)."""
+        return code_numel(self.numel, self.bits)
+
+    @property
+    def blocks(self) -> int:
+        """Number of quantization blocks (and fp32 scales)."""
+        return num_blocks(self.numel, self.block_size)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one row on the wire: codes plus fp32 scales."""
+        return self.code_bytes + 4 * self.blocks
+
+    @property
+    def aligned(self) -> bool:
+        """Whether rows end on block boundaries, so several rows quantize as one flat tensor."""
+        return self.numel % self.block_size == 0
+
+
+def quantize_rows(rows: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """Quantize each row of ``rows`` on its own and pack codes and scales into one payload per row.
+
+    Args:
+        rows: ``[R, layout.numel]`` floating tensor (any of fp32/bf16/fp16).
+        layout: the row layout.
+
+    Returns:
+        ``uint8 [R, layout.payload_bytes]``, contiguous (ready for a collective).
+    """
+    count = rows.shape[0]
+    payload = torch.empty(count, layout.payload_bytes, dtype=torch.uint8, device=rows.device)
+    if layout.aligned:
+        # Rows end on block boundaries, so one kernel launch over all rows makes the same blocks.
+        codes, scales = quantize_blockwise(rows, bits=layout.bits, block_size=layout.block_size)
+        payload[:, :layout.code_bytes] = codes.view(torch.uint8).view(count, layout.code_bytes)
+        payload[:, layout.code_bytes:] = scales.view(torch.uint8).view(count, 4 * layout.blocks)
+        return payload
+    for index in range(count):
+        codes, scales = quantize_blockwise(rows[index], bits=layout.bits, block_size=layout.block_size)
+        payload[index, :layout.code_bytes] = codes.view(torch.uint8)
+        payload[index, layout.code_bytes:] = scales.view(torch.uint8)
+    return payload
+
+
+def dequantize_rows(payload: torch.Tensor, layout: RowLayout, out: torch.Tensor) -> torch.Tensor:
+    """Rebuild the values of every row of ``payload`` into ``out``.
+
+    Args:
+        payload: ``uint8 [R, layout.payload_bytes]`` as :func:`quantize_rows` made it (possibly
+            after a collective).
+        layout: the row layout.
+        out: contiguous floating tensor of ``R * layout.numel`` elements; row ``r`` lands in
+            ``out.view(-1)[r * numel:(r + 1) * numel]``.
+
+    Returns:
+        ``out``.
+    """
+    count = payload.shape[0]
+    flat_out = out.view(-1)
+    codes = payload[:, :layout.code_bytes].contiguous()
+    scales = payload[:, layout.code_bytes:].contiguous().view(torch.float32)
+    if layout.bits == 8:
+        codes = codes.view(code_dtype(8))
+    if layout.aligned:
+        dequantize_blockwise(codes.view(-1), scales.view(-1), bits=layout.bits, block_size=layout.block_size,
+                             numel=count * layout.numel, dtype=out.dtype, out=flat_out)
+        return out
+    for index in range(count):
+        dequantize_blockwise(codes[index], scales[index], bits=layout.bits, block_size=layout.block_size,
+                             numel=layout.numel, dtype=out.dtype,
+                             out=flat_out[index * layout.numel:(index + 1) * layout.numel])
+    return out
+
+
+def dequantize_sum_rows(payload: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """Dequantize every row to fp32 and sum them (the receiving side of a quantized reduce).
+
+    Args:
+        payload: ``uint8 [R, layout.payload_bytes]``.
+        layout: the row layout.
+
+    Returns:
+        fp32 ``[layout.numel]``: the rows summed in row order (deterministic).
+    """
+    values = torch.empty(payload.shape[0], layout.numel, dtype=torch.float32, device=payload.device)
+    dequantize_rows(payload, layout, values)
+    return values.sum(dim=0)
+
+
+class PendingComm:
+    """Handle of an in-flight quantized collective, as the engine's extension protocol expects.
+
+    ``wait()`` waits for the collective (started with ``async_op=True``, so it overlaps whatever
+    the caller does meanwhile, e.g. the previous unit's compute under prefetch) and then runs
+    ``finish``, which rebuilds values from the received bytes. Waiting twice is harmless.
+
+    Args:
+        work: the collective's work handle, or ``None`` when nothing is in flight.
+        finish: what to do once the bytes have arrived (dequantize into the output, keep state).
+    """
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work, self._finish, self._done = work, finish, False
+
+    def wait(self) -> None:
+        """Complete the collective and the dequantization."""
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._finish()
+        self._done = True
