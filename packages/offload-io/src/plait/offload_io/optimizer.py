@@ -27,10 +27,16 @@ from plait.offload_io import probe
 from plait.offload_io.buffers import aligned_empty
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
-from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
 from plait.offload_io.store import CpuStateStore, StateStore
-from plait.offload_io.subgroups import MASTER_KEY, SubGroup, build_subgroups, state_bytes_estimate
+from plait.offload_io.subgroups import (
+    MASTER_KEY,
+    SubGroup,
+    build_subgroups,
+    state_bytes_estimate,
+    write_back_state,
+)
 
 _CONFIG_KEYS = ("device", "path", "sub_group_size", "master_weights", "slots", "offload_ratio", "io")
 
@@ -185,27 +191,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             sg.install_state(views)
         sg.inner.step()
         sg.copy_back()
-        current = sg.tensor_state()
-        if views is not None and self.store.layout(sg.id).matches(current):
-            for name, tensor in current.items():
-                if tensor.data_ptr() != views[name].data_ptr():  # replaced instead of updated in place
-                    views[name].copy_(tensor)
-            sg.drop_tensor_state()
-            self.store.put(sg.id)
-            return
-        # First step of this sub-group, new state appeared (a parameter got its first grad), or
-        # the state was held in memory after a disk-full error.
-        if views is not None:
-            self.store.put(sg.id, dirty=False)
-        try:
-            self.store.register(sg.id, current)
-        except OffloadDiskFullError as exc:
-            sg.take_ownership()  # the slot it viewed may be reused; keep the only copy until flush()
-            self._held.add(sg.id)
-            errors.append(exc)
-            return
-        self._held.discard(sg.id)
-        sg.drop_tensor_state()
+        write_back_state(self.store, sg, views, self._held, errors)
 
     def flush(self) -> None:
         """Write back any state still only in memory (after a disk-full error, once space is back).

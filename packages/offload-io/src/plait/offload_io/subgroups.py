@@ -18,6 +18,8 @@ import torch
 
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
+from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.store import StateStore
 
 MASTER_KEY = "__master__"
 
@@ -240,3 +242,39 @@ def _make_subgroup(sub_id: int, group_index: int, params: list[torch.Tensor], co
         masters.append(master)
     return SubGroup(sub_id, group_index, params, masters, optimizer_cls(masters, **optim_kwargs),
                     masters_in_store=config.device == "nvme" and not kept, kept=kept)
+
+
+def write_back_state(store: StateStore, sg: SubGroup, views: dict[str, torch.Tensor] | None, held: set,
+                     errors: list[OffloadIOError]) -> None:
+    """Put a sub-group's optimizer state back into ``store`` after its step.
+
+    Args:
+        store: where the state lives between steps.
+        sg: the sub-group that just stepped.
+        views: the store's views the state was installed from, or ``None`` when it was not in
+            the store (first step, or held in memory after a disk-full error).
+        held: ids of sub-groups whose only copy is in memory; updated here.
+        errors: a disk-full error is appended here (the caller agrees on it across ranks) and
+            the state is kept in memory until ``flush()``.
+    """
+    current = sg.tensor_state()
+    if views is not None and store.layout(sg.id).matches(current):
+        for name, tensor in current.items():
+            if tensor.data_ptr() != views[name].data_ptr():  # replaced instead of updated in place
+                views[name].copy_(tensor)
+        sg.drop_tensor_state()
+        store.put(sg.id)
+        return
+    # First step of this sub-group, new state appeared (a parameter got its first grad), or the
+    # state was held in memory after a disk-full error: (re-)register it.
+    if views is not None:
+        store.put(sg.id, dirty=False)
+    try:
+        store.register(sg.id, current)
+    except OffloadDiskFullError as exc:
+        sg.take_ownership()  # the slot it viewed may be reused; keep the only copy until flush()
+        held.add(sg.id)
+        errors.append(exc)
+        return
+    held.discard(sg.id)
+    sg.drop_tensor_state()

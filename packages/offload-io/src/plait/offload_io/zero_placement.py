@@ -41,7 +41,7 @@ from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
 from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
 from plait.offload_io.file_store import FileStateStore
-from plait.offload_io.subgroups import SubGroup, build_subgroups, state_bytes_estimate
+from plait.offload_io.subgroups import SubGroup, build_subgroups, state_bytes_estimate, write_back_state
 
 
 class ZeroOffloadPlacement:
@@ -247,26 +247,7 @@ class ZeroOffloadPlacement:
             master.grad = None
         if self.store is None or sg.kept:
             return
-        current = sg.tensor_state()
-        if views is not None and self.store.layout(sg.id).matches(current):
-            for name, tensor in current.items():
-                if tensor.data_ptr() != views[name].data_ptr():  # replaced instead of updated in place
-                    views[name].copy_(tensor)
-            sg.drop_tensor_state()
-            self.store.put(sg.id)
-            return
-        # First step of this sub-group, new state appeared, or it was held after a disk-full error.
-        if views is not None:
-            self.store.put(sg.id, dirty=False)
-        try:
-            self.store.register(sg.id, current)
-        except OffloadDiskFullError as exc:
-            sg.take_ownership()  # its slot may be reused; keep the only copy until flush()
-            self._held.add(sg.id)
-            errors.append(exc)
-            return
-        self._held.discard(sg.id)
-        sg.drop_tensor_state()
+        write_back_state(self.store, sg, views, self._held, errors)
 
     def _agree_on(self, errors: list[OffloadIOError]) -> None:
         """Raise on every rank when any rank failed to write (NVMe only; one tiny all-reduce)."""
