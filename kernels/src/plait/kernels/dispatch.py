@@ -60,3 +60,35 @@ def select_backend(*tensors: torch.Tensor) -> str:
 def triton_device_ok(tensor: torch.Tensor) -> bool:
     """Whether a Triton kernel may be launched on ``tensor`` (CUDA, or CPU under the interpreter)."""
     return tensor.is_cuda or settings.triton_interpret()
+
+
+def check_triton_launch_mode(kernel: object, tensor: torch.Tensor, *, op: str) -> bool:
+    """Refuse a Triton launch whose jit mode does not fit ``tensor``'s device.
+
+    ``triton.jit`` (for plait's kernels and for triton's own library, e.g. ``tl.sum``) decides
+    compiled vs interpreted once, when triton is imported, from ``TRITON_INTERPRET``: setting the
+    variable later cannot switch it. Every launcher calls this so the mismatch is a clear error
+    instead of a failure deep inside Triton.
+
+    Args:
+        kernel: the ``@triton.jit`` kernel about to launch.
+        tensor: an input tensor (its device decides what mode is needed).
+        op: the op's name, for the message.
+
+    Returns:
+        Whether the kernel runs under the interpreter.
+
+    Raises:
+        RuntimeError: interpreted kernels with CUDA tensors, or compiled kernels with CPU tensors.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if interpreted == tensor.is_cuda:
+        mode = "for the interpreter" if interpreted else "for the GPU"
+        raise RuntimeError(
+            f"the Triton {op} kernel was jitted {mode} but got {tensor.device.type} tensors: set "
+            "TRITON_INTERPRET=1 in the environment before the process imports triton to run kernels on "
+            "CPU tensors, leave it unset on CUDA, or use PLAIT_KERNEL_BACKEND=reference on CPU."
+        )
+    return interpreted

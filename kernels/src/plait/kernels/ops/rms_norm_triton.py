@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.kernels.dispatch import check_triton_launch_mode
+
 MAX_FUSED_N = 65536
 _INTERPRETER_BWD_PROGRAMS = 4
 _BWD_PROGRAMS_PER_SM = 2
@@ -125,21 +127,9 @@ def _rms_norm_bwd_kernel(
 
 
 def _check_mode(t: torch.Tensor) -> bool:
-    """Refuse a launch the imported kernels cannot run; returns whether to round bf16 in software.
-
-    ``triton.jit`` (for these kernels and triton's own library, e.g. ``tl.sum``) picks compiled
-    or interpreted once, at import, from TRITON_INTERPRET; setting the variable later cannot
-    switch it, so say so instead of failing deep inside Triton.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    interpreted = isinstance(_rms_norm_fwd_kernel, InterpretedFunction)
-    if not t.is_cuda and not interpreted:
-        raise RuntimeError(
-            "the Triton RMSNorm kernels were imported in compiled mode but got CPU tensors: "
-            "TRITON_INTERPRET=1 was set after triton was imported. Set it in the environment before "
-            "the process imports triton, or use PLAIT_KERNEL_BACKEND=reference on CPU."
-        )
+    """Refuse a launch the imported kernels cannot run; returns whether to round bf16 in software
+    (the interpreter truncates fp32 -> bf16 casts where CUDA rounds to nearest even)."""
+    interpreted = check_triton_launch_mode(_rms_norm_fwd_kernel, t, op="RMSNorm")
     return interpreted and t.dtype == torch.bfloat16
 
 

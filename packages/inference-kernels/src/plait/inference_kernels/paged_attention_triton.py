@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from plait.inference_kernels.input_checks import next_power_of_two
+from plait.kernels.dispatch import check_triton_launch_mode
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def combine_splits(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits):
     """Launch the decode kernel (inputs already validated); returns ``[B, Hq, D]`` in q's dtype."""
-    check_launch_mode(_paged_decode_kernel, q)
+    check_triton_launch_mode(_paged_decode_kernel, q, op="paged decode attention")
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     interpret = not q.is_cuda
@@ -237,7 +237,7 @@ def _write_kv_rotary_kernel(
 
 def write_kv_rotary_triton(k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q, is_neox):
     """Launch the rotary + cache-write kernel (inputs already validated); returns rotated q or None."""
-    check_launch_mode(_write_kv_rotary_kernel, k)
+    check_triton_launch_mode(_write_kv_rotary_kernel, k, op="write_kv_rotary")
     num_tokens, kv_heads, head_dim = k.shape
     if cos_sin_cache.stride(1) != 1:
         # The kernel indexes a cos/sin row with unit stride; copy only the rare strided cache.
@@ -259,19 +259,3 @@ def write_kv_rotary_triton(k, v, positions, cos_sin_cache, k_cache, v_cache, slo
     return q_out
 
 
-def check_launch_mode(kernel, tensor: torch.Tensor) -> None:
-    """Refuse a launch whose jit mode does not fit the tensor's device.
-
-    ``triton.jit`` reads ``TRITON_INTERPRET`` when this module is imported: a module imported for
-    the interpreter cannot launch on CUDA tensors and a compiled one cannot take CPU tensors.
-
-    Raises:
-        RuntimeError: the mismatch, with the fix.
-    """
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if interpreted == tensor.is_cuda:
-        raise RuntimeError(
-            f"this Triton kernel was jitted {'for the interpreter' if interpreted else 'for the GPU'} but got "
-            f"{tensor.device.type} tensors; set TRITON_INTERPRET=1 before the process imports triton to run "
-            f"kernels on CPU tensors, and leave it unset to run them on CUDA."
-        )

@@ -34,9 +34,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from plait.inference_kernels.moe.routing import align_tokens_to_blocks
+from plait.kernels.dispatch import check_triton_launch_mode
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -202,7 +202,7 @@ def fused_experts_triton(
     Returns:
         ``[T, H]`` in ``hidden.dtype``.
     """
-    check_launch_mode(_grouped_gemm_kernel, hidden)
+    check_triton_launch_mode(_grouped_gemm_kernel, hidden, op="fused MoE")
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
@@ -226,19 +226,3 @@ def fused_experts_triton(
     return partial.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
 
 
-def check_launch_mode(kernel, tensor: torch.Tensor) -> None:
-    """Refuse a launch whose jit mode does not fit the tensor's device.
-
-    ``triton.jit`` reads ``TRITON_INTERPRET`` when this module is imported: a module imported for
-    the interpreter cannot launch on CUDA tensors and a compiled one cannot take CPU tensors.
-
-    Raises:
-        RuntimeError: the mismatch, with the fix.
-    """
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if interpreted == tensor.is_cuda:
-        raise RuntimeError(
-            f"this Triton kernel was jitted {'for the interpreter' if interpreted else 'for the GPU'} but got "
-            f"{tensor.device.type} tensors; set TRITON_INTERPRET=1 before the process imports triton to run "
-            f"kernels on CPU tensors, and leave it unset to run them on CUDA."
-        )

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from plait.inference_kernels.input_checks import next_power_of_two
+from plait.kernels.dispatch import check_triton_launch_mode
 
 
 @triton.jit
@@ -73,11 +73,7 @@ def topk_routing_triton(
         RuntimeError: the kernel was jitted for the other mode (interpreter vs GPU) than the
             tensor's device needs.
     """
-    if isinstance(_topk_softmax_kernel, InterpretedFunction) == router_logits.is_cuda:
-        raise RuntimeError(
-            "the routing kernel was jitted for the wrong mode for these tensors; set TRITON_INTERPRET=1 "
-            "before the process imports triton to run kernels on CPU tensors, and leave it unset on CUDA."
-        )
+    check_triton_launch_mode(_topk_softmax_kernel, router_logits, op="top-k routing")
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
