@@ -78,7 +78,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             is given (or a ``config.json`` is already there).
         key: the state-dict key of the model (default: the only key holding parameters).
         dtype: cast floating tensors to this dtype (default: as saved).
-        max_shard_bytes: size bound of each ``model-XXXXX-of-YYYYY.safetensors``.
+        max_shard_bytes: size bound of each ``model-<i>-of-<n>.safetensors`` shard (5-digit numbers).
         config: an object with ``save_pretrained(dst)`` (an HF config) or a dict written as config.json.
         rename: maps checkpoint names to HF names (default: unchanged).
         verify: check hashes while reading.
