@@ -9,11 +9,12 @@ with p10/p90, and a ratio inside the A-vs-A spread is reported as noise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 
@@ -73,6 +74,19 @@ class TimingStats:
 def _quantile(ordered: Sequence[float], q: float) -> float:
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread inside the block (shared/benchmarks.md's CPU timing rule), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def interleaved_timing(

@@ -19,6 +19,7 @@ target on CUDA is >= 0.85 (shared/benchmarks.md); on CPU the fraction is shown w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from plait.kernels.bench import BenchRow, TimingStats, interleaved_timing, timing_row
+from plait.kernels.bench import BenchRow, TimingStats, interleaved_timing, one_thread, timing_row
 from plait.kernels.ops import rms_norm, rms_norm_reference
 
 EPS = 1e-6
@@ -284,15 +285,10 @@ def run(quick: bool) -> list[BenchRow]:
     """
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
-    threads = torch.get_num_threads()
-    if not on_cuda:
-        torch.set_num_threads(1)
-    try:
-        steps = 10 if quick else 30
-        reps = 20 if on_cuda else 2
-        rows: list[BenchRow] = []
+    steps = 10 if quick else 30
+    reps = 20 if on_cuda else 2
+    rows: list[BenchRow] = []
+    with contextlib.nullcontext() if on_cuda else one_thread():
         for case in cases(quick=quick, on_cuda=on_cuda):
             rows += bench_case(case, quick=quick, device=device, steps=steps, reps=reps)
-        return rows
-    finally:
-        torch.set_num_threads(threads)
+    return rows

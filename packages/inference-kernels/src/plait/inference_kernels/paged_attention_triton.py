@@ -34,17 +34,8 @@ import triton
 import triton.language as tl
 
 from plait.inference_kernels.input_checks import next_power_of_two
+from plait.inference_kernels.triton_matmul import mma as _mma
 from plait.kernels.dispatch import check_triton_launch_mode
-
-
-@triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):  # noqa: N803
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -11,7 +11,6 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 
@@ -26,22 +25,11 @@ from plait.inference_kernels.moe.fused_moe import fused_moe
 from plait.inference_kernels.paged_attention import paged_decode_attention
 from plait.inference_kernels.paged_attention_kv_write import write_kv_rotary
 from plait.inference_kernels.patching import benchmark as patching_benchmark
-from plait.kernels.bench import BenchRow, interleaved_timing, timing_row
+from plait.kernels.bench import BenchRow, interleaved_timing, one_thread, timing_row
 from plait.kernels.tolerances import tolerance
 
 # The shared benchmark model's MoE variant (tiny-llama: hidden 256, SwiGLU 688, 8 experts, top-2).
 MOE_SHAPE = {"hidden": 256, "intermediate": 688, "experts": 8, "top_k": 2}
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread while the CPU rows run (the project's CPU timing rule), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _checked_row(name, ours_fn, peer_fn, peer_name, tol_key, *, steps):
@@ -146,7 +134,7 @@ def run(quick: bool) -> list[BenchRow]:
         The table's rows.
     """
     steps = 15 if quick else 30  # medians of more steps: the shared CPU machines are noisy
-    with _one_thread():
+    with one_thread():
         rows = moe_rows(quick, steps=steps) + paged_rows(quick, steps=steps) + kv_write_rows(quick, steps=steps)
     if importlib.util.find_spec("transformers") is not None:  # the patched-HF-model rows need it
         rows += patching_benchmark.run(quick)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from plait.inference_kernels.moe.routing import align_tokens_to_blocks
+from plait.inference_kernels.triton_matmul import mma as _mma
 from plait.kernels.dispatch import check_triton_launch_mode
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
@@ -51,16 +52,6 @@ def _activation(x, ACTIVATION: tl.constexpr):  # noqa: N803
         # tanh(y) = 2 * sigmoid(2y) - 1; tl has no tanh on every backend.
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         return 0.5 * x * (2.0 * tl.sigmoid(2.0 * inner))
-
-
-@triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):  # noqa: N803
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -19,27 +19,16 @@ Rows:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 
-from plait.kernels.bench import BenchRow, interleaved_timing, timing_row
+from plait.kernels.bench import BenchRow, interleaved_timing, one_thread, timing_row
 from plait.kernels.ops import apply_rotary, silu_and_mul
 from plait.kernels.tolerances import tolerance
 
 TINY_LLAMA = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
                   num_key_value_heads=4, head_dim=64, intermediate_size=688, max_position_embeddings=2048)
-
-
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _checked(name: str, ours, peer, peer_name: str, tol_key: str, *, steps: int) -> BenchRow:
@@ -152,7 +141,7 @@ def run(quick: bool = False) -> list[BenchRow]:
         The rows, each with ratio = ours / HF eager and target <= 1.0.
     """
     steps = 10 if quick else 20
-    with _one_thread():
+    with one_thread():
         return silu_rows(quick, steps=steps) + rotary_rows(quick, steps=steps) + model_rows(quick, steps=steps)
 
 
