@@ -1,9 +1,10 @@
 """Trainer with the offload strategy names: the loss curve equals the in-memory plait ZeRO one exactly.
 
 ``plait_zero2_offload`` / ``plait_zero3_offload`` keep fp32 masters and AdamW state on the CPU
-through plait-offload-io's ZeRO placement, ``plait_zero3_offload_nvme`` in files under
-``$PLAIT_OFFLOAD_PATH``. The step is elementwise and runs on CPU tensors in both cases, so the
-curves must be bitwise equal (not just close) on 1 and on 2 gloo processes.
+through plait-offload-io's ZeRO placement (stage 3 its parameter shards too),
+``plait_zero3_offload_nvme`` all of it in files under ``$PLAIT_OFFLOAD_PATH``. The step is
+elementwise and runs on CPU tensors in both cases, so the curves must be bitwise equal (not just
+close) on 1 and on 2 gloo processes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def test_offload_strategies_match_in_memory_curves(devices: int, tmp_path: Any) 
             assert result[offloaded] == result[in_memory], (rank, offloaded, result[offloaded], result[in_memory])
             kind, config = result[f"{offloaded}:placement"]
             assert kind == "ZeroOffloadPlacement" and config.device == ("nvme" if "nvme" in offloaded else "cpu")
+            # Stage 3 offloads the parameter shards to the same device (DeepSpeed's stage_3_offload).
+            assert config.param_device == ("none" if "zero2" in offloaded else config.device), (offloaded, config)
             if config.device == "nvme":
                 assert config.path == str(tmp_path)
             assert result[f"{in_memory}:placement"][0] == "LocalPlacement"

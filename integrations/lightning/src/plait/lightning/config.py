@@ -170,8 +170,10 @@ NAMES: dict[str, tuple[int, str | None, str]] = {
     "plait_zero2": (2, None, "plait ZeRO stage 2: optimizer state and gradients partitioned"),
     "plait_zero3": (3, None, "plait ZeRO stage 3: optimizer state, gradients and parameters partitioned"),
     "plait_zero2_offload": (2, "cpu", "plait ZeRO stage 2, optimizer state on CPU (plait-offload-io)"),
-    "plait_zero3_offload": (3, "cpu", "plait ZeRO stage 3, fp32 masters and optimizer state on CPU (plait-offload-io)"),
-    "plait_zero3_offload_nvme": (3, "nvme", "plait ZeRO stage 3, state on NVMe (plait-offload-io)"),
+    "plait_zero3_offload": (3, "cpu", "plait ZeRO stage 3, parameter shards, fp32 masters and optimizer state on CPU "
+                                      "(plait-offload-io)"),
+    "plait_zero3_offload_nvme": (3, "nvme", "plait ZeRO stage 3, parameter shards, fp32 masters and optimizer state "
+                                            "on NVMe (plait-offload-io)"),
 }
 
 

@@ -82,7 +82,11 @@ def _offload_placement(plan: PlaitConfig) -> Any:
     if isinstance(offload, str):
         from plait.offload_io import OffloadConfig
 
-        offload = OffloadConfig(device=offload, **({"path": plan.nvme_path} if offload == "nvme" else {}))
+        # As DeepSpeed's Lightning strategies "deepspeed_stage_3_offload(_nvme)": stage 3 moves the
+        # parameter shards to the same device as the optimizer state (ZeRO-Infinity).
+        params = offload if plan.zero.stage == 3 else "none"
+        offload = OffloadConfig(device=offload, param_device=params,
+                                **({"path": plan.nvme_path} if offload == "nvme" else {}))
     return factory(offload)
 
 

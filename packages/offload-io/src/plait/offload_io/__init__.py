@@ -6,8 +6,10 @@
   files, with prefetch and double buffering (the interface plait-zero-sharding plugs into).
 - :class:`OffloadedOptimizer` offloads any ``torch.optim`` optimizer's state for single-process
   training.
-- :class:`ZeroOffloadPlacement` (:func:`zero_placement`) plugs CPU/NVMe optimizer state into
-  plait-zero-sharding's ``zero_shard(..., placement=...)``.
+- :class:`ZeroOffloadPlacement` (:func:`zero_placement`) plugs CPU/NVMe optimizer state, fp32
+  masters and (stage 3, ``param_device``) parameter shards into plait-zero-sharding's
+  ``zero_shard(..., placement=...)``; :class:`CpuShardStorage` / :class:`FileShardStorage` hold
+  the parameter shards.
 """
 
 from plait.offload_io.buffers import BufferPool, aligned_empty, aligned_like
@@ -16,13 +18,16 @@ from plait.offload_io.engine import AsyncIOEngine, IOHandle
 from plait.offload_io.errors import OffloadCorruptFileError, OffloadDiskFullError, OffloadIOError
 from plait.offload_io.file_store import FileStateStore
 from plait.offload_io.optimizer import OffloadedOptimizer
+from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
 from plait.offload_io.store import CpuStateStore, GroupLayout, StateStore, TensorSpec
 from plait.offload_io.zero_placement import ZeroOffloadPlacement, zero_placement
 
 __all__ = [
     "AsyncIOEngine",
     "BufferPool",
+    "CpuShardStorage",
     "CpuStateStore",
+    "FileShardStorage",
     "FileStateStore",
     "GroupLayout",
     "IOConfig",

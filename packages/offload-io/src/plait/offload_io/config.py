@@ -112,6 +112,7 @@ class IOConfig:
 
 
 DEVICES = ("cpu", "nvme")
+PARAM_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,7 +137,12 @@ class OffloadConfig:
             front) whose state is offloaded; the remaining sub-groups keep their state and step
             where the parameters are (Twin-Flow: on a GPU the accelerator's step then runs while
             the CPU steps the offloaded part). 1.0 offloads everything.
-        io: the I/O engine's settings for ``device="nvme"``.
+        io: the I/O engine's settings for ``device="nvme"`` and ``param_device="nvme"``.
+        param_device: ZeRO stage 3 only (:func:`~plait.offload_io.zero_placement`): where the
+            compute-dtype parameter shards live while no gather needs them (ZeRO-Infinity's
+            parameter offload, DeepSpeed's ``offload_param.device``): ``"none"`` (on the compute
+            device), ``"cpu"`` (host memory, pinned on CUDA machines) or ``"nvme"`` (files under
+            ``path``). Each shard is read back ahead of its gather and written after each step.
     """
 
     device: str = "cpu"
@@ -146,6 +152,7 @@ class OffloadConfig:
     slots: int = 3
     offload_ratio: float = 1.0
     io: IOConfig = dataclasses.field(default_factory=IOConfig)
+    param_device: str = "none"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -164,5 +171,11 @@ class OffloadConfig:
         if not isinstance(self.offload_ratio, (int, float)) or not 0.0 < self.offload_ratio <= 1.0:
             raise ValueError(f"OffloadConfig.offload_ratio={self.offload_ratio!r} must be in (0, 1]; 1.0 offloads "
                              "all optimizer state, 0.7 keeps the last 30% of each group's elements on the device.")
+        if self.param_device not in PARAM_DEVICES:
+            raise ValueError(f"OffloadConfig.param_device={self.param_device!r} must be one of "
+                             f"{', '.join(PARAM_DEVICES)}.")
+        if self.param_device == "nvme" and not self.path:
+            raise ValueError("OffloadConfig.param_device='nvme' needs path= (a directory on the NVMe drive, e.g. "
+                             "'/local_nvme/offload').")
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"OffloadConfig.io must be an IOConfig, got {type(self.io).__name__}.")

@@ -38,7 +38,7 @@ from plait.offload_io.subgroups import (
     write_back_state,
 )
 
-_CONFIG_KEYS = ("device", "path", "sub_group_size", "master_weights", "slots", "offload_ratio", "io")
+_CONFIG_KEYS = ("device", "path", "sub_group_size", "master_weights", "slots", "offload_ratio", "io", "param_device")
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -70,6 +70,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if config is not None and config_kwargs:
             raise ValueError(f"OffloadedOptimizer: pass config= or {sorted(config_kwargs)}, not both.")
         self.config = config or OffloadConfig(**config_kwargs)
+        if self.config.param_device != "none":
+            raise ValueError(f"OffloadedOptimizer: OffloadConfig.param_device={self.config.param_device!r} offloads "
+                             "ZeRO stage-3 parameter shards; a single process has no shards to offload. Use "
+                             "zero_shard(..., ZeroConfig(stage=3), placement=zero_placement(config)) or "
+                             "param_device='none'.")
         self.optimizer_cls = optimizer_cls
         self.optim_kwargs = _with_fast_default(optimizer_cls, kwargs)
         self._ready = False

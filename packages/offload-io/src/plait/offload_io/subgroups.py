@@ -73,7 +73,16 @@ class SubGroup:
         self.masters = masters
         self.inner = inner
         self.on_cuda = any(p.is_cuda for p in params)
-        self.masters_in_store = masters_in_store and any(m is not p for m, p in zip(masters, params))
+        # Per parameter: its master lives in the store between steps.
+        self.stored = [masters_in_store and m is not p for m, p in zip(masters, params)]
+        self.masters_in_store = any(self.stored)
+        self.masters_out = False  # stored masters currently hold placeholders, not values
+
+    def store_all_masters(self) -> None:
+        """Keep every master in the store between steps, also masters that are the parameters
+        themselves (a ZeRO placement's host masters, which only the optimizer references)."""
+        self.stored = [True] * len(self.masters)
+        self.masters_in_store = bool(self.masters)
 
     def separate(self, j: int) -> bool:
         """Whether parameter ``j`` has a separate fp32 master."""
@@ -120,6 +129,7 @@ class SubGroup:
             j, key = name.split(".", 1)
             if key == MASTER_KEY:
                 self.masters[int(j)].data = tensor
+                self.masters_out = False
             else:
                 self.inner.state[self.masters[int(j)]][key] = tensor
 
@@ -127,7 +137,7 @@ class SubGroup:
         """The inner optimizer's tensor state (and stored masters) under store names."""
         out = {}
         for j, master in enumerate(self.masters):
-            if self.masters_in_store and self.separate(j):
+            if self.stored[j]:
                 out[f"{j}.{MASTER_KEY}"] = master.data
             for key, value in self.inner.state.get(master, {}).items():
                 if torch.is_tensor(value):
@@ -145,8 +155,9 @@ class SubGroup:
             if entry:
                 for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
                     del entry[key]
-            if self.masters_in_store and self.separate(j):
+            if self.stored[j]:
                 master.data = torch.zeros((), dtype=master.dtype).expand(master.shape)
+                self.masters_out = True
 
     def take_ownership(self) -> None:
         """Give every state tensor (and master) memory of its own, off the store's slots.
@@ -159,7 +170,7 @@ class SubGroup:
             for key, value in list(entry.items()):
                 if torch.is_tensor(value):
                     entry[key] = value.clone()
-            if self.masters_in_store and self.separate(j):
+            if self.stored[j]:
                 master.data = master.data.clone()
 
     def copy_back(self) -> None:

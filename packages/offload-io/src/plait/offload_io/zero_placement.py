@@ -9,8 +9,14 @@ copies, so the optimizer state (Adam moments, step counters) is created and upda
 * ``device="nvme"``: the state of each sub-group lives in a file of a
   :class:`~plait.offload_io.file_store.FileStateStore`; a step reads the next sub-group while the
   current one steps and writes the previous one back (double buffering, ZeRO-Infinity's optimizer
-  part). The fp32 masters stay in host memory, so ``read_master``, checkpoints and
-  ``gathered_parameters(writeback=True)`` never touch the disk.
+  part). The fp32 masters live in the same files (entry ``"<i>.__master__"`` of each sub-group):
+  between steps a master keeps its identity and shape but holds a 4-byte placeholder. The engine
+  refreshes each unit's compute shard from its master during the step, while the sub-group is in
+  memory (the ``ready`` callback); outside readers of :meth:`masters` (checkpoints,
+  ``gathered_parameters(writeback=True)``) bring the sub-group into memory first.
+* ``param_device="cpu"/"nvme"`` (stage 3): :meth:`ZeroOffloadPlacement.shard_storage` also keeps
+  the compute-dtype parameter shards in host memory or files between gathers (ZeRO-Infinity's
+  parameter offload, see :mod:`plait.offload_io.shard_storage`).
 
 The step runs per sub-group (``OffloadConfig.sub_group_size`` elements of whole shards): gradients
 are copied to the host, the one inner optimizer steps only that sub-group (torch optimizers skip
@@ -26,22 +32,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import errno
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from plait.offload_io import probe
+from plait.offload_io.agreement import raise_together
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
-from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
-from plait.offload_io.subgroups import SubGroup, build_subgroups, state_bytes_estimate, write_back_state
+from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
+from plait.offload_io.subgroups import MASTER_KEY, SubGroup, build_subgroups, state_bytes_estimate, write_back_state
 
 
 class ZeroOffloadPlacement:
@@ -77,6 +83,14 @@ class ZeroOffloadPlacement:
         self._held: set[int] = set()
         self._subgroup_of: dict[int, SubGroup] = {}
         self._depth = 0
+        self._stepping: SubGroup | None = None  # the sub-group whose store slot is installed
+        self._shard_storage: CpuShardStorage | FileShardStorage | None = None
+        self._engine: AsyncIOEngine | None = None
+
+    @property
+    def offloads_parameters(self) -> bool:
+        """Whether stage-3 parameter shards are offloaded too (``OffloadConfig.param_device``)."""
+        return self.config.param_device != "none"
 
     # -- the protocol -------------------------------------------------------------------------
     def place_master(self, key: str, master: Tensor) -> Tensor:
@@ -125,8 +139,12 @@ class ZeroOffloadPlacement:
         self._origin.clear()
         self._subgroup_of = {id(m): sg for sg in self._subgroups if not sg.kept for m in sg.masters}
         if self.config.device == "nvme":
+            for sg in self._subgroups:
+                if not sg.kept:
+                    sg.store_all_masters()
             self.store = self._make_store(inner)
             weakref.finalize(self, self.store.close)
+            self._store_masters()
             inner.register_state_dict_pre_hook(lambda _opt: self._swap_in())
             inner.register_state_dict_post_hook(self._after_state_dict)
             inner.register_load_state_dict_post_hook(self._after_load)
@@ -134,12 +152,15 @@ class ZeroOffloadPlacement:
         self.optimizer = inner
         return inner
 
-    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor],
+             ready: Callable[[str], None] | None = None) -> None:
         """Step every sub-group that has a gradient, streaming NVMe state through the store.
 
         Args:
             optimizer: the inner optimizer from :meth:`make_optimizer`.
             grads: unit key -> fp32 gradient shard on the compute device.
+            ready: called with each stepped key while its master is in memory (the engine
+                refreshes the compute shard from it then, see the ``StatePlacement`` protocol).
 
         Raises:
             OffloadDiskFullError: some state could not be written (raised on every rank of the
@@ -158,23 +179,54 @@ class ZeroOffloadPlacement:
                 following = [gid for gid in stored if gid > sg.id]
                 if following:
                     self.store.prefetch(following[0])  # read the next one while this one steps
-                self._step_subgroup(optimizer, sg, grads, errors)
+                self._step_subgroup(optimizer, sg, grads, errors, ready)
             if self.store is not None:
                 try:
                     self.store.flush()
                 except OffloadIOError as exc:
                     errors.append(exc)
-        self._agree_on(errors)
+        if self.store is not None:
+            raise_together(errors, what="offloaded optimizer state", path=self.config.path)
 
     def read_master(self, key: str, out: Tensor) -> None:
-        """Copy (casting, host to device) the master of ``key`` into ``out``."""
+        """Copy (casting, host to device) the master of ``key`` into ``out``; an NVMe master not
+        in memory is read from its sub-group's file (without holding the sub-group)."""
         master = self._masters[key]
+        sg = self._subgroup_of.get(id(master))
+        if sg is not None and sg is not self._stepping and sg.masters_out and self._from_store(sg):
+            with self._internal():
+                views = self.store.get(sg.id)
+                j = next(j for j, m in enumerate(sg.masters) if m is master)
+                out.copy_(views[f"{j}.{MASTER_KEY}"])
+                self.store.put(sg.id, dirty=False)
+            return
         if out.data_ptr() != master.data_ptr():
             out.copy_(master, non_blocking=out.is_cuda and master.is_pinned())
 
     def masters(self) -> Mapping[str, Tensor]:
-        """Unit key -> placed master (host fp32; ZeRO's own for Twin-Flow kept sub-groups)."""
-        return self._masters
+        """Unit key -> placed master (host fp32; ZeRO's own for Twin-Flow kept sub-groups).
+
+        With ``device="nvme"`` looking a master up brings its sub-group (master and state) into
+        memory until the next step, which stores it again, so reads and in-place edits are safe.
+        """
+        return _MaterializingMasters(self)
+
+    def shard_storage(self) -> CpuShardStorage | FileShardStorage | None:
+        """Where plait-zero-sharding keeps stage-3 parameter shards (``OffloadConfig.param_device``).
+
+        Returns:
+            ``None`` for ``param_device="none"``; else the storage (one per placement, closed by
+            :meth:`close`).
+        """
+        if self.config.param_device == "none":
+            return None
+        if self._shard_storage is None:
+            if self.config.param_device == "cpu":
+                self._shard_storage = CpuShardStorage()
+            else:
+                self._shard_storage = FileShardStorage(self.config.path, engine=self._io_engine())
+                weakref.finalize(self, self._shard_storage.close)
+        return self._shard_storage
 
     # -- beyond the protocol ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -212,17 +264,29 @@ class ZeroOffloadPlacement:
         return sum(m.numel() for sg in self._subgroups if not sg.kept for m in sg.masters)
 
     def close(self) -> None:
-        """Close the NVMe store (deletes its files). Idempotent."""
+        """Close the NVMe store and the parameter storage (deletes their files). Idempotent."""
         if self.store is not None:
             self.store.close()
+        if self._shard_storage is not None:
+            self._shard_storage.close()
+        if self._engine is not None:
+            self._engine.close()
+
+    def _io_engine(self) -> AsyncIOEngine:
+        """The one I/O engine (threads, bounce buffers) the state store and the shard files share."""
+        if self._engine is None:
+            self._engine = AsyncIOEngine(self.config.io)
+            weakref.finalize(self, self._engine.close)
+        return self._engine
 
     # -- internals ----------------------------------------------------------------------------
     def _make_store(self, inner: torch.optim.Optimizer) -> FileStateStore:
         config = self.config
-        store = FileStateStore(config.path, engine=AsyncIOEngine(config.io), slots=config.slots, close_engine=True)
+        store = FileStateStore(config.path, engine=self._io_engine(), slots=config.slots, close_engine=False)
         offloaded = [m for sg in self._subgroups if not sg.kept for m in sg.masters]
-        planned = state_bytes_estimate(type(inner), inner.defaults, sum(m.numel() for m in offloaded),
-                                       len(offloaded), config.io.alignment)
+        elements = sum(m.numel() for m in offloaded)
+        planned = state_bytes_estimate(type(inner), inner.defaults, elements, len(offloaded), config.io.alignment)
+        planned += elements * 4 + len(offloaded) * config.io.alignment  # the fp32 masters
         try:
             probe.check_space(store.directory + "/state", planned, min_free_bytes=config.io.min_free_bytes,
                               what=f"ZeRO optimizer state of {len(offloaded)} shards ({type(inner).__name__})")
@@ -231,11 +295,20 @@ class ZeroOffloadPlacement:
             raise
         return store
 
+    def _store_masters(self) -> None:
+        """Move every offloaded sub-group's masters into the store (they have no state yet)."""
+        with self._internal():
+            for sg in self._subgroups:
+                if not sg.kept:
+                    self.store.register(sg.id, sg.tensor_state())
+                    sg.drop_tensor_state()
+            self.store.flush()
+
     def _from_store(self, sg: SubGroup) -> bool:
         return self.store is not None and sg.id in self.store and sg.id not in self._held
 
     def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: Mapping[str, Tensor],
-                       errors: list[OffloadIOError]) -> None:
+                       errors: list[OffloadIOError], ready: Callable[[str], None] | None) -> None:
         views = self.store.get(sg.id) if self._from_store(sg) else None
         if views is not None:
             sg.install_state(views)
@@ -243,26 +316,17 @@ class ZeroOffloadPlacement:
             grad = grads.get(self._key_of[id(master)])
             master.grad = None if grad is None else grad.to(master.device)
         optimizer.step()  # parameters without .grad (other sub-groups) are skipped
-        for master in sg.masters:
-            master.grad = None
+        self._stepping = sg
+        try:
+            for master in sg.masters:
+                master.grad = None
+                if ready is not None:
+                    ready(self._key_of[id(master)])  # the master is in memory now: refresh the shard
+        finally:
+            self._stepping = None
         if self.store is None or sg.kept:
             return
         write_back_state(self.store, sg, views, self._held, errors)
-
-    def _agree_on(self, errors: list[OffloadIOError]) -> None:
-        """Raise on every rank when any rank failed to write (NVMe only; one tiny all-reduce)."""
-        failed = bool(errors)
-        if self.store is not None and dist.is_initialized() and dist.get_world_size() > 1:
-            from plait.kernels import collectives
-
-            flag = torch.tensor([float(failed)])
-            collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0 and not failed:
-                raise OffloadDiskFullError(errno.ENOSPC, "another rank could not write its offloaded optimizer "
-                                           "state (disk full); the step was applied everywhere",
-                                           path=self.config.path)
-        if errors:
-            raise errors[0]
 
     def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         # torch's state_dict shares the per-parameter dicts with optimizer.state; copy them before
@@ -273,8 +337,16 @@ class ZeroOffloadPlacement:
 
     def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
         # torch's load_state_dict replaces optimizer.state with a plain dict: store what it holds,
-        # then wrap it again (ZeroOptimizer re-reads inner.state after this hook).
+        # then wrap it again (ZeroOptimizer re-reads inner.state after this hook). Masters are not
+        # part of that dict: ones still in the files come back into memory first, so registering
+        # the loaded state does not write placeholders over them.
         with self._internal():
+            for sg in self._subgroups:
+                if sg.masters_out and self._from_store(sg):
+                    views = self.store.get(sg.id)
+                    sg.install_state({name: tensor.clone() for name, tensor in views.items()
+                                      if name.endswith("." + MASTER_KEY)})
+                    self.store.put(sg.id, dirty=False)
             self._held.clear()
             self._swap_out(write=True)
         optimizer.state = _SwappingState(self, optimizer.state)
@@ -327,6 +399,25 @@ class ZeroOffloadPlacement:
                     sg.drop_tensor_state()
             if write:
                 self.store.flush()
+
+
+class _MaterializingMasters(Mapping):
+    """:meth:`ZeroOffloadPlacement.masters` for outside readers: a lookup first brings an
+    NVMe-resident master (and its sub-group's state) into memory, see ``_materialize``."""
+
+    def __init__(self, placement: ZeroOffloadPlacement) -> None:
+        self._placement = placement
+
+    def __getitem__(self, key: str) -> Tensor:
+        master = self._placement._masters[key]
+        self._placement._materialize(master)
+        return master
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._placement._masters)
+
+    def __len__(self) -> int:
+        return len(self._placement._masters)
 
 
 class _SwappingState(collections.defaultdict):

@@ -186,6 +186,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         handle = _before_sharding.pop(module, None)
         if handle is not None:
             handle.remove()
+    if getattr(placement, "offloads_parameters", False) and config.stage != 3:
+        raise ValueError(f"the placement offloads parameters (OffloadConfig.param_device), which needs "
+                         f"ZeroConfig(stage=3), got stage={config.stage}; use stage=3 or param_device='none'.")
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
@@ -200,6 +203,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         inner_groups.append({"params": masters, **og.options})
     inner = engine.placement.make_optimizer(lambda pg: cls(pg, **optimizer_kwargs) if not isinstance(
         optimizer, torch.optim.Optimizer) else cls(pg, **_constructor_options(cls, optimizer.defaults)), inner_groups)
+    storage = engine.placement.shard_storage() if hasattr(engine.placement, "shard_storage") else None
+    if storage is not None:
+        engine.attach_storage(storage)  # ZeRO-Infinity: stage-3 shards live on CPU/NVMe between gathers
     scaler = LossScaler(config, enabled=config.compute_dtype == torch.float16)
     zero_optimizer = ZeroOptimizer(engine, inner, scaler)
     install(model, engine, zero_optimizer)

@@ -91,7 +91,7 @@ def load_full_parameters(engine: Any, state: dict[str, torch.Tensor], *, strict:
             if unit.resident or unit.gathered:
                 unit.full[slot.offset:slot.offset + slot.numel].copy_(flat)
         if not unit.resident:
-            engine.placement.read_master(unit.key, unit.shard)
+            unit.load_from_master(engine.placement)
     if strict and missing:
         raise KeyError(f"load_state_dict: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}; "
                        "pass strict=False to keep their current values.")
@@ -178,7 +178,8 @@ def load_sharded_state_dict(engine: Any, optimizer: Any, state: dict[str, Sharde
         optimizer.scaler.load_state_dict({"scale": scale, "good_steps": good, "hysteresis_left": hysteresis,
                                           "skipped_steps": skipped})
     for unit in engine.units:
-        unit.refresh_from_master(engine.placement, engine.gatherer, engine.config.mixed_precision)
+        unit.refresh_from_master(engine.placement, engine.gatherer)
+    engine.settle_shards()
 
 
 def _safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:

@@ -68,6 +68,7 @@ class ZeroEngine:
         self.forward_order: list[nn.Module] = []
         self.order_frozen = False
         self.handles: list[Any] = []
+        self.storage: Any = None
         self._register_grad_hooks()
         if config.stage == 3:
             self._register_module_hooks()
@@ -142,6 +143,12 @@ class ZeroEngine:
             if 0 <= other < len(self.forward_order):
                 for unit in self.partition.module_units.get(self.forward_order[other], []):
                     unit.gather(self.gatherer, phase, block=False)
+        # Offloaded shards: start reading one module further, so that read overlaps this
+        # module's compute and the next one's gather (double buffering of ZeRO-Infinity).
+        other = index + direction * (self.config.prefetch + 1)
+        if self.storage is not None and 0 <= other < len(self.forward_order):
+            for unit in self.partition.module_units.get(self.forward_order[other], []):
+                unit.prefetch_shard()
 
     # ---- backward -----------------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module, units: list[FlatUnit]) -> None:
@@ -205,6 +212,40 @@ class ZeroEngine:
                 self._launch_reduce(unit)
         self.wait_reductions()
 
+    # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
+    def attach_storage(self, storage: Any) -> int:
+        """Keep every sharded unit's compute shard in ``storage`` between gathers.
+
+        Units whose shard is the optimizer's master itself (fp32 masters left on the device, e.g.
+        Twin-Flow's kept sub-groups) stay in memory: the optimizer updates that tensor in place.
+
+        Returns:
+            The number of units attached.
+
+        Raises:
+            ValueError: the engine is not stage 3 (stages 1/2 keep whole parameters resident).
+        """
+        if self.config.stage != 3:
+            raise ValueError(f"parameter offload (a placement's shard_storage) needs ZeroConfig(stage=3), got stage="
+                             f"{self.config.stage}; use stage=3 or keep parameters in memory.")
+        # unit.master is what the placement returned (its optimizer steps that tensor).
+        units = [unit for unit in self.units if not unit.resident and
+                 unit.master.untyped_storage().data_ptr() != unit.shard.untyped_storage().data_ptr()]
+        if hasattr(storage, "reserve"):  # optional: check the space for every shard up front
+            storage.reserve(sum(u.shard_numel * u.shard.element_size() for u in units), len(units))
+        for unit in units:
+            unit.attach_storage(storage)
+        self.storage = storage
+        return len(units)
+
+    def settle_shards(self) -> None:
+        """End of a step: wait for every shard write and free the shards (collective with a
+        storage: every rank calls it; the storage raises a failure on every rank together)."""
+        if self.storage is None:
+            return
+        errors = [err for unit in self.units if (err := unit.drop_shard(retry=True)) is not None]
+        self.storage.finish_step(errors)
+
     # ---- contexts -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -243,7 +284,8 @@ class ZeroEngine:
             lo, hi = unit.shard_range
             edited = unit.full[lo:hi]
             if not unit.resident:
-                unit.shard.copy_(edited)
+                unit.writable_shard(read=False).copy_(edited)
+                unit.store_shard()
             master = self.placement.masters()[unit.key]
             current = master.detach().to(device=edited.device, dtype=edited.dtype)
             changed = edited != current

@@ -7,6 +7,9 @@ protocols, so other packages change *how* without touching the engine:
 * :class:`ParamGatherer` - ZeRO++ quantized / hierarchical all-gather.
 * :class:`StatePlacement` - plait-offload-io keeps fp32 masters and optimizer state on CPU or NVMe
   and runs the optimizer step there.
+* :class:`ShardStorage` - offered by a placement (``placement.shard_storage()``): where stage-3
+  compute-dtype parameter shards live while no gather needs them (ZeRO-Infinity's parameter
+  offload to CPU or NVMe).
 
 The defaults (:class:`DefaultReducer`, :class:`DefaultGatherer`, :class:`LocalPlacement`) go
 through :mod:`plait.kernels.collectives`, so the byte ledger sees every byte.
@@ -86,6 +89,11 @@ class StatePlacement(Protocol):
     :meth:`make_optimizer` once. Each ``optimizer.step()`` calls :meth:`step` with the unscaled,
     clipped fp32 gradient shards (on the compute device), then :meth:`read_master` per key to
     refresh the compute-dtype parameter shards.
+
+    Optional members: ``offloads_parameters`` (a bool attribute; ``True`` makes ``zero_shard``
+    refuse stages 1/2 before any work) and ``shard_storage()`` (returns a :class:`ShardStorage`,
+    or ``None``; called once after :meth:`make_optimizer`, the engine then keeps stage-3 shards
+    in it).
     """
 
     def place_master(self, key: str, master: Tensor) -> Tensor:
@@ -100,13 +108,50 @@ class StatePlacement(Protocol):
 
     def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
         """One optimizer step: ``grads`` maps key -> fp32 gradient shard (compute device).
-        Attach each to its master's ``.grad``, run ``optimizer.step()``, release the grads."""
+        Attach each to its master's ``.grad``, run ``optimizer.step()``, release the grads.
+
+        Optional third parameter ``ready: Callable[[str], None]``: a placement whose masters are
+        cheap to read only at certain times (NVMe-resident masters, readable while their
+        sub-group is in memory) declares it and calls ``ready(key)`` once the master of ``key``
+        is final for this step; the engine then refreshes that key's compute shard right away
+        (through :meth:`read_master`) and skips it afterwards."""
 
     def read_master(self, key: str, out: Tensor) -> None:
         """Copy the current master of ``key`` into ``out`` (compute device, any float dtype)."""
 
     def masters(self) -> Mapping[str, Tensor]:
         """key -> the placed master tensor (what ``optimizer.state`` is keyed by)."""
+
+
+@runtime_checkable
+class ShardStorage(Protocol):
+    """Where a stage-3 unit's compute-dtype shard (the all-gather input) lives between uses.
+
+    The engine attaches a storage to every sharded (non-resident) unit whose shard is not itself
+    the optimizer's master. It writes the shard once, then frees the shard's memory (its data
+    becomes a one-element placeholder, so the tensor keeps its identity); before each gather it reads the
+    shard back (started early by the engine's prefetch), after the gather it frees it again, and
+    after each optimizer step it writes the new values. Handles follow the module's convention.
+    """
+
+    def write(self, key: str, shard: Tensor) -> Any:
+        """Persist ``shard``'s values for ``key``; ``shard`` stays allocated and unmodified until
+        the handle is waited. A failed write raises from ``wait`` (or here) and the engine keeps
+        the shard in memory, so nothing is lost."""
+
+    def read(self, key: str, out: Tensor) -> Any:
+        """Fill ``out`` (the shard, re-allocated, same shape/dtype/device) with the last values
+        written for ``key``."""
+
+    # Optional members (not part of the protocol check): ``reserve(nbytes, shards)`` is called
+    # before the first write with the shards' total size, to refuse a disk without room before any
+    # work; ``empty(numel, *, dtype, device)`` allocates a shard's memory when it is loaded (e.g.
+    # aligned, so file I/O needs no bounce copy); the default is ``torch.empty``.
+
+    def finish_step(self, errors: list[BaseException]) -> None:
+        """Called on every rank after a step's shard writes settled, with this rank's write
+        failures. Raise to fail the step; a storage should make every rank raise together (a
+        failure flag all-reduced over the world) so none is left waiting in a collective."""
 
 
 class DefaultReducer:

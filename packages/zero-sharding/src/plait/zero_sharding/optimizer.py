@@ -14,6 +14,7 @@ code reading ``param_groups`` work unchanged. ``step()`` does, on every rank in 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_breakdown: profiling.StepBreakdown | None = None
         self._clip_request: float | None = None
         self._cached: tuple[dict[str, torch.Tensor], float, bool] | None = None  # from clip_grad_norm_
+        self._takes_ready = len(inspect.signature(engine.placement.step).parameters) >= 3
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -79,15 +81,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for grad in grads.values():
                     grad.mul_(coef)
             with profiling.optimizer_range():
-                engine.placement.step(self.inner, grads)
+                refreshed = self._placement_step(grads)
             for unit in engine.units:
-                unit.refresh_from_master(engine.placement, engine.gatherer, config.mixed_precision)
+                if unit.key not in refreshed:
+                    unit.load_from_master(engine.placement)
+                unit.regather(engine.gatherer)
                 if config.stage == 1:
                     unit.grad_shard = None  # stage 1 re-reduces its full buffer each step
             self.scaler.update(False)
             self.steps_taken += 1
-        self.last_breakdown = profiling.close_step()
+            self.last_breakdown = profiling.close_step()
+            # Last: the step is complete in memory; a shard that could not be written stays in
+            # memory and is written by the next step (raised on every rank together).
+            engine.settle_shards()
         return loss
+
+    def _placement_step(self, grads: dict[str, torch.Tensor]) -> set[str]:
+        """Run the placement's step; returns the keys whose compute shards it already refreshed
+        through the optional ``ready`` callback (see :class:`~plait.zero_sharding.extension.StatePlacement`)."""
+        placement = self.engine.placement
+        if not self._takes_ready:
+            placement.step(self.inner, grads)
+            return set()
+        units = {unit.key: unit for unit in self.engine.units}
+        refreshed: set[str] = set()
+
+        def ready(key: str) -> None:
+            units[key].load_from_master(placement)
+            refreshed.add(key)
+
+        placement.step(self.inner, grads, ready)
+        return refreshed
 
     def _averaged_grads(self) -> tuple[dict[str, torch.Tensor], float, bool]:
         """fp32 averaged gradient shards, the global squared norm and the agreed overflow flag."""
@@ -180,5 +204,5 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for key, value in state_dict["masters"].items():
                 self.engine.placement.masters()[key].copy_(value)
             for unit in self.engine.units:
-                unit.refresh_from_master(self.engine.placement, self.engine.gatherer,
-                                         self.engine.config.mixed_precision)
+                unit.refresh_from_master(self.engine.placement, self.engine.gatherer)
+            self.engine.settle_shards()

@@ -13,6 +13,10 @@ rank holds:
 * ``master``: the fp32 master slice the optimizer updates. Without mixed precision it is the
   shard itself, so no extra copy exists.
 * ``grad_shard``: the reduced gradient slice (sum over the group, reduce dtype).
+* ``storage`` (stage 3 with a :class:`~plait.zero_sharding.extension.ShardStorage`): where
+  ``shard`` lives between gathers (CPU or NVMe, ZeRO-Infinity). While unused the shard's data is
+  a one-element placeholder (same tensor, shape and dtype); it is read back before a gather
+  (prefetched ahead of it) and freed once the gather is done.
 * ``full_grad`` (stage 1 only): a persistent flat gradient buffer; ``param.grad`` are views.
 """
 
@@ -91,6 +95,11 @@ class FlatUnit:
         self.gathered = resident
         self.pending_gather: Any = None
         self.ready = 0  # trainable params whose gradient arrived in the current backward
+        self.storage: Any = None
+        self.shard_loaded = True  # shard memory allocated and its values valid (or being read)
+        self._shard_io: Any = None  # in-flight read or write of the shard
+        self._shard_writing = False
+        self._shard_failed: BaseException | None = None  # last write failed: keep the shard in memory
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -155,6 +164,7 @@ class FlatUnit:
     def gather(self, gatherer: Any, phase: str, *, block: bool = True) -> None:
         """Make ``full`` hold every rank's shard (no-op when resident or already gathered)."""
         if not self.gathered:
+            self.load_shard()
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
             with profiling.comm_range("all_gather", block=False):
                 self.pending_gather = gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key,
@@ -164,7 +174,12 @@ class FlatUnit:
             self.wait_gather()
 
     def wait_gather(self) -> None:
-        """Wait for an in-flight gather."""
+        """Wait for an in-flight gather; an offloaded shard is then freed (``full`` holds it)."""
+        self._wait_pending_gather()
+        if self.gathered:
+            self.drop_shard()
+
+    def _wait_pending_gather(self) -> None:
         if self.pending_gather is not None:
             with profiling.comm_range("wait_all_gather"):
                 wait(self.pending_gather)
@@ -178,18 +193,126 @@ class FlatUnit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def refresh_from_master(self, placement: Any, gatherer: Any, mixed: bool) -> None:
+    def refresh_from_master(self, placement: Any, gatherer: Any) -> None:
         """After an optimizer step: bring the compute shard (and ``full``, when it is live) up to date."""
-        if mixed or self.master is not self.shard:
-            placement.read_master(self.key, self.shard)
+        self.load_from_master(placement)
+        self.regather(gatherer)
+
+    def load_from_master(self, placement: Any) -> None:
+        """Copy (casting) the master into the compute shard, and into its storage when offloaded.
+        A no-op when the shard is the master itself (fp32 without a placement that moves it)."""
+        if self.master is not self.shard:
+            placement.read_master(self.key, self.writable_shard(read=False))
+            self.store_shard()
+
+    def regather(self, gatherer: Any) -> None:
+        """Refresh ``full`` from every rank's shard where it is live (resident or gathered)."""
         if self.resident:
             shard = self.shard.clone()  # the gather input must not alias its output for every gatherer
             with profiling.comm_range("all_gather"):
                 wait(gatherer.all_gather(shard, self.full, group=self.group, key=self.key, phase="step"))
         elif self.gathered:
-            self.wait_gather()
+            self._wait_pending_gather()
+            self.load_shard()
             with profiling.comm_range("all_gather"):
                 wait(gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key, phase="step"))
+
+    # ---- shard storage (stage 3, ZeRO-Infinity) -----------------------------------------------
+    def attach_storage(self, storage: Any) -> None:
+        """Keep the shard in ``storage`` from now on: write it once and free its memory.
+
+        Raises:
+            whatever the storage raises for the first write (the shard then stays in memory and
+            no storage is attached).
+        """
+        wait(storage.write(self.key, self.shard))
+        self.storage = storage
+        self.drop_shard()
+
+    def prefetch_shard(self) -> None:
+        """Start reading an offloaded shard, so a later gather finds it in memory."""
+        if self.storage is not None and not self.shard_loaded:
+            self._allocate_shard()
+            self._shard_io = self.storage.read(self.key, self.shard)
+
+    def load_shard(self, *, read: bool = True) -> None:
+        """Make ``shard`` hold its values: wait for a prefetch, or read now (``read=False``: the
+        caller overwrites every element, so memory is enough)."""
+        if self.storage is None:
+            return
+        if not self.shard_loaded:
+            self._allocate_shard()
+            if read:
+                self._shard_io = self.storage.read(self.key, self.shard)
+        if not self._shard_writing:
+            self._settle_shard_io()
+
+    def writable_shard(self, *, read: bool = True) -> torch.Tensor:
+        """The shard, loaded and safe to modify (no write of it in flight); call
+        :meth:`store_shard` after modifying it. ``read=False`` when every element is overwritten."""
+        self.load_shard(read=read)
+        self._settle_shard_io(quiet=True)
+        return self.shard
+
+    def store_shard(self) -> None:
+        """The shard has new values: start writing them to the storage (kept in memory until
+        :meth:`drop_shard` sees the write finished)."""
+        if self.storage is None:
+            return
+        self._settle_shard_io(quiet=True)
+        self._shard_io = self.storage.write(self.key, self.shard)
+        self._shard_writing = True
+
+    def drop_shard(self, *, retry: bool = False) -> BaseException | None:
+        """Free the shard's memory once its values are safely in the storage.
+
+        A failed write keeps the shard in memory (nothing is lost); ``retry`` writes it again.
+        Outside a step (``retry=False``) a failure is only recorded, never raised, so no rank
+        leaves a collective early; the step's :meth:`ZeroEngine.settle_shards` raises it.
+
+        Returns:
+            The write failure that keeps the shard in memory, or ``None``.
+        """
+        if self.storage is None or not self.shard_loaded or self.pending_gather is not None:
+            return None
+        if retry and self._shard_failed is not None:
+            self._shard_failed = None
+            self.store_shard()
+        self._settle_shard_io(quiet=True)
+        if self._shard_failed is not None:
+            return self._shard_failed
+        self._release_shard_memory()
+        return None
+
+    def _allocate_shard(self) -> None:
+        # A storage may hand out memory its I/O prefers (aligned for O_DIRECT, no bounce copy).
+        empty = getattr(self.storage, "empty", None) or torch.empty
+        self.shard.data = empty(self.shard_numel, dtype=self.shard.dtype, device=self.device)
+        self.shard_loaded = True
+
+    def _release_shard_memory(self) -> None:
+        # A one-element zero-stride placeholder: the tensor keeps its identity, shape and dtype
+        # (its storage may not be resizable: it can be the tensor ZeRO built the master from).
+        self.shard.data = torch.zeros((), dtype=self.shard.dtype, device=self.device).expand(self.shard_numel)
+        self.shard_loaded = False
+
+    def _settle_shard_io(self, *, quiet: bool = False) -> None:
+        """Wait for the shard's read or write. A failed write is kept in ``_shard_failed`` (raised
+        unless ``quiet``); a failed read frees the shard again and raises."""
+        handle, writing = self._shard_io, self._shard_writing
+        self._shard_io, self._shard_writing = None, False
+        try:
+            wait(handle)
+        except Exception as exc:
+            if not writing:
+                self._release_shard_memory()
+                raise
+            self._shard_failed = exc
+            if not quiet:
+                raise
+            return
+        if writing:
+            self._shard_failed = None
 
     # ---- gradients ----------------------------------------------------------------------------
     def flat_grads(self) -> torch.Tensor | None:
@@ -236,7 +359,7 @@ class FlatUnit:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the unit, by kind (optimizer state is counted elsewhere)."""
         full = self.full.untyped_storage().nbytes() if self.resident else 0
-        shard = 0 if self.resident else self.shard.numel() * self.shard.element_size()
+        shard = 0 if self.resident or not self.shard_loaded else self.shard.numel() * self.shard.element_size()
         master = 0 if self.master.data_ptr() == self.shard.data_ptr() else self.master.numel() * 4
         grads = self.full_grad.numel() * self.full_grad.element_size() if self.full_grad is not None else 0
         if self.grad_shard is not None and self.full_grad is None:

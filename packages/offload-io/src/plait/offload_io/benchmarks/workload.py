@@ -1,7 +1,8 @@
 """The training workload the step benchmarks share: tiny-llama on the shared corpus, fp32 CPU.
 
 Also the per-variant process of the memory figures: ``python -m
-plait.offload_io.benchmarks.workload VARIANT STEPS [PATH]`` trains tiny-llama for STEPS steps with
+plait.offload_io.benchmarks.workload VARIANT STEPS [PATH]`` (VARIANT: memory, cpu, nvme, deepspeed,
+infinity) trains tiny-llama for STEPS steps with
 the variant's optimizer and prints one JSON line (resident set after the imports, after the
 model, after training, the peak, and the model-state bytes it accounts for), so each variant's
 resident memory is its own and it runs exactly the model, batch and optimizer of the timings.
@@ -64,7 +65,40 @@ def make_optimizer(variant: str, model: torch.nn.Module, path: str | None = None
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
-    raise ValueError(f"unknown variant {variant!r}; use memory, cpu, nvme or deepspeed.")
+    raise ValueError(f"unknown variant {variant!r}; use memory, cpu, nvme, deepspeed or infinity.")
+
+
+def make_infinity(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """ZeRO-Infinity on one process: plait-zero-sharding stage 3 with parameter shards, fp32
+    masters and AdamW state all in files under ``path`` (needs plait-zero-sharding).
+
+    Returns:
+        ``(model, optimizer)``; ``optimizer.close()`` closes the placement (deletes its files).
+    """
+    import torch.distributed as dist
+
+    from plait.kernels.testing import free_port
+    from plait.offload_io.config import OffloadConfig
+    from plait.offload_io.zero_placement import zero_placement
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    placement = zero_placement(OffloadConfig(device="nvme", param_device="nvme", path=path,
+                                             sub_group_size=SUB_GROUP_SIZE))
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=LR,
+                                  weight_decay=WEIGHT_DECAY)
+    optimizer.close = placement.close
+    return model, optimizer
+
+
+def zero_infinity_available() -> tuple[bool, str]:
+    """Whether plait-zero-sharding is installed (the ZeRO-Infinity rows need it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("plait.zero_sharding") is None:
+        return False, "needs plait-zero-sharding (pip install plait-zero-sharding)"
+    return True, ""
 
 
 def train_step(model: torch.nn.Module, optimizer, step: int) -> tuple[float, float]:
@@ -120,12 +154,20 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state in memory (for an offloaded optimizer: its store's slots)."""
     if hasattr(optimizer, "resident_state_bytes"):
         return optimizer.resident_state_bytes
+    store = getattr(getattr(getattr(optimizer, "engine", None), "placement", None), "store", None)
+    if store is not None:  # ZeRO-Infinity: the placement's store slots
+        return store.resident_bytes
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v))
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer) -> int:
     """Parameters + gradients + optimizer state (+ store slots) held in memory, in bytes."""
+    engine = getattr(model, "zero_engine", None)
+    if engine is not None:  # ZeRO-Infinity: resident units and loaded shards; fp32 gradient shards
+        params = sum(unit.state_bytes()["params"] for unit in engine.units)
+        grads = sum(unit.shard_numel * 4 for unit in engine.units)
+        return params + grads + optimizer_state_bytes(optimizer)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = params  # gradients are resident during the step in every variant
     return params + grads + optimizer_state_bytes(optimizer)
@@ -144,7 +186,10 @@ def main(argv: list[str]) -> int:
     rss_imports, _ = rss_bytes()
     model = build_model()
     rss_model, _ = rss_bytes()
-    optimizer = make_optimizer(variant, model, path)
+    if variant == "infinity":
+        model, optimizer = make_infinity(model, path)
+    else:
+        optimizer = make_optimizer(variant, model, path)
     for step in range(steps):
         train_step(model, optimizer, step)
     rss_after, rss_peak = rss_bytes()
