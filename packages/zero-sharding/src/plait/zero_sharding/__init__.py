@@ -29,7 +29,8 @@ from plait.zero_sharding.replicas import ReplicaMismatchError, check_replicas
 
 __all__ = [
     "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement", "ParamGatherer",
-    "ReplicaMismatchError", "ShardStorage", "StatePlacement", "StepBreakdown", "ZeroConfig", "ZeroModule", "ZeroOptimizer",
+    "ReplicaMismatchError", "ShardStorage", "StatePlacement", "StepBreakdown", "ZeroConfig", "ZeroModule",
+    "ZeroOptimizer",
     "check_replicas", "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes",
     "resolve_group", "sharded_init", "zero_formula_bytes", "zero_shard",
 ]
