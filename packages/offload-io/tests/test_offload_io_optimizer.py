@@ -250,3 +250,33 @@ def test_twin_flow_ratio_keeps_part_of_the_state_in_place(tmp_path, master_weigh
     assert ours._subgroups[0].id in ours.store
     assert_same_state(ours.state_dict(), ref.state_dict())
     ours.close()
+
+
+@pytest.mark.parametrize("overlap_io", [True, False])
+def test_overlapped_and_synchronous_io_are_bitwise_equal(tmp_path, overlap_io: bool) -> None:
+    ours_model, ref_model = small_model(), small_model()
+    opt = offloaded(ours_model, tmp_path, device="nvme", overlap_io=overlap_io)
+    assert train(ours_model, opt, STEPS) == train(ref_model, reference(ref_model), STEPS)
+    assert_same_params(ours_model, ref_model)
+    opt.flush()
+    opt.close()
+
+
+def test_backward_starts_reading_the_first_subgroups(tmp_path) -> None:
+    """overlap_io: the first gradient of a backward starts the read of the first sub-group the step
+    needs, so that read overlaps backward; with overlap_io=False nothing is read before step()."""
+    for overlap_io in (True, False):
+        model = small_model()
+        opt = offloaded(model, tmp_path / str(overlap_io), device="nvme", overlap_io=overlap_io)
+        train(model, opt, 2)
+        first = opt._subgroups[0].id
+        # Push the first group out of the store's slots: get/put every other group.
+        for sg in opt._subgroups[1:]:
+            opt.store.get(sg.id)
+            opt.store.put(sg.id, dirty=False)
+        assert opt.store._find(first) is None
+        data = global_batch(3, 2, 16)
+        model(data["input_ids"], labels=data["labels"]).loss.backward()
+        assert (opt.store._find(first) is not None) is overlap_io, overlap_io
+        opt.step()
+        opt.close()

@@ -138,6 +138,13 @@ class OffloadConfig:
             where the parameters are (Twin-Flow: on a GPU the accelerator's step then runs while
             the CPU steps the offloaded part). 1.0 offloads everything.
         io: the I/O engine's settings for ``device="nvme"`` and ``param_device="nvme"``.
+        overlap_io: ``device="nvme"``: overlap the store's I/O with forward and backward. The
+            first sub-groups' state is read while backward runs (from the first gradient), and
+            ``step()`` returns with the last write-backs still in flight; they finish during the
+            next forward. A write that fails then is raised by the next ``step()`` (after it
+            stepped every sub-group) or by :meth:`flush`; its data stays in memory meanwhile.
+            ``False``: each ``step()`` reads everything it needs itself and returns only when all
+            state is written (and fsync'd).
         param_device: ZeRO stage 3 only (:func:`~plait.offload_io.zero_placement`): where the
             compute-dtype parameter shards live while no gather needs them (ZeRO-Infinity's
             parameter offload, DeepSpeed's ``offload_param.device``): ``"none"`` (on the compute
@@ -153,6 +160,7 @@ class OffloadConfig:
     offload_ratio: float = 1.0
     io: IOConfig = dataclasses.field(default_factory=IOConfig)
     param_device: str = "none"
+    overlap_io: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -177,5 +185,7 @@ class OffloadConfig:
         if self.param_device == "nvme" and not self.path:
             raise ValueError("OffloadConfig.param_device='nvme' needs path= (a directory on the NVMe drive, e.g. "
                              "'/local_nvme/offload').")
+        if not isinstance(self.overlap_io, bool):
+            raise ValueError(f"OffloadConfig.overlap_io={self.overlap_io!r} must be True or False.")
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"OffloadConfig.io must be an IOConfig, got {type(self.io).__name__}.")

@@ -162,6 +162,10 @@ class FileStateStore(StateStore):
             raise errors[-1] if errors else OffloadIOError(
                 errno.EIO, f"{len(failed)} groups could not be written to {self.directory}", path=self.directory)
 
+    def take_errors(self) -> list[OffloadIOError]:
+        errors, self._errors = self._errors, []
+        return errors
+
     def close(self) -> None:
         if self._closed:
             return

@@ -38,7 +38,8 @@ from plait.offload_io.subgroups import (
     write_back_state,
 )
 
-_CONFIG_KEYS = ("device", "path", "sub_group_size", "master_weights", "slots", "offload_ratio", "io", "param_device")
+_CONFIG_KEYS = ("device", "path", "sub_group_size", "master_weights", "slots", "offload_ratio", "io", "param_device",
+                "overlap_io")
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -84,6 +85,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._copied: set[int] = set()
         self._held: set[int] = set()
+        self._early = False  # this backward already started reading the first sub-groups
         self._ready = True
         for index in range(len(self.param_groups)):
             self._add_subgroups(index)
@@ -112,10 +114,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         start_id = len(self._subgroups)
         new = build_subgroups(self.param_groups[group_index]["params"], group_index, start_id,
                               self.config, self.optimizer_cls, self.optim_kwargs)
+        overlap = self.config.overlap_io and isinstance(self.store, FileStateStore)
         for sg in new:
             for param, master in zip(sg.params, sg.masters):
                 if master is not param:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(master)))
+                elif overlap and param.requires_grad:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(lambda _p: self._read_early()))
             if sg.masters_in_store:
                 # fp32 masters go to disk from the start; only their placeholders stay in memory.
                 self.store.register(sg.id, sg.tensor_state())
@@ -132,7 +137,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                                .view(master.shape) if not master.is_cuda else torch.empty_like(master))
             master.grad.copy_(param.grad, non_blocking=to_host)
             self._copied.add(id(master))
+            self._read_early()
         return copy_grad
+
+    def _read_early(self) -> None:
+        """On the first gradient of a backward: start reading the sub-groups the step needs
+        first, so that I/O runs while backward computes (``OffloadConfig.overlap_io``)."""
+        if self._early or not self.config.overlap_io or not isinstance(self.store, FileStateStore):
+            return
+        self._early = True
+        # One slot stays free for the step's own read-ahead and one for a write-back.
+        first = [sg.id for sg in self._subgroups if not sg.kept and self._from_store(sg)]
+        for gid in first[:max(1, self.config.slots - 2)]:
+            self.store.prefetch(gid)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -167,11 +184,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if following:
                     self.store.prefetch(following[0])  # read it while this one steps
                 self._step_subgroup(sg, errors)
-            try:
-                self.store.flush()
-            except OffloadIOError as exc:
-                errors.append(exc)
+            if self.config.overlap_io:
+                # The last write-backs go on during the next forward; failures seen so far (earlier
+                # writes, settled while slots were reused) are raised now, the rest next time.
+                errors += self.store.take_errors()
+            else:
+                try:
+                    self.store.flush()
+                except OffloadIOError as exc:
+                    errors.append(exc)
         self._copied.clear()
+        self._early = False
         if errors:
             raise errors[0]
         return loss

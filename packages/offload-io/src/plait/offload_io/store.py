@@ -135,6 +135,11 @@ class StateStore(abc.ABC):
     def prefetch(self, group_id: Hashable) -> None:  # noqa: B027 - optional hook, memory stores ignore it
         """Start bringing ``group_id`` into memory so a later :meth:`get` does not wait."""
 
+    def take_errors(self) -> list:
+        """Write-back failures recorded so far, without waiting for writes still in flight
+        (and forgetting them: each is reported once). Memory stores never fail."""
+        return []
+
     def flush(self) -> None:  # noqa: B027
         """Wait until every write-back is durable; retry failed ones; raise the first failure."""
 

@@ -180,7 +180,9 @@ class ZeroOffloadPlacement:
                 if following:
                     self.store.prefetch(following[0])  # read the next one while this one steps
                 self._step_subgroup(optimizer, sg, grads, errors, ready)
-            if self.store is not None:
+            if self.store is not None and self.config.overlap_io:
+                errors += self.store.take_errors()  # the last write-backs run on into the next forward
+            elif self.store is not None:
                 try:
                     self.store.flush()
                 except OffloadIOError as exc:

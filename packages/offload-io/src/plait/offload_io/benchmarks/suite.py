@@ -10,7 +10,9 @@ Rows, each a ratio against a peer measured in the same run, alternating A B A B:
 3. a tiny-llama training step with the optimizer state on disk against fully in memory
    (target <= 1.5x), and the optimizer step alone: on disk, and in CPU memory against
    DeepSpeedCPUAdam (DeepSpeed's CPU offload optimizer) when its op is built; torch's fused CPU
-   AdamW against foreach and the for-loop (why fused is the default);
+   AdamW against foreach and the for-loop (why fused is the default); ZeRO-Infinity (ZeRO-3 on
+   one process with parameter shards, fp32 masters and optimizer state on disk) against in memory
+   when plait-zero-sharding is installed;
 4. resident memory of each variant, each in its own process (target <= 0.35x).
 
 Reads are cold: pages are evicted with ``posix_fadvise`` before every read (io_bench.py).
@@ -122,6 +124,10 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
         variants["deepspeed"] = None
     models = {name: workload.build_model() for name in variants}
     optimizers = {name: workload.make_optimizer(name, models[name], path) for name, path in variants.items()}
+    infinity, infinity_reason = workload.zero_infinity_available()
+    if infinity:
+        models["infinity"], optimizers["infinity"] = workload.make_infinity(workload.build_model(), directory)
+        variants["infinity"] = directory
     opt_times: dict[str, list[float]] = {name: [] for name in variants}
     counter = {name: 0 for name in variants}
 
@@ -137,8 +143,9 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
     opt_stats = {name: TimingStats.of(values[warmup:]) for name, values in opt_times.items()}
     same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
                zip(models["memory"].parameters(), models["nvme"].parameters(), models["cpu"].parameters()))
-    for name in ("cpu", "nvme"):
-        optimizers[name].close()
+    for name in ("cpu", "nvme", "infinity"):
+        if name in optimizers:
+            optimizers[name].close()
     model = "tiny-llama 8.4M fp32"
     rows = [
         _with_note(timing_row(f"train step, {model}, AdamW state on disk", timings["nvme"],
@@ -147,6 +154,15 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
         timing_row(f"optimizer.step() alone, {model}, state on disk", opt_stats["nvme"],
                    "torch fused AdamW in memory", opt_stats["memory"]),
     ]
+    if infinity:
+        rows.append(_with_note(timing_row(
+            f"train step, {model}, ZeRO-Infinity (ZeRO-3, 1 process): parameters, fp32 masters and AdamW state "
+            "on disk", timings["infinity"], "AdamW state in memory", timings["memory"], target_ratio=STEP_TARGET),
+            "every step reads each parameter shard twice (forward, backward) and each master and moment once, "
+            "and writes them back"))
+    else:
+        rows.append(BenchRow(benchmark=f"train step, {model}, ZeRO-Infinity", figure="time (ms)", ours=0.0,
+                             note=infinity_reason))
     if ds_ready:
         rows.append(timing_row(f"optimizer.step() alone, {model}, state in CPU memory (ours)", opt_stats["cpu"],
                                "DeepSpeedCPUAdam", opt_stats["deepspeed"], target_ratio=1.0))
@@ -191,16 +207,20 @@ def _cpu_adamw_rows(quick: bool) -> list[BenchRow]:
 
 def _rss_rows(directory: str, quick: bool) -> list[BenchRow]:
     steps = 2 if quick else 5
-    found = _workers(("memory", "nvme"), steps, directory)
+    variants = ("memory", "nvme", "infinity") if workload.zero_infinity_available()[0] else ("memory", "nvme")
+    found = _workers(variants, steps, directory)
     if any(v is None for v in found.values()):
         return [BenchRow(benchmark="resident memory", figure="RSS", ours=0.0, note="a worker process failed")]
     memory, nvme = found["memory"], found["nvme"]
     rows = []
     for key, label in (("rss_after", "RSS after training above imports (MiB)"),
                        ("rss_peak", "peak RSS above imports (MiB)")):
-        ours = (nvme[key] - nvme["rss_imports"]) / MIB
         peer = (memory[key] - memory["rss_imports"]) / MIB
-        rows.append(_ratio_row(f"tiny-llama, AdamW state on disk, {steps} steps", label, ours, peer))
+        for name, title in (("nvme", "AdamW state on disk"),
+                            ("infinity", "ZeRO-Infinity: parameters, masters and state on disk")):
+            if name in found:
+                ours = (found[name][key] - found[name]["rss_imports"]) / MIB
+                rows.append(_ratio_row(f"tiny-llama, {title}, {steps} steps", label, ours, peer))
     rows.append(_ratio_row(f"tiny-llama, AdamW state on disk, {steps} steps", "optimizer-state bytes in memory (MiB)",
                            nvme["optimizer_state_bytes"] / MIB, memory["optimizer_state_bytes"] / MIB,
                            note="the store's slots (3 sub-groups: read, step, write) against all of AdamW's state"))
@@ -208,6 +228,11 @@ def _rss_rows(directory: str, quick: bool) -> list[BenchRow]:
                            nvme["model_state_bytes"] / MIB, memory["model_state_bytes"] / MIB,
                            note="params + grads + optimizer state (+ store slots): params and grads stay "
                                 "resident on a CPU-only machine"))
+    if "infinity" in found:
+        rows.append(_ratio_row(f"tiny-llama, ZeRO-Infinity, {steps} steps", "model-state bytes (MiB)",
+                               found["infinity"]["model_state_bytes"] / MIB, memory["model_state_bytes"] / MIB,
+                               note="resident units + fp32 gradient shards + the store's slots; parameter "
+                                    "shards, masters and moments are in files"))
     return rows
 
 
@@ -221,7 +246,12 @@ def _ratio_row(benchmark: str, figure: str, ours: float, peer: float, note: str 
 def _workers(variants: tuple[str, ...], steps: int, directory: str) -> dict[str, dict | None]:
     """Run one process per variant, side by side (memory figures are per process, not timings)."""
     module = "plait.offload_io.benchmarks.workload"
-    running = {v: subprocess.Popen([sys.executable, "-m", module, v, str(steps), directory],
+    # glibc's mmap threshold fixed (the same for every variant): a freed large buffer goes back to
+    # the OS. Left dynamic, glibc raises the threshold after the first free of a big block and
+    # keeps later ones in its heap, so a process that frees and re-allocates buffers every module
+    # (ZeRO-3's gathers) shows ~300 MiB of RSS it does not use; jemalloc/tcmalloc behave like this.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MIB)}
+    running = {v: subprocess.Popen([sys.executable, "-m", module, v, str(steps), directory], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in variants}
     found: dict[str, dict | None] = {}
     for variant, process in running.items():
