@@ -27,6 +27,11 @@ from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.units import FlatUnit
 
 
+# Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
+# freed): two keep communication overlapped with the next unit's backward.
+MAX_PENDING_REDUCE = 2
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -183,6 +188,10 @@ class ZeroEngine:
         with profiling.comm_range("reduce_scatter", block=False):
             handle = self.reducer.reduce_scatter(flat, out, group=unit.group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
+        # Bound the flat gradient buckets alive at once: fold the oldest reduction while newer ones
+        # are in flight, instead of holding every unit's bucket until the end of backward.
+        while len(self.pending_reduce) > MAX_PENDING_REDUCE:
+            self._fold(*self.pending_reduce.pop(0))
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
@@ -198,11 +207,15 @@ class ZeroEngine:
 
     def wait_reductions(self) -> None:
         """Wait for every in-flight reduce-scatter and fold the results into ``grad_shard``."""
-        for unit, handle, _flat, out in self.pending_reduce:
-            with profiling.comm_range("wait_reduce_scatter"):
-                wait(handle)
-            unit.accumulate(out)
-        self.pending_reduce.clear()
+        pending, self.pending_reduce = self.pending_reduce, []
+        for unit, handle, flat, out in pending:
+            self._fold(unit, handle, flat, out)
+
+    @staticmethod
+    def _fold(unit: FlatUnit, handle: Any, _flat: torch.Tensor, out: torch.Tensor) -> None:
+        with profiling.comm_range("wait_reduce_scatter"):
+            wait(handle)
+        unit.accumulate(out)
 
     def finish_gradients(self) -> None:
         """Make every unit's ``grad_shard`` final before a step: reduce anything still local

@@ -260,7 +260,11 @@ class FlatUnit:
         if self.storage is None:
             return
         self._settle_shard_io(quiet=True)
-        self._shard_io = self.storage.write(self.key, self.shard)
+        try:
+            self._shard_io = self.storage.write(self.key, self.shard)
+        except Exception as exc:  # refused up front (no space): kept in memory, raised by the step's end
+            self._shard_failed = exc
+            return
         self._shard_writing = True
 
     def drop_shard(self, *, retry: bool = False) -> BaseException | None:
