@@ -26,7 +26,6 @@ from plait.zero_sharding.extension import wait
 from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.units import FlatUnit
 
-
 # Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
 # freed): two keep communication overlapped with the next unit's backward.
 MAX_PENDING_REDUCE = 2
