@@ -136,8 +136,8 @@ class ShardStorage(Protocol):
 
     def write(self, key: str, shard: Tensor) -> Any:
         """Persist ``shard``'s values for ``key``; ``shard`` stays allocated and unmodified until
-        the handle is waited. A failed write raises from ``wait`` (or here) and the engine keeps
-        the shard in memory, so nothing is lost."""
+        the handle is waited. A failed write raises an ``OSError`` from ``wait`` (or here) and
+        the engine keeps the shard in memory, so nothing is lost."""
 
     def read(self, key: str, out: Tensor) -> Any:
         """Fill ``out`` (the shard, re-allocated, same shape/dtype/device) with the last values

@@ -262,7 +262,7 @@ class FlatUnit:
         self._settle_shard_io(quiet=True)
         try:
             self._shard_io = self.storage.write(self.key, self.shard)
-        except Exception as exc:  # refused up front (no space): kept in memory, raised by the step's end
+        except OSError as exc:  # refused up front (no space): kept in memory, raised by the step's end
             self._shard_failed = exc
             return
         self._shard_writing = True
