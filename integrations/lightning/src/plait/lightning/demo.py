@@ -103,7 +103,8 @@ class TinyLlamaModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """AdamW with warm-up and cosine decay, stepped every optimizer step."""
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        # fused: torch's fastest AdamW on CPU and CUDA (and what the offload placements use anyway).
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, fused=True)
         warmup, total = self.hparams.warmup, self.hparams.total_steps
 
         def factor(step: int) -> float:

@@ -128,6 +128,16 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
     if infinity:
         models["infinity"], optimizers["infinity"] = workload.make_infinity(workload.build_model(), directory)
         variants["infinity"] = directory
+    ds_offload_reason = ds_reason or infinity_reason
+    if infinity and ds_ready:
+        models["zero3-cpu"], optimizers["zero3-cpu"] = workload.make_ours_zero3_offload(workload.build_model())
+        variants["zero3-cpu"] = None
+        try:
+            optimizers["ds-offload"] = workload.DeepSpeedOffload(workload.build_model())
+            models["ds-offload"] = optimizers["ds-offload"].engine
+            variants["ds-offload"] = None
+        except Exception as exc:  # noqa: BLE001 - the peer could not run here; the row says why
+            ds_offload_reason = f"DeepSpeed ZeRO-3 offload failed to start: {type(exc).__name__}: {exc}"[:300]
     opt_times: dict[str, list[float]] = {name: [] for name in variants}
     counter = {name: 0 for name in variants}
 
@@ -143,7 +153,7 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
     opt_stats = {name: TimingStats.of(values[warmup:]) for name, values in opt_times.items()}
     same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in
                zip(models["memory"].parameters(), models["nvme"].parameters(), models["cpu"].parameters()))
-    for name in ("cpu", "nvme", "infinity"):
+    for name in ("cpu", "nvme", "infinity", "zero3-cpu"):
         if name in optimizers:
             optimizers[name].close()
     model = "tiny-llama 8.4M fp32"
@@ -163,6 +173,16 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
     else:
         rows.append(BenchRow(benchmark=f"train step, {model}, ZeRO-Infinity", figure="time (ms)", ours=0.0,
                              note=infinity_reason))
+    label = f"{model}, ZeRO-3 (1 process), parameters, masters and AdamW state in CPU memory"
+    if "ds-offload" in variants:
+        peer = "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu (DeepSpeedCPUAdam)"
+        rows.append(timing_row(f"train step, {label}", timings["zero3-cpu"], peer, timings["ds-offload"],
+                               target_ratio=1.0))
+        rows.append(timing_row(f"optimizer step alone, {label}", opt_stats["zero3-cpu"], peer,
+                               opt_stats["ds-offload"], target_ratio=1.0))
+    else:
+        rows.append(BenchRow(benchmark=f"train step, {label}", figure="time (ms)", ours=0.0,
+                             peer="DeepSpeed ZeRO-3 CPU offload", note=ds_offload_reason))
     if ds_ready:
         rows.append(timing_row(f"optimizer.step() alone, {model}, state in CPU memory (ours)", opt_stats["cpu"],
                                "DeepSpeedCPUAdam", opt_stats["deepspeed"], target_ratio=1.0))

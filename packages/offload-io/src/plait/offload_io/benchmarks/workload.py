@@ -92,6 +92,55 @@ def make_infinity(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, t
     return model, optimizer
 
 
+def make_ours_zero3_offload(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """plait ZeRO-3 on one process with parameter shards, fp32 masters and AdamW state in CPU memory
+    (``param_device="cpu"``, ``device="cpu"``): the configuration of DeepSpeed's row beside it."""
+    import torch.distributed as dist
+
+    from plait.kernels.testing import free_port
+    from plait.offload_io.config import OffloadConfig
+    from plait.offload_io.zero_placement import zero_placement
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    placement = zero_placement(OffloadConfig(device="cpu", param_device="cpu"))
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=LR,
+                                  weight_decay=WEIGHT_DECAY)
+    optimizer.close = placement.close
+    return model, optimizer
+
+
+class DeepSpeedOffload:
+    """DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on the CPU (its
+    DeepSpeedCPUAdam steps), one process over the existing gloo group; :func:`train_step` drives
+    it through ``engine.backward``/``engine.step``, as DeepSpeed requires.
+
+    Raises:
+        Exception: whatever DeepSpeed raises where it cannot run (the caller reports it).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo, as for plait
+        for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)  # what torchrun would set for this one process
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                  "offload_param": {"device": "cpu", "pin_memory": False}},
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def close(self) -> None:
+        """Nothing to delete (no files)."""
+
+
 def zero_infinity_available() -> tuple[bool, str]:
     """Whether plait-zero-sharding is installed (the ZeRO-Infinity rows need it)."""
     import importlib.util
@@ -108,6 +157,14 @@ def train_step(model: torch.nn.Module, optimizer, step: int) -> tuple[float, flo
         (seconds of the whole step, seconds of ``optimizer.step()`` alone).
     """
     data = batch(step)
+    if isinstance(optimizer, DeepSpeedOffload):
+        engine = optimizer.engine
+        start = time.perf_counter()
+        engine.backward(engine(data["input_ids"], labels=data["labels"]).loss)
+        mid = time.perf_counter()
+        engine.step()  # also zeroes DeepSpeed's gradients
+        end = time.perf_counter()
+        return end - start, end - mid
     start = time.perf_counter()
     loss = model(data["input_ids"], labels=data["labels"]).loss
     loss.backward()
