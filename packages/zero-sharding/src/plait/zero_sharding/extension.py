@@ -109,6 +109,7 @@ class StatePlacement(Protocol):
     def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
         """One optimizer step: ``grads`` maps key -> fp32 gradient shard (compute device).
         Attach each to its master's ``.grad``, run ``optimizer.step()``, release the grads.
+        The gradients are read-only: one may be the unit's accumulated gradient itself.
 
         Optional third parameter ``ready: Callable[[str], None]``: a placement whose masters are
         cheap to read only at certain times (NVMe-resident masters, readable while their

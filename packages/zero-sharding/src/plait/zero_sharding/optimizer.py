@@ -78,8 +78,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_request = None
             if max_norm is not None and self.last_grad_norm > max_norm:
                 coef = max_norm / (self.last_grad_norm + 1e-6)
-                for grad in grads.values():
-                    grad.mul_(coef)
+                # Out of place: a gradient may be the unit's grad_shard itself (see _averaged_grads),
+                # which must keep the unclipped sum (accumulation without zero_grad).
+                grads = {key: grad * coef for key, grad in grads.items()}
             with profiling.optimizer_range():
                 refreshed = self._placement_step(grads)
             for unit in engine.units:
@@ -122,8 +123,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for unit in engine.units:
             if unit.grad_shard is None:
                 continue
-            grad = unit.grad_shard.to(torch.float32, copy=True)
-            grad.mul_(1.0 / (unit.group_size * self.scaler.scale))
+            # One pass: the cast copies only a non-fp32 shard, the scaling is then in place;
+            # an fp32 shard is scaled out of place, and one whose factor is exactly 1 (one rank,
+            # no loss scale) is used as it is, with no copy (x * 1.0 == x bit for bit).
+            grad = unit.grad_shard.to(torch.float32)
+            factor = 1.0 / (unit.group_size * self.scaler.scale)
+            if grad is not unit.grad_shard:
+                grad.mul_(factor)
+            elif factor != 1.0:
+                grad = grad * factor
             grads[unit.key] = grad
             # fp32 norm of one shard (one pass, no float64 copy); shards are summed in float64.
             sq = torch.linalg.vector_norm(grad).double().square()
