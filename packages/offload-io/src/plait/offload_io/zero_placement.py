@@ -88,6 +88,13 @@ class ZeroOffloadPlacement:
         self._engine: AsyncIOEngine | None = None
 
     @property
+    def grad_device(self) -> torch.device:
+        """Where plait-zero-sharding keeps reduced gradient slices: host memory, where the masters
+        step. The engine copies each slice there as soon as its reduce-scatter is done (page-locked,
+        asynchronous, overlapping the rest of backward); on a CPU-only machine nothing moves."""
+        return torch.device("cpu")
+
+    @property
     def offloads_parameters(self) -> bool:
         """Whether stage-3 parameter shards are offloaded too (``OffloadConfig.param_device``)."""
         return self.config.param_device != "none"

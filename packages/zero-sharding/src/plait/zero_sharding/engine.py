@@ -73,6 +73,11 @@ class ZeroEngine:
         self.order_frozen = False
         self.handles: list[Any] = []
         self.storage: Any = None
+        # Optional placement attribute: where reduced gradient slices should live (host memory
+        # when the optimizer steps on the CPU); None keeps them on the compute device.
+        grad_device = getattr(placement, "grad_device", None)
+        self.grad_device = None if grad_device is None else torch.device(grad_device)
+        self.host_copies_pending = False
         self._register_grad_hooks()
         if config.stage == 3:
             self._register_module_hooks()
@@ -210,11 +215,30 @@ class ZeroEngine:
         for unit, handle, flat, out in pending:
             self._fold(unit, handle, flat, out)
 
-    @staticmethod
-    def _fold(unit: FlatUnit, handle: Any, _flat: torch.Tensor, out: torch.Tensor) -> None:
+    def _fold(self, unit: FlatUnit, handle: Any, _flat: torch.Tensor, out: torch.Tensor) -> None:
         with profiling.comm_range("wait_reduce_scatter"):
             wait(handle)
-        unit.accumulate(out)
+        unit.accumulate(self._to_grad_device(unit, out))
+
+    def _to_grad_device(self, unit: FlatUnit, reduced: torch.Tensor) -> torch.Tensor:
+        """Move a reduced gradient slice to the placement's ``grad_device`` (host memory for CPU
+        offload) as soon as its reduction is done, so the copy overlaps the rest of backward:
+        asynchronous into page-locked memory; :meth:`finish_gradients` synchronizes once."""
+        target = self.grad_device
+        if target is None or reduced.device == target:
+            return reduced
+        host = torch.empty(reduced.shape, dtype=reduced.dtype, device=target, pin_memory=reduced.is_cuda)
+        host.copy_(reduced, non_blocking=reduced.is_cuda)
+        self.host_copies_pending = self.host_copies_pending or reduced.is_cuda
+        if unit.grad_shard is not None and unit.full_grad is None:
+            self.sync_host_copies()  # accumulating on the host reads the copy now
+        return host
+
+    def sync_host_copies(self) -> None:
+        """Wait for the asynchronous device-to-host gradient copies of :meth:`_to_grad_device`."""
+        if self.host_copies_pending:
+            torch.cuda.synchronize()
+            self.host_copies_pending = False
 
     def finish_gradients(self) -> None:
         """Make every unit's ``grad_shard`` final before a step: reduce anything still local
@@ -223,6 +247,7 @@ class ZeroEngine:
             if unit.full_grad is not None or any(s.param.grad is not None for s in unit.slots):
                 self._launch_reduce(unit)
         self.wait_reductions()
+        self.sync_host_copies()
 
     # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
     def attach_storage(self, storage: Any) -> int:

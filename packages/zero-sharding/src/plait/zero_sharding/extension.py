@@ -90,8 +90,11 @@ class StatePlacement(Protocol):
     clipped fp32 gradient shards (on the compute device), then :meth:`read_master` per key to
     refresh the compute-dtype parameter shards.
 
-    Optional members: ``offloads_parameters`` (a bool attribute; ``True`` makes ``zero_shard``
-    refuse stages 1/2 before any work) and ``shard_storage()`` (returns a :class:`ShardStorage`,
+    Optional members: ``grad_device`` (where the engine should keep reduced gradient slices:
+    a placement stepping on the CPU says ``"cpu"``, and each slice is copied to page-locked host
+    memory as soon as its reduce-scatter is done, overlapping the rest of backward; the norm,
+    unscaling and clipping then run there), ``offloads_parameters`` (a bool attribute; ``True``
+    makes ``zero_shard`` refuse stages 1/2 before any work) and ``shard_storage()`` (returns a :class:`ShardStorage`,
     or ``None``; called once after :meth:`make_optimizer`, the engine then keeps stage-3 shards
     in it).
     """
