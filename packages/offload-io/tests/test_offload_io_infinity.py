@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
+from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama, train_losses
 
 MODEL = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=96, vocab_size=300)
 BATCH, SEQ, STEPS = 4, 32, 3
@@ -49,15 +49,7 @@ def _build(placement=None, dtype: torch.dtype = torch.float32):
 
 
 def _train(model, optimizer, steps: int, start: int = 0) -> list[float]:
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    losses = []
-    for step in range(start, start + steps):
-        loss = model(**rank_slice(global_batch(step, BATCH, SEQ), rank, world)).loss
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses
+    return train_losses(model, optimizer, steps, batch=BATCH, seq=SEQ, start=start)
 
 
 def _params(model) -> dict[str, torch.Tensor]:

@@ -16,10 +16,11 @@ from plait.kernels.testing.distributed import (
 )
 from plait.kernels.testing.parity import assert_close_maps, assert_replicas_equal, state_digest, tensor_digest
 from plait.kernels.testing.tiny_llama import CausalLMOutput, TinyLlama, TinyLlamaConfig, tiny_llama, tiny_llama_moe
+from plait.kernels.testing.train import train_losses
 
 __all__ = [
     "ByteTokenizer", "CausalLMOutput", "CorpusDataset", "DistributedTestError", "DistributedTimeoutError",
     "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "corpus_text", "corpus_tokens",
     "free_port", "global_batch", "rank_slice", "run_distributed", "state_digest", "tensor_digest", "tiny_llama",
-    "tiny_llama_moe",
+    "tiny_llama_moe", "train_losses",
 ]

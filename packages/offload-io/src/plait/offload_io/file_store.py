@@ -42,6 +42,17 @@ class _Slot:
     last_use: int = 0
 
 
+def discard_directory(engine: AsyncIOEngine, directory: str, *, remove: bool = True) -> None:
+    """Closing an offload directory: let ``engine``'s in-flight I/O finish (its errors no longer
+    matter, the files are going away), then delete ``directory`` when ``remove``."""
+    try:
+        engine.wait()
+    except OffloadIOError:
+        pass
+    if remove:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 class FileStateStore(StateStore):
     """Groups in files under ``directory``; ``slots`` of them in memory at a time.
 
@@ -170,15 +181,10 @@ class FileStateStore(StateStore):
         if self._closed:
             return
         self._closed = True
-        try:
-            self.engine.wait()
-        except OffloadIOError:
-            pass  # closing: the files are about to be removed anyway
+        discard_directory(self.engine, self.directory, remove=not self.keep_files)
         if self._own_engine:
             self.engine.close()
         self._slots.clear()
-        if not self.keep_files:
-            shutil.rmtree(self.directory, ignore_errors=True)
 
     def __contains__(self, group_id: Hashable) -> bool:
         return group_id in self._layouts

@@ -18,7 +18,6 @@ after the gather it frees it again, and after each optimizer step it writes the 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 
 import torch
@@ -28,6 +27,7 @@ from plait.offload_io import probe
 from plait.offload_io.agreement import raise_together
 from plait.offload_io.buffers import aligned_empty, aligned_like
 from plait.offload_io.engine import AsyncIOEngine
+from plait.offload_io.file_store import discard_directory
 
 
 class _CudaCopy:
@@ -79,19 +79,18 @@ class FileShardStorage:
 
     Args:
         directory: parent directory; a fresh ``plait-params-*`` directory is made inside.
-        engine: the I/O engine (shared with the optimizer-state store, or its own).
-        close_engine: close ``engine`` on :meth:`close`.
+        engine: the I/O engine (the placement shares one with its optimizer-state store and
+            closes it).
 
     Raises:
         OffloadIOError: ``directory`` cannot be created or written.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, engine: AsyncIOEngine, close_engine: bool = False) -> None:
+    def __init__(self, directory: str | os.PathLike, *, engine: AsyncIOEngine) -> None:
         parent = probe.ensure_directory(os.fspath(directory))
         self.directory = os.path.join(parent, f"plait-params-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(self.directory)
         self.engine = engine
-        self._close_engine = close_engine
         self._files: dict[str, str] = {}
         self._closed = False
 
@@ -133,17 +132,10 @@ class FileShardStorage:
         return self._files[key]
 
     def close(self) -> None:
-        """Delete the files (and close an engine it owns). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.engine.wait()
-        except OSError:
-            pass  # closing: the files are about to be removed anyway
-        if self._close_engine:
-            self.engine.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        """Delete the files (the engine is the caller's). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            discard_directory(self.engine, self.directory)
 
 
 __all__ = ["CpuShardStorage", "FileShardStorage"]

@@ -90,13 +90,16 @@ class StatePlacement(Protocol):
     clipped fp32 gradient shards (on the compute device), then :meth:`read_master` per key to
     refresh the compute-dtype parameter shards.
 
-    Optional members: ``grad_device`` (where the engine should keep reduced gradient slices:
-    a placement stepping on the CPU says ``"cpu"``, and each slice is copied to page-locked host
-    memory as soon as its reduce-scatter is done, overlapping the rest of backward; the norm,
-    unscaling and clipping then run there), ``offloads_parameters`` (a bool attribute; ``True``
-    makes ``zero_shard`` refuse stages 1/2 before any work) and ``shard_storage()`` (returns a :class:`ShardStorage`,
-    or ``None``; called once after :meth:`make_optimizer`, the engine then keeps stage-3 shards
-    in it).
+    Optional members:
+
+    * ``grad_device``: where the engine keeps reduced gradient slices. A placement stepping on
+      the CPU says ``"cpu"``: each slice is copied to page-locked host memory as soon as its
+      reduce-scatter is done, overlapping the rest of backward, and the norm, unscaling and
+      clipping run there.
+    * ``offloads_parameters`` (bool): ``True`` makes ``zero_shard`` refuse stages 1/2 before any
+      work.
+    * ``shard_storage()``: a :class:`ShardStorage` or ``None``; called once after
+      :meth:`make_optimizer`, the engine then keeps stage-3 shards in it.
     """
 
     def place_master(self, key: str, master: Tensor) -> Tensor:
@@ -133,9 +136,15 @@ class ShardStorage(Protocol):
 
     The engine attaches a storage to every sharded (non-resident) unit whose shard is not itself
     the optimizer's master. It writes the shard once, then frees the shard's memory (its data
-    becomes a one-element placeholder, so the tensor keeps its identity); before each gather it reads the
-    shard back (started early by the engine's prefetch), after the gather it frees it again, and
-    after each optimizer step it writes the new values. Handles follow the module's convention.
+    becomes a one-element placeholder, so the tensor keeps its identity); before each gather it
+    reads the shard back (started early by the engine's prefetch), after the gather it frees it
+    again, and after each optimizer step it writes the new values. Handles follow the module's
+    convention.
+
+    Optional members (not part of the protocol check): ``reserve(nbytes, shards)`` is called
+    before the first write with the shards' total size, to refuse a disk without room before any
+    work; ``empty(numel, *, dtype, device)`` allocates a shard's memory when it is loaded (e.g.
+    aligned, so file I/O needs no bounce copy); the default is ``torch.empty``.
     """
 
     def write(self, key: str, shard: Tensor) -> Any:
@@ -146,11 +155,6 @@ class ShardStorage(Protocol):
     def read(self, key: str, out: Tensor) -> Any:
         """Fill ``out`` (the shard, re-allocated, same shape/dtype/device) with the last values
         written for ``key``."""
-
-    # Optional members (not part of the protocol check): ``reserve(nbytes, shards)`` is called
-    # before the first write with the shards' total size, to refuse a disk without room before any
-    # work; ``empty(numel, *, dtype, device)`` allocates a shard's memory when it is loaded (e.g.
-    # aligned, so file I/O needs no bounce copy); the default is ``torch.empty``.
 
     def finish_step(self, errors: list[BaseException]) -> None:
         """Called on every rank after a step's shard writes settled, with this rank's write

@@ -251,7 +251,7 @@ class FlatUnit:
         """The shard, loaded and safe to modify (no write of it in flight); call
         :meth:`store_shard` after modifying it. ``read=False`` when every element is overwritten."""
         self.load_shard(read=read)
-        self._settle_shard_io(quiet=True)
+        self._settle_shard_io()
         return self.shard
 
     def store_shard(self) -> None:
@@ -259,7 +259,7 @@ class FlatUnit:
         :meth:`drop_shard` sees the write finished)."""
         if self.storage is None:
             return
-        self._settle_shard_io(quiet=True)
+        self._settle_shard_io()
         try:
             self._shard_io = self.storage.write(self.key, self.shard)
         except OSError as exc:  # refused up front (no space): kept in memory, raised by the step's end
@@ -282,7 +282,7 @@ class FlatUnit:
         if retry and self._shard_failed is not None:
             self._shard_failed = None
             self.store_shard()
-        self._settle_shard_io(quiet=True)
+        self._settle_shard_io()
         if self._shard_failed is not None:
             return self._shard_failed
         self._release_shard_memory()
@@ -300,20 +300,19 @@ class FlatUnit:
         self.shard.data = torch.zeros((), dtype=self.shard.dtype, device=self.device).expand(self.shard_numel)
         self.shard_loaded = False
 
-    def _settle_shard_io(self, *, quiet: bool = False) -> None:
-        """Wait for the shard's read or write. A failed write is kept in ``_shard_failed`` (raised
-        unless ``quiet``); a failed read frees the shard again and raises."""
+    def _settle_shard_io(self) -> None:
+        """Wait for the shard's read or write. A failed write is kept in ``_shard_failed`` (the
+        shard stays in memory; :meth:`drop_shard` reports it); a failed read frees the shard
+        again and raises."""
         handle, writing = self._shard_io, self._shard_writing
         self._shard_io, self._shard_writing = None, False
         try:
             wait(handle)
-        except Exception as exc:
+        except OSError as exc:
             if not writing:
                 self._release_shard_memory()
                 raise
             self._shard_failed = exc
-            if not quiet:
-                raise
             return
         if writing:
             self._shard_failed = None

@@ -126,11 +126,12 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
     optimizers = {name: workload.make_optimizer(name, models[name], path) for name, path in variants.items()}
     infinity, infinity_reason = workload.zero_infinity_available()
     if infinity:
-        models["infinity"], optimizers["infinity"] = workload.make_infinity(workload.build_model(), directory)
+        built = workload.make_zero3_offload(workload.build_model(), "nvme", directory)
+        models["infinity"], optimizers["infinity"] = built
         variants["infinity"] = directory
     ds_offload_reason = ds_reason or infinity_reason
     if infinity and ds_ready:
-        models["zero3-cpu"], optimizers["zero3-cpu"] = workload.make_ours_zero3_offload(workload.build_model())
+        models["zero3-cpu"], optimizers["zero3-cpu"] = workload.make_zero3_offload(workload.build_model(), "cpu")
         variants["zero3-cpu"] = None
         try:
             optimizers["ds-offload"] = workload.DeepSpeedOffload(workload.build_model())

@@ -68,9 +68,11 @@ def make_optimizer(variant: str, model: torch.nn.Module, path: str | None = None
     raise ValueError(f"unknown variant {variant!r}; use memory, cpu, nvme, deepspeed or infinity.")
 
 
-def make_infinity(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """ZeRO-Infinity on one process: plait-zero-sharding stage 3 with parameter shards, fp32
-    masters and AdamW state all in files under ``path`` (needs plait-zero-sharding).
+def make_zero3_offload(model: torch.nn.Module, device: str, path: str | None = None
+                       ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """plait-zero-sharding stage 3 on one process with parameter shards, fp32 masters and AdamW
+    state all on ``device``: ``"nvme"`` (files under ``path``, ZeRO-Infinity) or ``"cpu"`` (host
+    memory, the configuration of DeepSpeed's row beside it). Needs plait-zero-sharding.
 
     Returns:
         ``(model, optimizer)``; ``optimizer.close()`` closes the placement (deletes its files).
@@ -84,27 +86,8 @@ def make_infinity(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, t
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    placement = zero_placement(OffloadConfig(device="nvme", param_device="nvme", path=path,
-                                             sub_group_size=SUB_GROUP_SIZE))
-    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=LR,
-                                  weight_decay=WEIGHT_DECAY)
-    optimizer.close = placement.close
-    return model, optimizer
-
-
-def make_ours_zero3_offload(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """plait ZeRO-3 on one process with parameter shards, fp32 masters and AdamW state in CPU memory
-    (``param_device="cpu"``, ``device="cpu"``): the configuration of DeepSpeed's row beside it."""
-    import torch.distributed as dist
-
-    from plait.kernels.testing import free_port
-    from plait.offload_io.config import OffloadConfig
-    from plait.offload_io.zero_placement import zero_placement
-    from plait.zero_sharding import ZeroConfig, zero_shard
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    placement = zero_placement(OffloadConfig(device="cpu", param_device="cpu"))
+    placement = zero_placement(OffloadConfig(device=device, param_device=device, path=path,
+                                             sub_group_size=SUB_GROUP_SIZE if device == "nvme" else 1 << 22))
     model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=LR,
                                   weight_decay=WEIGHT_DECAY)
     optimizer.close = placement.close
@@ -244,7 +227,7 @@ def main(argv: list[str]) -> int:
     model = build_model()
     rss_model, _ = rss_bytes()
     if variant == "infinity":
-        model, optimizer = make_infinity(model, path)
+        model, optimizer = make_zero3_offload(model, "nvme", path)
     else:
         optimizer = make_optimizer(variant, model, path)
     for step in range(steps):
