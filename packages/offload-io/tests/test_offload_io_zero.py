@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from plait.kernels.testing import run_distributed, tiny_llama, train_losses
+from plait.kernels.testing import global_batch, run_distributed, tiny_llama, train_losses
 
 MODEL = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=96, vocab_size=300)
 BATCH, SEQ, STEPS = 4, 32, 4
@@ -207,3 +207,30 @@ def test_placement_refuses_a_non_config() -> None:
 
     with pytest.raises(TypeError, match="OffloadConfig"):
         ZeroOffloadPlacement({"device": "cpu"})
+
+
+def read_ahead_session(root: str) -> tuple[bool, bool, int]:
+    """overlap_io: when a backward begins, the placement starts reading its first sub-group."""
+    from plait.offload_io import zero_placement
+
+    placement = zero_placement(_offload("nvme", root))
+    model, optimizer = _build(3, placement)
+    _train(model, optimizer, 1)
+    first = next(sg.id for sg in placement._subgroups if not sg.kept)
+    for sg in placement._subgroups[1:]:  # push the first group out of the store's slots
+        placement.store.get(sg.id)
+        placement.store.put(sg.id, dirty=False)
+    before = placement.store._find(first) is not None
+    model(**global_batch(1, BATCH, SEQ)).loss.backward()
+    during = placement.store._find(first) is not None
+    optimizer.step()
+    slots = len(placement.store._slots)
+    placement.close()
+    return before, during, slots
+
+
+@pytest.mark.timeout(60)
+def test_backward_starts_reading_the_first_subgroup(tmp_path) -> None:
+    before, during, slots = run_distributed(read_ahead_session, 1, str(tmp_path), timeout=45)[0]
+    assert not before and during
+    assert slots <= 3  # no slot is left held by a read nobody used

@@ -34,6 +34,8 @@ from plait.offload_io.subgroups import (
     MASTER_KEY,
     SubGroup,
     build_subgroups,
+    read_ahead,
+    release_unread,
     state_bytes_estimate,
     write_back_state,
 )
@@ -85,7 +87,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._copied: set[int] = set()
         self._held: set[int] = set()
-        self._early = False  # this backward already started reading the first sub-groups
+        self._early: list[int] | None = None  # sub-groups whose reads this backward started
         self._ready = True
         for index in range(len(self.param_groups)):
             self._add_subgroups(index)
@@ -143,13 +145,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _read_early(self) -> None:
         """On the first gradient of a backward: start reading the sub-groups the step needs
         first, so that I/O runs while backward computes (``OffloadConfig.overlap_io``)."""
-        if self._early or not self.config.overlap_io or not isinstance(self.store, FileStateStore):
-            return
-        self._early = True
-        # One slot stays free for the step's own read-ahead and one for a write-back.
-        first = [sg.id for sg in self._subgroups if not sg.kept and self._from_store(sg)]
-        for gid in first[:max(1, self.config.slots - 2)]:
-            self.store.prefetch(gid)
+        if self._early is None and self.config.overlap_io and isinstance(self.store, FileStateStore):
+            self._early = read_ahead(self.store, self._subgroups, self.config.slots, self._from_store)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -194,7 +191,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 except OffloadIOError as exc:
                     errors.append(exc)
         self._copied.clear()
-        self._early = False
+        release_unread(self.store, self._early or [], {sg.id for sg in todo})
+        self._early = None
         if errors:
             raise errors[0]
         return loss

@@ -289,3 +289,32 @@ def write_back_state(store: StateStore, sg: SubGroup, views: dict[str, torch.Ten
         return
     held.discard(sg.id)
     sg.drop_tensor_state()
+
+
+def read_ahead(store: StateStore, subgroups: list[SubGroup], slots: int, stored) -> list:
+    """Start reading the first offloaded sub-groups' state before the step needs it (during
+    backward), leaving one slot for the step's own read-ahead and one for a write-back.
+
+    Args:
+        store: the state store.
+        subgroups: all sub-groups, in step order.
+        slots: the store's slot count.
+        stored: ``stored(sg)`` says whether the sub-group's state is in the store.
+
+    Returns:
+        The ids whose reads were started (give them to :func:`release_unread`).
+    """
+    ids = [sg.id for sg in subgroups if not sg.kept and stored(sg)][:max(1, slots - 2)]
+    for gid in ids:
+        store.prefetch(gid)
+    return ids
+
+
+def release_unread(store: StateStore, started: list, stepped: set) -> None:
+    """Return groups :func:`read_ahead` started that the step did not use (no gradient), so their
+    slots can be reused: a prefetched slot is otherwise held until its ``get``."""
+    for gid in started:
+        if gid not in stepped and gid in store:
+            store.get(gid)
+            store.put(gid, dirty=False)
+

@@ -47,7 +47,15 @@ from plait.offload_io.engine import AsyncIOEngine
 from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
 from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
-from plait.offload_io.subgroups import MASTER_KEY, SubGroup, build_subgroups, state_bytes_estimate, write_back_state
+from plait.offload_io.subgroups import (
+    MASTER_KEY,
+    SubGroup,
+    build_subgroups,
+    read_ahead,
+    release_unread,
+    state_bytes_estimate,
+    write_back_state,
+)
 
 
 class ZeroOffloadPlacement:
@@ -86,6 +94,14 @@ class ZeroOffloadPlacement:
         self._stepping: SubGroup | None = None  # the sub-group whose store slot is installed
         self._shard_storage: CpuShardStorage | FileShardStorage | None = None
         self._engine: AsyncIOEngine | None = None
+        self._early: list[int] | None = None  # sub-groups whose reads this backward started
+
+    def backward_started(self) -> None:
+        """Called by plait-zero-sharding when a backward begins: with ``device="nvme"`` and
+        ``overlap_io``, start reading the first sub-groups' state so the read overlaps backward."""
+        if self._early is None and self.store is not None and self.config.overlap_io:
+            with self._internal():
+                self._early = read_ahead(self.store, self._subgroups, self.config.slots, self._from_store)
 
     @property
     def grad_device(self) -> torch.device:
@@ -188,6 +204,9 @@ class ZeroOffloadPlacement:
                 if following:
                     self.store.prefetch(following[0])  # read the next one while this one steps
                 self._step_subgroup(optimizer, sg, grads, errors, ready)
+            if self.store is not None:
+                release_unread(self.store, self._early or [], {sg.id for sg in todo})
+            self._early = None
             if self.store is not None and self.config.overlap_io:
                 errors += self.store.take_errors()  # the last write-backs run on into the next forward
             elif self.store is not None:

@@ -173,6 +173,9 @@ class ZeroEngine:
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            started = getattr(self.placement, "backward_started", None)
+            if started is not None:
+                started()  # a backward begins: e.g. offloaded optimizer state can start reading
 
     def _on_grad(self, unit: FlatUnit) -> None:
         self._queue_callback()

@@ -100,6 +100,8 @@ class StatePlacement(Protocol):
       work.
     * ``shard_storage()``: a :class:`ShardStorage` or ``None``; called once after
       :meth:`make_optimizer`, the engine then keeps stage-3 shards in it.
+    * ``backward_started()``: called when a backward begins (its first gradient hook), e.g. to
+      start reading offloaded optimizer state so the read overlaps backward.
     """
 
     def place_master(self, key: str, master: Tensor) -> Tensor:
