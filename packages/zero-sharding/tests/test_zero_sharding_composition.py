@@ -118,3 +118,58 @@ def test_rank_divergent_experts_match_single_process(world):
     for per_stage in run_distributed(_routed_ranks, world, 3, timeout=120):
         assert all(diff < 1e-5 for diff in per_stage.values()), per_stage
 
+
+def _expert_parallel_model(world: int, rank: int) -> Routed:
+    """This rank's part of ``Routed(world)``: the dense trunk and expert ``rank`` only."""
+    torch.manual_seed(0)
+    whole = Routed(world)
+    local = Routed(1)
+    local.load_state_dict({k: v for k, v in whole.state_dict().items() if not k.startswith("experts.")}, strict=False)
+    local.experts[0].load_state_dict(whole.experts[rank].state_dict())
+    return local
+
+
+def _expert_gradient_scale(stage: int, steps: int) -> float:
+    """Max difference to the single-process reference when each rank holds one expert of its own,
+    sharded over a group of one (expert parallelism over the whole world): SGD sees the gradient's
+    scale directly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = Routed(world)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(steps):
+        (sum(reference(_routed_batch(step, r)[0], [r]) for r in range(world)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    singles = [dist.new_group([r]) for r in range(world)]  # new_group is collective: every rank, every group
+    model = _expert_parallel_model(world, rank)
+    experts = list(model.experts.parameters())
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+    config = ZeroConfig(stage=stage, param_persistence_threshold=0)
+    model, optimizer = zero_shard(model, torch.optim.SGD, config, lr=0.5, param_groups=[
+        {"params": dense}, {"params": experts, "zero_group": singles[rank]}])
+    for step in range(steps):
+        model(_routed_batch(step, rank)[0], [0]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    final = model.state_dict()
+    expected = {k: v for k, v in reference.state_dict().items() if not k.startswith("experts.")}
+    expected.update({f"experts.0.{k}": v for k, v in reference.experts[rank].state_dict().items()})
+    return max((final[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_expert_and_dense_gradients_scaled_as_single_process(stage):
+    assert max(run_distributed(_expert_gradient_scale, 2, stage, 3, timeout=90)) < 1e-5
+
+
+def _refuses_bad_divisor() -> str:
+    model = Routed(1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['zero_grad_divisor'\]=0 must be a positive") as info:
+        zero_shard(model, torch.optim.SGD, ZeroConfig(stage=2), lr=0.1,
+                   param_groups=[{"params": list(model.parameters()), "zero_grad_divisor": 0}])
+    return str(info.value)
+
+
+def test_bad_gradient_divisor_is_refused_naming_the_group():
+    assert "data-parallel world" in run_distributed(_refuses_bad_divisor, 1, timeout=60)[0]

@@ -88,6 +88,7 @@ class FlatUnit:
         self.shard_numel = max(1, math.ceil(self.numel / group_size))
         self.padded_numel = self.shard_numel * group_size
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
+        self.grad_divisor: float = group_size  # summed gradients / this = the average the optimizer sees
         self.full = torch.zeros(0)
         self.shard = torch.zeros(0)
         self.master = torch.zeros(0)
