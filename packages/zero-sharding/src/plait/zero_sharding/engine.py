@@ -313,6 +313,16 @@ class ZeroEngine:
         self.unsynced = False
         self.wait_reductions()
         self.sync_host_copies()
+        self._reduce_replicas()
+
+    def _reduce_replicas(self) -> None:
+        """HSDP: sum each shard's gradient over the ranks holding the same shard (mesh dimensions
+        not sharded over), once per step, in unit order on every rank."""
+        for unit in self.units:
+            if unit.replicate_group is not None and unit.grad_shard is not None and not unit.replicated:
+                with profiling.comm_range("replicate_all_reduce"):
+                    wait(self.reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
+                unit.replicated = True
 
     # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
     def attach_storage(self, storage: Any) -> int:

@@ -81,6 +81,8 @@ class FlatUnit:
                  replicas: int, device: torch.device) -> None:
         self.key, self.slots, self.group = key, slots, group
         self.reduce_group = group  # stage 3: a twin of ``group`` (see plait.zero_sharding.ordering)
+        self.replicate_group: Any = None  # HSDP: ranks holding the same shard; gradients all-reduced over it
+        self.replicated = False  # grad_shard already all-reduced over replicate_group
         self.group_rank, self.group_size = group_rank, group_size
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
@@ -349,6 +351,7 @@ class FlatUnit:
             self.grad_shard = reduced
         else:
             self.grad_shard.add_(reduced)
+        self.replicated = False
 
     def zero_grad(self) -> None:
         """Forget gradients: the reduced slice, any unreduced ``param.grad``, stage 1's buffer."""
