@@ -113,6 +113,19 @@ def check_transformers_version() -> None:
                           f">={low[0]}.{low[1]},<{high[0]}.{high[1]}; install a version in that range.")
 
 
+def check_order(model: nn.Module) -> None:
+    """Refuse a model that ZeRO already sharded: the order is SP -> MoE -> checkpointing/offload -> ZeRO.
+
+    Raises:
+        ValueError: ``model`` is a plait ZeRO module (found by class name, so zero-sharding need not
+            be installed).
+    """
+    if any(cls.__name__ == "ZeroModule" for cls in type(model).__mro__):
+        raise ValueError(f"{type(model).__name__} is already ZeRO-sharded; apply_ulysses must come first "
+                         "(sequence parallel -> MoE -> checkpointing/offload -> ZeRO): call apply_ulysses(model, "
+                         "mesh) before zero_shard(model, ...).")
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The model's attention modules: those that call ``AttentionInterface`` (``is_causal`` + ``head_dim``)."""
     return [m for m in model.modules() if type(m).__name__.endswith("Attention")
@@ -134,9 +147,9 @@ def apply_ulysses(model: nn.Module, mesh: Any = None, *, config: UlyssesConfig |
         ``model``.
 
     Raises:
+        ValueError: the model is already ZeRO-sharded (wrong order), or fewer query heads than sp ranks.
         UnsupportedModelError: the model does not use ``AttentionInterface``, has no attention
             module we recognise, or runs an inner attention other than sdpa/eager (named).
-        ValueError: fewer query heads than sp ranks.
         ImportError: transformers missing or out of range.
     """
     check_transformers_version()
@@ -144,6 +157,7 @@ def apply_ulysses(model: nn.Module, mesh: Any = None, *, config: UlyssesConfig |
 
     config = config or UlyssesConfig()
     name = type(model).__name__
+    check_order(model)
     if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
         raise UnsupportedModelError(f"{name} does not route attention through transformers' AttentionInterface, "
                                     "so Ulysses cannot be plugged in; wrap its attention in DistributedAttention.")
