@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.kernels.mesh import complement_dims, flat_group
+from plait.zero_sharding.composition import notify
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
@@ -134,10 +135,13 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         # replicated group sharded over another group only ever sees that group's gradients.
         own = pg is not group and not distinct
         divisor = _grad_divisor(index, g.pop("zero_grad_divisor", size if own else data_parallel))
+        reducer = _extension(index, "zero_reducer", g.pop("zero_reducer", None), ("reduce_scatter", "all_reduce"))
+        gatherer = _extension(index, "zero_gatherer", g.pop("zero_gatherer", None), ("all_gather",))
         order = {id(p): i for i, p in enumerate(model_params.values())}
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
-                               replicas=1 if distinct else max(1, world // size), grad_divisor=divisor))
+                               replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
+                               reducer=reducer, gatherer=gatherer))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -150,6 +154,14 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
 def _mesh_group(mesh: DeviceMesh) -> Any:
     """A (sub-)mesh given as a parameter group's ``zero_group``: its dimensions, flattened."""
     return mesh.get_group() if mesh.ndim == 1 else flat_group(mesh, mesh.mesh_dim_names or ())
+
+
+def _extension(index: int, key: str, value: Any, methods: tuple[str, ...]) -> Any:
+    missing = [m for m in methods if value is not None and not callable(getattr(value, m, None))]
+    if missing:
+        raise ValueError(f"param_groups[{index}]['{key}'] is a {type(value).__name__} without {missing}; pass an "
+                         "object implementing plait.zero_sharding.GradientReducer / ParamGatherer, or leave it out.")
+    return value
 
 
 def _grad_divisor(index: int, value: Any) -> float:
@@ -187,7 +199,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``zero_group`` shards that group over another process group or mesh (MoE experts over
             the expert-data-parallel group); ``zero_distinct`` (default ``True`` with
             ``zero_group``) says its parameters differ across the other ranks;
-            ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
+            ``zero_reducer`` / ``zero_gatherer`` replace the engine's reducer / gatherer for the
+            group's units (see :mod:`plait.zero_sharding.composition` for the optional members
+            the engine calls); ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
             divided by (default with ``zero_distinct``: the data-parallel world, i.e. the ranks
             ``mesh`` shards over, so expert gradients reduced over a smaller group are scaled as
             dense ones are, as DeepSpeed does; otherwise the group's own size).
@@ -233,6 +247,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
         if unit.group is group:
             unit.replicate_group = replicate  # HSDP: the dimensions not sharded over
+        unit.reducer, unit.gatherer = groups[unit.option_index].reducer, groups[unit.option_index].gatherer
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
     inner_groups = []
@@ -252,6 +267,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     scaler = LossScaler(config, enabled=config.compute_dtype == torch.float16)
     zero_optimizer = ZeroOptimizer(engine, inner, scaler)
     install(model, engine, zero_optimizer)
+    notify(engine, "bind", engine)  # extensions that need the units, groups or keys
     return model, zero_optimizer
 
 

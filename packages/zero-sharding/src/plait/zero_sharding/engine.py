@@ -246,7 +246,7 @@ class ZeroEngine:
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
         with profiling.comm_range("reduce_scatter", block=False):
-            handle = self.reducer.reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
+            handle = (unit.reducer or self.reducer).reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
         # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
         # for one still in flight could deadlock when ranks reach it at different points of
@@ -321,7 +321,8 @@ class ZeroEngine:
         for unit in self.units:
             if unit.replicate_group is not None and unit.grad_shard is not None and not unit.replicated:
                 with profiling.comm_range("replicate_all_reduce"):
-                    wait(self.reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
+                    reducer = unit.reducer or self.reducer
+                    wait(reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
                 unit.replicated = True
 
     # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
