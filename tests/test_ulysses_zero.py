@@ -20,7 +20,14 @@ pytest.importorskip("plait.zero_sharding")
 from plait.kernels.mesh import make_mesh  # noqa: E402
 from plait.kernels.testing.distributed import run_distributed  # noqa: E402
 from plait.kernels.tolerances import tolerance  # noqa: E402
-from plait.ulysses_sp import UlyssesConfig, dp_coordinates, shard_batch, sp_cross_entropy, sp_loss_value  # noqa: E402
+from plait.ulysses_sp import (  # noqa: E402
+    UlyssesConfig,
+    dp_coordinates,
+    enable_offloaded_checkpointing,
+    shard_batch,
+    sp_cross_entropy,
+    sp_loss_value,
+)
 from plait.ulysses_sp.hf import apply_ulysses  # noqa: E402
 from plait.zero_sharding import ZeroConfig, zero_shard  # noqa: E402
 
@@ -67,6 +74,9 @@ def _ulysses_zero(stage: int, tiled: bool, offload: bool) -> tuple[list[list[flo
     base = _model()
     reference = _ddp_reference(copy.deepcopy(base), dp=2)
     model = apply_ulysses(base, mesh, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None))
+    if tiled:  # ALST's checkpoint offload under ZeRO: the recompute must regather stage-3 parameters
+        enable_offloaded_checkpointing(model)
+    model.train()
     model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=stage), mesh=mesh,
                                   placement=_placement(offload), lr=LR)
     with pytest.raises(ValueError, match="apply_ulysses must come first"):
