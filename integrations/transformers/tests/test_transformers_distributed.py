@@ -109,8 +109,6 @@ def test_bf16_equals_ddp_bf16(runs: dict[str, Any], stage: int) -> None:
     assert runs[f"zero{stage}_bf16"].losses != runs[f"zero{stage}"].losses  # bf16 really ran
 
 
-@pytest.mark.xfail(strict=True, reason="engine-notes B2: ZeroModule.zero_grad() (nn.Module's) detaches stage 1's "
-                   "gradient views; issue 12 fixes it in plait-zero-sharding. Remove this mark when it lands.")
 def test_user_model_zero_grad_keeps_training_equal(runs: dict[str, Any]) -> None:
     _close(runs["zero1_user_zero_grad"].losses, runs["ddp"].losses, RTOL_FP32)
 

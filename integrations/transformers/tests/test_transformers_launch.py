@@ -36,7 +36,7 @@ def test_unedited_script_trains_on_plait(tmp_path: Path) -> None:
     done = _launch(tmp_path, str(config))
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):]) == {"trainer": "PlaitTrainer", "model": "ZeroLlamaForCausalLM",
+    assert json.loads(line[len("RESULT "):]) == {"trainer": "PlaitTrainer", "model": "LlamaForCausalLM",
                                                  "stage": 2}
 
 

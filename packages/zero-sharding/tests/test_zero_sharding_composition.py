@@ -129,18 +129,24 @@ def _expert_parallel_model(world: int, rank: int) -> Routed:
     return local
 
 
+def expert_parallel_reference(world: int, steps: int) -> Routed:
+    """One process, every expert: rank r's batch goes through expert r; SGD(lr=0.5)."""
+    torch.manual_seed(0)
+    reference = Routed(world)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(steps):
+        (sum(reference(_routed_batch(step, r)[0], [r]) for r in range(world)) / world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return reference
+
+
 def _expert_gradient_scale(stage: int, steps: int) -> float:
     """Max difference to the single-process reference when each rank holds one expert of its own,
     sharded over a group of one (expert parallelism over the whole world): SGD sees the gradient's
     scale directly."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = Routed(world)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(steps):
-        (sum(reference(_routed_batch(step, r)[0], [r]) for r in range(world)) / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    reference = expert_parallel_reference(world, steps)
     singles = [dist.new_group([r]) for r in range(world)]  # new_group is collective: every rank, every group
     model = _expert_parallel_model(world, rank)
     experts = list(model.experts.parameters())

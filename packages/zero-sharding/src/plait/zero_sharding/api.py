@@ -137,11 +137,15 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         divisor = _grad_divisor(index, g.pop("zero_grad_divisor", size if own else data_parallel))
         reducer = _extension(index, "zero_reducer", g.pop("zero_reducer", None), ("reduce_scatter", "all_reduce"))
         gatherer = _extension(index, "zero_gatherer", g.pop("zero_gatherer", None), ("all_gather",))
+        global_of = g.pop("zero_global", None)
+        if global_of is not None and not callable(global_of):
+            raise ValueError(f"param_groups[{index}]['zero_global'] must be callable(name, shape) -> (global name, "
+                             "global shape, dim-0 offset), e.g. mapping a local expert to its global index.")
         order = {id(p): i for i, p in enumerate(model_params.values())}
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
                                replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
-                               reducer=reducer, gatherer=gatherer))
+                               reducer=reducer, gatherer=gatherer, global_of=global_of))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -162,6 +166,17 @@ def _extension(index: int, key: str, value: Any, methods: tuple[str, ...]) -> An
         raise ValueError(f"param_groups[{index}]['{key}'] is a {type(value).__name__} without {missing}; pass an "
                          "object implementing plait.zero_sharding.GradientReducer / ParamGatherer, or leave it out.")
     return value
+
+
+def _set_global(slot: Any, name: str, shape: tuple[int, ...], row: int) -> None:
+    """Give ``slot`` its global identity: rows ``[row, row + shape[0])`` of tensor ``name``."""
+    shape, local = tuple(shape), slot.shape
+    rows = local[0] if local else 1
+    if shape[1:] != local[1:] or not 0 <= row <= (shape[0] if shape else 1) - rows or len(shape) != len(local):
+        raise ValueError(f"zero_global({slot.name!r}, {local}) returned shape {shape} at row {row}: the local "
+                         "parameter must be whole rows of the global tensor (same trailing dimensions).")
+    slot.global_name, slot.global_shape = name, shape
+    slot.global_offset = row * (slot.numel // rows if rows else 0)
 
 
 def _grad_divisor(index: int, value: Any) -> float:
@@ -199,6 +214,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``zero_group`` shards that group over another process group or mesh (MoE experts over
             the expert-data-parallel group); ``zero_distinct`` (default ``True`` with
             ``zero_group``) says its parameters differ across the other ranks;
+            ``zero_global`` maps ``(name, shape)`` of each parameter of the group to ``(global
+            name, global shape, dim-0 row offset)`` for parameters that live on some ranks only
+            (experts under expert parallelism): checkpoints and exports use that identity;
             ``zero_reducer`` / ``zero_gatherer`` replace the engine's reducer / gatherer for the
             group's units (see :mod:`plait.zero_sharding.composition` for the optional members
             the engine calls); ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
@@ -248,6 +266,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         if unit.group is group:
             unit.replicate_group = replicate  # HSDP: the dimensions not sharded over
         unit.reducer, unit.gatherer = groups[unit.option_index].reducer, groups[unit.option_index].gatherer
+        if groups[unit.option_index].global_of is not None:
+            for slot in unit.slots:
+                _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
     inner_groups = []

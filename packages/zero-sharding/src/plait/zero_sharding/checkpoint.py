@@ -12,11 +12,17 @@ Semantics, once:
   at one layout and load into another.
 * :func:`export_full_weights` writes a safetensors file while gathering one unit at a time: peak
   extra memory is one unit, never a second copy of the model. Empty tensors are never written.
+
+A parameter that lives on some ranks only (an expert under expert parallelism, given an identity
+by the parameter group's ``zero_global``) is saved, exported and loaded under its global name,
+as rows of its global shape: the sharded state dict describes it as a flat range of the global
+tensor, the export gathers every rank's part, and ``load_state_dict`` takes the global tensors.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,14 +84,18 @@ def load_full_parameters(engine: Any, state: dict[str, torch.Tensor], *, strict:
         lo, hi = unit.shard_range
         master = masters[unit.key]
         for slot in unit.slots:
-            if slot.name not in state:
-                missing.append(slot.name)
+            name = slot.global_name if slot.global_name in state else slot.name
+            if name not in state:
+                missing.append(slot.global_name)
                 continue
-            value = state[slot.name]
-            if tuple(value.shape) != slot.shape:
-                raise ValueError(f"load_state_dict: {slot.name!r} has shape {tuple(value.shape)}, the model "
-                                 f"expects {slot.shape}; load a checkpoint of the same architecture.")
+            value = state[name]
+            expected = slot.global_shape if name == slot.global_name else slot.shape
+            if tuple(value.shape) != expected:
+                raise ValueError(f"load_state_dict: {name!r} has shape {tuple(value.shape)}, the model "
+                                 f"expects {expected}; load a checkpoint of the same architecture.")
             flat = value.reshape(-1)
+            if name == slot.global_name and not slot.is_global:
+                flat = flat[slot.global_offset:slot.global_offset + slot.numel]  # this rank's rows
             start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if start < stop:
                 master[start - lo:stop - lo].copy_(flat[start - slot.offset:stop - slot.offset])
@@ -148,14 +158,16 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
             # A parameter's step counter is shared by every rank holding any piece of it, so the
             # holders are those of the whole parameter, not of this rank's piece.
             holders = _holders(engine, unit, slot.offset, slot.offset + slot.numel)
-            spec = dict(global_shape=slot.shape, flat_range=(plo, phi), replica_ranks=(dist.get_rank(),))
-            out[f"model.{slot.name}"] = ShardedTensor(
-                ShardSpec(name=f"model.{slot.name}", kind="parameter", dtype=torch.float32, **spec),
+            base = slot.global_offset  # global identity: rows of a larger tensor (experts under EP)
+            spec = dict(global_shape=slot.global_shape, flat_range=(base + plo, base + phi),
+                        replica_ranks=(dist.get_rank(),))
+            out[f"model.{slot.global_name}"] = ShardedTensor(
+                ShardSpec(name=f"model.{slot.global_name}", kind="parameter", dtype=torch.float32, **spec),
                 master.detach()[slo:shi])
             for state_name, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     continue
-                name = f"optim.{state_name}.{slot.name}"
+                name = f"optim.{state_name}.{slot.global_name}"
                 if value.shape == master.shape:
                     out[name] = ShardedTensor(
                         ShardSpec(name=name, kind="optimizer_state", dtype=value.dtype, **spec), value[slo:shi])
@@ -208,9 +220,48 @@ def _safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]])
     return struct.pack("<Q", len(raw)) + raw
 
 
+def spread(unit: FlatUnit, world: int) -> bool:
+    """Whether ``unit`` holds parameters that differ across its groups (experts under EP)."""
+    return unit.replicas == 1 and unit.group_size < world
+
+
+@torch.no_grad()
+def _spread_pieces(engine: Any, units: list[FlatUnit]) -> tuple[list[tuple[str, tuple[int, ...], int, int, int]],
+                                                                 dict[tuple[str, int], torch.Tensor]]:
+    """Every rank's parts of the global tensors that live on some ranks only: ``(global name,
+    global shape, flat offset, numel, source rank)`` sorted, the same list on every rank, and this
+    rank's own values. One rank per sharding group contributes (the others hold the same)."""
+    mine: list[tuple[str, tuple[int, ...], int, int]] = []
+    values: dict[tuple[str, int], torch.Tensor] = {}
+    for unit in units:
+        flat = gather_unit_masters(engine, unit)  # collective over the unit's group
+        if unit.group_rank == 0:
+            for slot in unit.slots:
+                mine.append((slot.global_name, slot.global_shape, slot.global_offset, slot.numel))
+                values[(slot.global_name, slot.global_offset)] = flat[slot.offset:slot.offset + slot.numel].cpu()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # metadata only; tensors go through the counted collectives
+    pieces = sorted((name, tuple(shape), offset, numel, rank) for rank, theirs in enumerate(everyone)
+                    for name, shape, offset, numel in theirs)
+    covered: dict[str, int] = {}
+    for (name, _shape, offset, numel, rank), nxt in zip(pieces, [*pieces[1:], None]):
+        if nxt is not None and nxt[0] == name and nxt[2] < offset + numel:
+            raise ValueError(f"export_full_weights: ranks {rank} and {nxt[4]} both hold {name!r} at element "
+                             f"{nxt[2]}; give the parameter group zero_global=(name, shape) -> (global name, global "
+                             "shape, row offset) so parameters that differ across ranks have distinct identities.")
+        covered[name] = covered.get(name, 0) + numel
+    short = [n for n, shape, *_ in pieces if covered[n] != math.prod(shape)]
+    if short:
+        raise ValueError(f"export_full_weights: the ranks hold only part of {sorted(set(short))[:3]}; "
+                         "check zero_global's global shapes and offsets.")
+    return pieces, values
+
+
 def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
     """Write the consolidated weights (parameters + persistent buffers) as one safetensors file,
-    streaming tensor by tensor. Collective: call on every rank; rank 0 writes.
+    streaming tensor by tensor. Collective: call on every rank; rank 0 writes. Parameters that
+    live on some ranks only (experts under expert parallelism) are written whole under their
+    global names, each rank sending its part to rank 0 one global tensor at a time.
 
     Args:
         model: a sharded model.
@@ -219,24 +270,51 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
 
     Returns:
         The path on rank 0, ``None`` elsewhere.
+
+    Raises:
+        ValueError: parameters differing across ranks share a global identity, or leave part of
+            a global tensor uncovered (on every rank, before anything is written).
     """
     engine = model.zero_engine
-    param_entries = [(s.name, dtype or torch.float32, s.shape) for u in engine.units for s in u.slots if s.numel]
+    world, rank, out_dtype = dist.get_world_size(), dist.get_rank(), dtype or torch.float32
+    dense = [u for u in engine.units if not spread(u, world)]
+    pieces, values = _spread_pieces(engine, [u for u in engine.units if spread(u, world)])
+    shapes = {name: shape for name, shape, *_ in pieces}
+    entries = [(s.name, out_dtype, s.shape) for u in dense for s in u.slots if s.numel]
+    entries += [(name, out_dtype, shape) for name, shape in shapes.items() if math.prod(shape)]
     buffers = {name: b for name, b in model.named_buffers() if name in model.persistent_buffer_names() and b.numel()}
-    entries = param_entries + [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
-    writer = dist.get_rank() == 0
+    entries += [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
     path = Path(path)
-    handle = open(path, "wb") if writer else None  # noqa: SIM115 - closed below, after streaming
+    handle = open(path, "wb") if rank == 0 else None  # noqa: SIM115 - closed below, after streaming
     try:
         if handle is not None:
             handle.write(_safetensors_header(entries))
-        for _name, tensor in iter_full_parameters(engine, dtype=dtype):
-            if handle is not None and tensor.numel():
-                handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        for unit in dense:
+            flat = gather_unit_masters(engine, unit)
+            for slot in unit.slots:
+                if handle is not None and slot.numel:
+                    _write(handle, flat[slot.offset:slot.offset + slot.numel].to(out_dtype))
+        for name, shape in shapes.items():
+            whole = torch.empty(math.prod(shape)) if rank == 0 else None
+            for _name, _shape, offset, numel, src in (p for p in pieces if p[0] == name):
+                part = values.get((name, offset)) if src == rank else None
+                if whole is not None:
+                    if src != 0:
+                        part = torch.empty(numel)
+                        collectives.recv(part, src=src)
+                    whole[offset:offset + numel].copy_(part)
+                elif part is not None:
+                    collectives.send(part, dst=0)
+            if handle is not None and whole is not None and whole.numel():
+                _write(handle, whole.to(out_dtype))
         if handle is not None:
             for tensor in buffers.values():
-                handle.write(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+                _write(handle, tensor.detach())
     finally:
         if handle is not None:
             handle.close()
-    return path if writer else None
+    return path if rank == 0 else None
+
+
+def _write(handle: Any, tensor: torch.Tensor) -> None:
+    handle.write(tensor.contiguous().cpu().view(torch.uint8).numpy().tobytes())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -83,13 +84,21 @@ class ZeroModule:
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:  # type: ignore[override]
-        """Load whole tensors (each rank keeps its slices; no communication).
+        """Load whole tensors (each rank keeps its slices). Parameters that live on some ranks only
+        are taken by their global names (as :meth:`export_full_weights` writes them); a model
+        with such parameters exchanges the list of global names once (collective), so a key that
+        is another rank's expert is not reported as unexpected.
 
         Raises:
             KeyError: ``strict`` and parameters or buffers are missing, or keys are unexpected.
         """
         engine = self.zero_engine
-        names = {s.name for u in engine.units for s in u.slots}
+        names = {n for u in engine.units for s in u.slots for n in (s.name, s.global_name)}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if any(checkpoint.spread(u, world) for u in engine.units):  # the same answer on every rank
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, sorted(names))  # names only, once per load
+            names = {n for theirs in everyone for n in theirs}
         buffers = self.persistent_buffer_names()
         unexpected = sorted(k for k in state_dict if k not in names and k not in buffers)
         if strict and unexpected:

@@ -37,6 +37,8 @@ class OptionGroup:
         grad_divisor: what the group's summed gradients are divided by (``None``: its
             ``group_size``); see ``zero_grad_divisor`` in :func:`plait.zero_sharding.zero_shard`.
         reducer, gatherer: the group's own extension points (``None``: the engine's).
+        global_of: ``(name, shape) -> (global name, global shape, dim-0 row offset)`` for
+            parameters that are part of a larger global tensor (``None``: each is its own).
     """
 
     options: dict[str, Any]
@@ -48,6 +50,7 @@ class OptionGroup:
     grad_divisor: float | None = None
     reducer: Any = None
     gatherer: Any = None
+    global_of: Any = None
 
 
 @dataclasses.dataclass

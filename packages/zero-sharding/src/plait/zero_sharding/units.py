@@ -44,6 +44,12 @@ class ParamSlot:
         offset: start in the flat buffer.
         numel: number of elements.
         shape: the parameter's shape.
+        global_name: the name of the global tensor this parameter is part of (default ``name``);
+            differs for a parameter that lives on some ranks only (an expert under expert
+            parallelism: ``experts.0.w`` on rank 1 may be ``experts.4.w`` of the whole model).
+        global_shape: the global tensor's shape (default ``shape``).
+        global_offset: where this parameter starts in the flattened global tensor (a dim-0 row
+            offset times the row size; 0 by default).
     """
 
     name: str
@@ -51,6 +57,18 @@ class ParamSlot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    global_name: str = ""
+    global_shape: tuple[int, ...] = ()
+    global_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.global_name = self.global_name or self.name
+        self.global_shape = tuple(self.global_shape) or tuple(self.shape)
+
+    @property
+    def is_global(self) -> bool:
+        """Whether the parameter is the whole global tensor under its own name."""
+        return self.global_name == self.name and self.global_shape == tuple(self.shape)
 
     @property
     def flat_range(self) -> tuple[int, int]:
