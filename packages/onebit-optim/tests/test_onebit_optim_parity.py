@@ -186,3 +186,33 @@ def _replicas(kind: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_replicas_stay_bitwise_equal(world, kind):
     run_distributed(_replicas, world, kind, timeout=90)
+
+
+def _bf16(kind: str) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = mlp().to(torch.bfloat16)
+    if kind == "adam":
+        opt = OnebitAdam(model.parameters(), **HYPER, config=OnebitAdamConfig(freeze_step=2))
+    else:
+        opt = ZeroOneAdam(model.parameters(), **HYPER, config=ZeroOneAdamConfig(var_freeze_step=3))
+    losses = []
+    for _ in range(10):
+        x, y = batch(0)  # one fixed batch: the loss must fall
+        per = GLOBAL_BATCH // world
+        loss = torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per].bfloat16()),
+                                            y[rank * per:(rank + 1) * per].bfloat16())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert_replicas_equal(p, name=name)
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["adam", "zero_one"])
+def test_bf16_parameters_train_with_fp32_exchange(kind):
+    # bf16 parameters and state (as torch's Adam keeps them); the exchange runs in fp32.
+    losses = run_distributed(_bf16, 2, kind, timeout=60)[0]
+    assert losses[-1] < 0.9 * losses[0], losses

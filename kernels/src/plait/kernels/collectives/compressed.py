@@ -31,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from plait.kernels.collectives.ops import all_gather_into_tensor, all_to_all_single
-from plait.kernels.ops.sign import compress_with_error_feedback, packed_numel, signs_reference, unpack_signs
+from plait.kernels.ops.sign import (
+    compress_with_error_feedback,
+    packed_numel,
+    scaled_signs,
+    signs_reference,
+    unpack_bits,
+)
 
 FP32 = 4
 
@@ -99,14 +105,14 @@ def compressed_allreduce(
     all_gather_into_tensor(all_packed, server_packed, group=group)
     server_scales = buffer.new_empty(world)
     all_gather_into_tensor(server_scales, server_scale.reshape(1), group=group)
-    return unpack_signs(all_packed, n) * server_scales.repeat_interleave(chunk)
+    return scaled_signs(unpack_bits(all_packed, n).view(world, chunk), server_scales[:, None]).view(-1)
 
 
 def _server_average(signs: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
     """Sum of ``sign_w x scale_w`` over workers in rank order, times ``1 / world`` (fp32)."""
     total = torch.zeros(chunk, dtype=torch.float32, device=signs.device)
     for worker in range(signs.shape[0]):
-        total += unpack_signs(signs[worker], chunk) * scales[worker]
+        total += scaled_signs(unpack_bits(signs[worker], chunk), scales[worker])
     return total.mul_(1.0 / signs.shape[0])
 
 

@@ -29,7 +29,9 @@ from plait.kernels.ops.sign import (
     compress_with_error_feedback,
     pack_signs,
     packed_numel,
+    scaled_signs,
     signs_reference,
+    unpack_bits,
     unpack_signs,
 )
 
@@ -53,7 +55,9 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_embedding",
     "rotate_reference",
+    "scaled_signs",
     "signs_reference",
     "silu_and_mul",
+    "unpack_bits",
     "unpack_signs",
 ]

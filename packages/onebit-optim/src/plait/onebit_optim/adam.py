@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as torch_adam
 
-from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.base import CompressedOptimizer, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
 
 
@@ -46,15 +46,13 @@ class OnebitAdam(CompressedOptimizer):
         ValueError: invalid hyperparameters, config or masks (naming the field and the fix).
     """
 
+    CONFIG = OnebitAdamConfig
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitAdamConfig | None = None,
                  process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
-        check_hyperparameters("OnebitAdam", lr, betas, eps, weight_decay)
-        self.config = config if config is not None else OnebitAdamConfig()
-        if not isinstance(self.config, OnebitAdamConfig):
-            raise ValueError(f"OnebitAdam: config must be an OnebitAdamConfig, got {type(self.config).__name__}.")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                         momentum_masks=momentum_masks)
 
     @property
     def frozen(self) -> bool:
@@ -71,10 +69,7 @@ class OnebitAdam(CompressedOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.step_count += 1
         if self.step_count <= self.config.freeze_step:
             self.average_gradients_()

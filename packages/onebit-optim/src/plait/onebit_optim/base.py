@@ -13,7 +13,7 @@ every group's error-feedback buffers, so a resumed run continues bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,12 +37,21 @@ def check_hyperparameters(owner: str, lr: float, betas: tuple[float, float], eps
         raise ValueError(f"{owner}: weight_decay={weight_decay!r} must be >= 0.")
 
 
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """Call an optimizer ``step`` closure with gradients enabled (``None`` without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class CompressedOptimizer(torch.optim.Optimizer):
     """Base of :class:`OnebitAdam`, :class:`OnebitLamb` and :class:`ZeroOneAdam`.
 
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
-        defaults: the per-group hyperparameters.
+        lr, betas, eps, weight_decay: the per-group hyperparameters (validated here).
+        config: the subclass's frozen config (an instance of its ``CONFIG`` class; ``None``: defaults).
         process_group: the data-parallel group (``None``: the default group, or one process
             when torch.distributed is not initialised).
         momentum_masks: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter;
@@ -50,13 +59,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
             always zero (padding embeddings) stay exactly zero, which 1 bit cannot say.
 
     Raises:
-        ValueError: a mask of the wrong shape or for a parameter this optimizer does not hold,
-            or a parameter that is not floating point.
+        ValueError: invalid hyperparameters, a config of another type, a mask of the wrong shape
+            or for a parameter this optimizer does not hold, or a parameter that is not floating point.
     """
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, process_group: Any | None = None,
+    CONFIG: type = object
+
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 *, config: Any | None, process_group: Any | None = None,
                  momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
-        super().__init__(params, defaults)
+        name = type(self).__name__
+        check_hyperparameters(name, lr, betas, eps, weight_decay)
+        self.config = config if config is not None else self.CONFIG()
+        if not isinstance(self.config, self.CONFIG):
+            raise ValueError(f"{name}: config must be a {self.CONFIG.__name__}, got {type(self.config).__name__}.")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.process_group = process_group
         self.rank, self.world = world_of(process_group)
         self.step_count = 0

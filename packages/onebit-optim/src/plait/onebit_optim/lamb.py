@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
 
 
@@ -84,10 +84,7 @@ class Lamb(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -110,15 +107,13 @@ class OnebitLamb(CompressedOptimizer):
         ValueError: invalid hyperparameters, config or masks.
     """
 
+    CONFIG = OnebitLambConfig
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitLambConfig | None = None,
                  process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
-        check_hyperparameters("OnebitLamb", lr, betas, eps, weight_decay)
-        self.config = config if config is not None else OnebitLambConfig()
-        if not isinstance(self.config, OnebitLambConfig):
-            raise ValueError(f"OnebitLamb: config must be an OnebitLambConfig, got {type(self.config).__name__}.")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                         momentum_masks=momentum_masks)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -127,10 +122,7 @@ class OnebitLamb(CompressedOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.step_count += 1
         if self.step_count <= self.config.freeze_step:
             self.average_gradients_()

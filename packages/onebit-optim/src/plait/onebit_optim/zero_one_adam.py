@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.base import CompressedOptimizer, run_closure
 from plait.onebit_optim.config import ZeroOneAdamConfig
 
 
@@ -50,15 +50,13 @@ class ZeroOneAdam(CompressedOptimizer):
         ValueError: invalid hyperparameters, config or masks.
     """
 
+    CONFIG = ZeroOneAdamConfig
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: ZeroOneAdamConfig | None = None,
                  process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
-        check_hyperparameters("ZeroOneAdam", lr, betas, eps, weight_decay)
-        self.config = config if config is not None else ZeroOneAdamConfig()
-        if not isinstance(self.config, ZeroOneAdamConfig):
-            raise ValueError(f"ZeroOneAdam: config must be a ZeroOneAdamConfig, got {type(self.config).__name__}.")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                         momentum_masks=momentum_masks)
         self.var_interval, self.var_counter = 1, 0
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lr_sums = [0.0] * len(self.param_groups)
@@ -93,10 +91,7 @@ class ZeroOneAdam(CompressedOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.step_count += 1
         if not self.frozen:
             self._variance_phase_step()
