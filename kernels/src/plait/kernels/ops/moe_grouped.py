@@ -10,15 +10,17 @@ router and the experts' GEMMs, and the same two are needed for training and for 
    segment, with the stacked weight layout of vLLM, Liger and HF transformers 5.x
    (``w_gate_up [E, 2I, H]``: gate rows then up rows; ``w_down [E, H, I]``).
 
-The grouped path scatters the segments into one zero-padded ``[E, max_rows, H]`` buffer and runs
-two batched GEMMs (``torch.bmm``) for all experts at once; the reference path
-(:func:`grouped_gated_mlp_reference`, the test oracle) loops over the experts with one GEMM pair
-per non-empty segment. Padding wastes work when the load is very uneven, so the grouped path
-falls back to the loop once the padded buffer would exceed ``MAX_PADDING_FACTOR`` times the real
-rows. Both are built from differentiable torch ops, so autograd gives the backward; the grouped
-path always touches every expert's weights, so an expert that got no rows receives a zero
-gradient rather than none (distributed gradient reductions then see the same tensors on every
-rank).
+The grouped path runs torch's grouped GEMM (``torch.nn.functional.grouped_mm``, forward and
+backward, CPU and CUDA) over the segments' offsets: two GEMM calls for all experts, no padding.
+Where that op is missing or its 16-byte stride rule is not met (``H`` or ``I`` times the element
+size not a multiple of 16), the segments are scattered into one zero-padded
+``[E, max_rows, H]`` buffer and run as two ``torch.bmm``; padding wastes work when the load is
+very uneven, so that path falls back to the loop once the padded buffer would exceed
+``MAX_PADDING_FACTOR`` times the real rows. The reference (:func:`grouped_gated_mlp_reference`,
+the test oracle) loops over the experts with one GEMM pair per non-empty segment. All are built
+from differentiable torch ops, so autograd gives the backward; every path keeps every expert's
+weights in the graph, so an expert that got no rows receives a zero gradient rather than none
+(distributed gradient reductions then see the same tensors on every rank).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import torch.nn.functional as F
 
 MAX_PADDING_FACTOR = 4
 """The grouped path pads to at most this many times the real rows, else it loops (see module doc)."""
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes torch's grouped GEMM takes; others (float64 in tests) use the padded path."""
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 """Gate activations: SwiGLU (``silu``), GeGLU with erf (``gelu``) or tanh (``gelu_tanh``) GELU."""
@@ -94,12 +99,14 @@ def grouped_gated_mlp_reference(x: torch.Tensor, counts: torch.Tensor, w_gate_up
     inter = w_down.shape[2]
     outputs = []
     start = 0
-    for expert, count in enumerate(counts.tolist()):
+    # unbind: one gradient stack per weight in backward (indexing w[e] would add a full-size
+    # zero gradient per expert).
+    for count, w_gu, w_d in zip(counts.tolist(), w_gate_up.unbind(0), w_down.unbind(0)):
         if count == 0:
             continue
-        gate_up = F.linear(x[start:start + count], w_gate_up[expert])
+        gate_up = F.linear(x[start:start + count], w_gu)
         act = _activate(gate_up[:, :inter], activation) * gate_up[:, inter:]
-        outputs.append(F.linear(act, w_down[expert]))
+        outputs.append(F.linear(act, w_d))
         start += count
     if not outputs:
         # No rows: keep x and the weights in the graph so their gradients are zeros, not None.
@@ -114,6 +121,13 @@ def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
     position = torch.arange(expert_of_row.numel(), device=counts.device) - starts[expert_of_row]
     return expert_of_row * max_rows + position, max_rows
+
+
+def _grouped_mm_fits(x: torch.Tensor, inter: int) -> bool:
+    """torch's grouped GEMM exists here and its operands meet its 16-byte stride rule."""
+    size = x.element_size()
+    return (hasattr(F, "grouped_mm") and x.dtype in GROUPED_MM_DTYPES and x.is_contiguous() and (x.shape[1] * size) % 16 == 0
+            and (inter * size) % 16 == 0)
 
 
 def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -139,6 +153,11 @@ def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Te
     check_grouped_inputs(x, counts, w_gate_up, w_down, activation)
     experts, hidden, inter = w_down.shape
     counts = counts.to(device=x.device, dtype=torch.int64)
+    if _grouped_mm_fits(x, inter):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = F.grouped_mm(x, w_gate_up.transpose(1, 2), offs=offsets)
+        act = _activate(gate_up[:, :inter], activation) * gate_up[:, inter:]
+        return F.grouped_mm(act, w_down.transpose(1, 2), offs=offsets)
     rows, max_rows = _padded_rows(counts)
     if experts * max_rows > MAX_PADDING_FACTOR * max(x.shape[0], 1):
         return grouped_gated_mlp_reference(x, counts, w_gate_up, w_down, activation)
