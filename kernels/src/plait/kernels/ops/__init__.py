@@ -26,6 +26,13 @@ from plait.kernels.ops.rotary import (
     rotary_embedding,
     rotate_reference,
 )
+from plait.kernels.ops.sign import (
+    compress_with_error_feedback,
+    pack_signs,
+    packed_numel,
+    signs_reference,
+    unpack_signs,
+)
 
 __all__ = [
     "GeluAndMul",
@@ -33,12 +40,15 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "apply_rotary",
+    "compress_with_error_feedback",
     "dequantize_blockwise",
     "dequantize_blockwise_reference",
     "gated_activation_reference",
     "gelu_and_mul",
     "grouped_gated_mlp",
     "grouped_gated_mlp_reference",
+    "pack_signs",
+    "packed_numel",
     "permute_by_expert",
     "quantize_blockwise",
     "quantize_blockwise_reference",
@@ -47,5 +57,7 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_embedding",
     "rotate_reference",
+    "signs_reference",
     "silu_and_mul",
+    "unpack_signs",
 ]

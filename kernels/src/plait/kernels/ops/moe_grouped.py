@@ -126,8 +126,8 @@ def _padded_rows(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _grouped_mm_fits(x: torch.Tensor, inter: int) -> bool:
     """torch's grouped GEMM exists here and its operands meet its 16-byte stride rule."""
     size = x.element_size()
-    return (hasattr(F, "grouped_mm") and x.dtype in GROUPED_MM_DTYPES and x.is_contiguous() and (x.shape[1] * size) % 16 == 0
-            and (inter * size) % 16 == 0)
+    return (hasattr(F, "grouped_mm") and x.dtype in GROUPED_MM_DTYPES and x.is_contiguous()
+            and (x.shape[1] * size) % 16 == 0 and (inter * size) % 16 == 0)
 
 
 def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,6 +79,7 @@ def compute_device(model: nn.Module, mesh: Any) -> torch.device:
 def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str, Any]] | None,
                    kwargs: dict[str, Any], group: Any) -> tuple[list[OptionGroup], type]:
     world = dist.get_world_size()
+    data_parallel = dist.get_world_size(group)  # the default divisor of every group's gradients
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError(
@@ -111,17 +113,27 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         distinct = g.pop("zero_distinct", sub is not None)
         pg = group if sub is None else (sub.get_group() if isinstance(sub, DeviceMesh) else sub)
         size = dist.get_world_size(pg)
+        # Distinct parameters (experts) are averaged over the data-parallel world like dense ones;
+        # a replicated group over a smaller group only ever sees its own ranks' gradients.
+        divisor = _grad_divisor(index, g.pop("zero_grad_divisor", data_parallel if distinct else size))
         order = {id(p): i for i, p in enumerate(model_params.values())}
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
-                               replicas=1 if distinct else max(1, world // size)))
+                               replicas=1 if distinct else max(1, world // size), grad_divisor=divisor))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
         size = dist.get_world_size(group)
         out.append(OptionGroup(options={"lr": 0.0}, params=rest, group=group, group_rank=dist.get_rank(group),
-                               group_size=size, replicas=max(1, world // size)))
+                               group_size=size, replicas=max(1, world // size), grad_divisor=data_parallel))
     return out, cls
+
+
+def _grad_divisor(index: int, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"param_groups[{index}]['zero_grad_divisor']={value!r} must be a positive finite number "
+                         "(the data-parallel world size, which is the default, averages like DDP).")
+    return float(value)
 
 
 def _constructor_options(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +163,11 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         param_groups: optimizer parameter groups (dicts with ``params`` and options). Extra keys:
             ``zero_group`` shards that group over another process group or mesh (MoE experts over
             the expert-data-parallel group); ``zero_distinct`` (default ``True`` with
-            ``zero_group``) says its parameters differ across the other ranks.
+            ``zero_group``) says its parameters differ across the other ranks;
+            ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
+            divided by (default with ``zero_distinct``: the data-parallel world, i.e. the ranks
+            ``mesh`` shards over, so expert gradients reduced over a smaller group are scaled as
+            dense ones are, as DeepSpeed does; otherwise the group's own size).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
         init_fn: initialises a module whose meta parameters were just allocated (default
             ``module.reset_parameters()``).
@@ -190,6 +206,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         raise ValueError(f"the placement offloads parameters (OffloadConfig.param_device), which needs "
                          f"ZeroConfig(stage=3), got stage={config.stage}; use stage=3 or param_device='none'.")
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
+    for unit in partition.units:
+        unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
     inner_groups = []

@@ -43,6 +43,16 @@ class ZeroModule:
         """See :func:`plait.zero_sharding.gathered_parameters`."""
         return self.zero_engine.gathered(writeback)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget every gradient, exactly as ``optimizer.zero_grad()`` does (the HF Trainer calls
+        only this one). ``nn.Module.zero_grad`` would drop ``param.grad`` alone and leave the reduced
+        shards and stage 1's gradient buffer behind, so the next step would add stale gradients.
+
+        Args:
+            set_to_none: accepted for signature compatibility; reduced shards are always dropped.
+        """
+        self.zero_optimizer.zero_grad(set_to_none)
+
     def persistent_buffer_names(self) -> set[str]:
         """Names of buffers that belong in a state dict."""
         out = set()

@@ -127,7 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # an fp32 shard is scaled out of place, and one whose factor is exactly 1 (one rank,
             # no loss scale) is used as it is, with no copy (x * 1.0 == x bit for bit).
             grad = unit.grad_shard.to(torch.float32)
-            factor = 1.0 / (unit.group_size * self.scaler.scale)
+            factor = 1.0 / (unit.grad_divisor * self.scaler.scale)
             if grad is not unit.grad_shard:
                 grad.mul_(factor)
             elif factor != 1.0:

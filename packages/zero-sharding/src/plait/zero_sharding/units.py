@@ -80,6 +80,7 @@ class FlatUnit:
                  resident: bool, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, option_index: int,
                  replicas: int, device: torch.device) -> None:
         self.key, self.slots, self.group = key, slots, group
+        self.reduce_group = group  # stage 3: a twin of ``group`` (see plait.zero_sharding.ordering)
         self.group_rank, self.group_size = group_rank, group_size
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
@@ -87,6 +88,7 @@ class FlatUnit:
         self.shard_numel = max(1, math.ceil(self.numel / group_size))
         self.padded_numel = self.shard_numel * group_size
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
+        self.grad_divisor: float = group_size  # summed gradients / this = the average the optimizer sees
         self.full = torch.zeros(0)
         self.shard = torch.zeros(0)
         self.master = torch.zeros(0)
@@ -318,15 +320,16 @@ class FlatUnit:
             self._shard_failed = None
 
     # ---- gradients ----------------------------------------------------------------------------
-    def flat_grads(self) -> torch.Tensor | None:
+    def flat_grads(self, *, zeros: bool = False) -> torch.Tensor | None:
         """The local gradients as one padded flat tensor in the reduce dtype, taking them off the
-        parameters (stage 2/3); ``None`` when no parameter has a gradient."""
+        parameters (stage 2/3); when no parameter has a gradient: zeros with ``zeros``, else
+        ``None``."""
         if self.full_grad is not None:
             # A reduce-scatter only reads its input, so stage 1's buffer is passed as it is.
             return self.full_grad.to(self.reduce_dtype) if self.full_grad.dtype != self.reduce_dtype \
                 else self.full_grad
         if not any(slot.param.grad is not None for slot in self.slots):
-            return None
+            return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device) if zeros else None
         # empty + explicit zeros where no gradient lands: one pass over the bucket, not two.
         flat = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         flat[self.numel:].zero_()
