@@ -99,6 +99,21 @@ def test_expert_parallel_equals_one_process(case: str, world: int, ep_size: int,
         assert results[0]["received"] == sum(r["sent"] for r in results[:2])
 
 
+def _pyramid_worker() -> list[int]:
+    """Pyramid MoE: layers with 4 and 8 experts, both sharded by ep=2, equal to one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(MoE(MoEConfig(hidden_size=H, num_experts=e, intermediate_size=I)) for e in (4, 8)))
+    reference = copy.deepcopy(model)
+    apply_expert_parallel(model, make_expert_parallel_groups(2))
+    x = _inputs(2)[0][dist.get_rank()]
+    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-4)
+    return [layer.experts.local_experts for layer in model]
+
+
+def test_pyramid_moe_expert_parallel() -> None:
+    assert run_distributed(_pyramid_worker, 2, timeout=60) == [[2, 4], [2, 4]]
+
+
 def _bad_ep_worker() -> list[str]:
     messages = []
     for build in (lambda: make_expert_parallel_groups(3),
