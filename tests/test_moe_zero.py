@@ -15,11 +15,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("plait.zero_sharding")
 
-from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama_moe
+from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama_moe, train_losses
 from plait.kernels.testing.tiny_llama import MoEMLP
 from plait.kernels.tolerances import tolerance
 from plait.moe_layers import (
@@ -74,7 +73,6 @@ def _reference_losses(world: int) -> list[list[float]]:
 
 
 def _zero_ep_worker(stage: int, ep_size: int) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     groups = make_expert_parallel_groups(ep_size)
     apply_expert_parallel(model, groups)
@@ -83,14 +81,7 @@ def _zero_ep_worker(stage: int, ep_size: int) -> list[float]:
         {"params": expert_parameters(model), "zero_group": groups.edp_group},
     ])
     assert all(layer.ep_size == ep_size for layer in moe_layers(model))
-    losses = []
-    for step in range(STEPS):
-        loss = model(**rank_slice(global_batch(step, BATCH, SEQ), rank, world)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, optimizer, STEPS, batch=BATCH, seq=SEQ)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
