@@ -294,6 +294,31 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
         atol=1e-6, rtol=1e-5,
         reason="fp16 logits are upcast exactly to fp32 first, so the numerics are those of the fp32 entry.",
     ),
+    # ---- plait.kernels.ops.moe_grouped: grouped_gated_mlp (padded batched GEMMs) vs its per-expert
+    # loop reference, forward and gradients ("_fwd", "_bwd"); and plait-moe-layers' expert-parallel
+    # layer vs one process ("moe_expert_parallel"). Outputs and gradients are O(0.1-1) in the tests.
+    ("moe_grouped_fwd", torch.float32): Tolerance(
+        atol=1e-5, rtol=1e-4,
+        reason="torch.bmm and F.linear block the same fp32 dot products differently (K <= 64 terms); "
+               "observed <= 1e-6 absolute.",
+    ),
+    ("moe_grouped_fwd", torch.bfloat16): Tolerance(
+        atol=1.6e-2, rtol=1.6e-2,
+        reason="both paths round the gate/up GEMM, the gated product and the down GEMM to bf16, but "
+               "bmm and linear accumulate in different orders, so a rounding may land one bf16 ulp "
+               "(2^-8 relative) apart at each of the three points.",
+    ),
+    ("moe_grouped_bwd", torch.float32): Tolerance(
+        atol=1e-5, rtol=1e-4,
+        reason="weight gradients sum over a segment's rows: bmm over the zero-padded buffer and linear "
+               "over the segment add the same terms (plus exact zeros) in different orders.",
+    ),
+    ("moe_expert_parallel", torch.float32): Tolerance(
+        atol=1e-5, rtol=1e-4,
+        reason="the expert-parallel layer runs each expert on rows received from every rank, grouped "
+               "by source rank, and the router's gradient is summed over ranks by an all-reduce; one "
+               "process adds the same fp32 terms in another order. Observed <= 1e-6.",
+    ),
     # ---- quantize_blockwise / dequantize_blockwise (ZeRO++ communication): the dtype is that of the
     # compared floating tensor (fp32 scales, or the dequantized output). Integer codes are compared
     # with torch.equal. Zero on purpose: ranks must agree on the bits they send and rebuild.

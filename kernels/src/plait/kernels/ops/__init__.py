@@ -11,6 +11,7 @@ from plait.kernels.ops.gated_activation import (
     gelu_and_mul,
     silu_and_mul,
 )
+from plait.kernels.ops.moe_grouped import grouped_gated_mlp, grouped_gated_mlp_reference, permute_by_expert
 from plait.kernels.ops.quantize import (
     dequantize_blockwise,
     dequantize_blockwise_reference,
@@ -46,8 +47,11 @@ __all__ = [
     "dequantize_blockwise_reference",
     "gated_activation_reference",
     "gelu_and_mul",
+    "grouped_gated_mlp",
+    "grouped_gated_mlp_reference",
     "pack_signs",
     "packed_numel",
+    "permute_by_expert",
     "quantize_blockwise",
     "quantize_blockwise_reference",
     "rms_norm",

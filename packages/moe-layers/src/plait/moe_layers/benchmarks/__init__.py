@@ -1,0 +1,1 @@
+"""The moe-layers benchmark suite (``plait bench moe-layers``)."""

@@ -1,0 +1,111 @@
+"""Token dispatch to the experts and combine, on one rank or across an expert-parallel group.
+
+One rank: the kept (token, slot) assignments are sorted by expert, their tokens gathered, run
+through the experts as one grouped GEMM, weighted and summed back per token.
+
+Expert parallel (``ep`` ranks, rank ``r`` holding experts ``[r * E/ep, (r + 1) * E/ep)``):
+
+1. the ``E`` per-expert row counts are exchanged first (one all-to-all of ``E`` int64), so each
+   rank knows how many rows it will receive from whom: the exchange of rows is uneven;
+2. rows go out in expert order, so the rows for rank ``r`` are one contiguous block (all-to-all,
+   uneven splits);
+3. the received rows (grouped by source rank, then expert) are regrouped by local expert, run,
+   put back in arrival order and returned by the reverse all-to-all;
+4. the combine weights and the sum over a token's slots are applied on the token's own rank.
+
+Both all-to-alls are autograd functions whose backward is the reverse exchange, so each rank's
+backward returns gradient rows to where the tokens came from and the experts' weight gradients
+collect every rank's contribution. Logical bytes per layer and rank (counted by the ledger):
+forward ``8 E + (S + R) H b``, backward ``(S + R) H b``, with ``S`` the rows this rank sends
+(its kept assignments), ``R`` the rows it receives, ``b`` the activation's bytes per element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.kernels import collectives
+from plait.kernels.ops import permute_by_expert
+from plait.moe_layers.router import Routing
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of dim-0 rows; backward is the exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        collectives.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                      group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        collectives.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send,
+                                      input_split_sizes=ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    """Differentiable uneven all-to-all: send ``send[i]`` rows to rank ``i``, receive ``recv[i]``.
+
+    Args:
+        rows: ``[sum(send), ...]`` rows, the block for rank 0 first.
+        send: rows to each rank of ``group``.
+        recv: rows from each rank of ``group`` (from a count exchange).
+        group: the process group.
+
+    Returns:
+        ``[sum(recv), ...]`` rows, rank 0's block first.
+    """
+    return _AllToAll.apply(rows, send, recv, group)
+
+
+def _expert_parallel(rows: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module, group: Any,
+                     ep_size: int) -> torch.Tensor:
+    """Steps 1-3 of the module docstring: rows sorted by global expert in, their outputs out."""
+    local = counts.numel() // ep_size
+    recv_counts = torch.empty_like(counts)
+    collectives.all_to_all_single(recv_counts, counts, group=group)
+    send = counts.view(ep_size, local).sum(1).tolist()
+    recv = recv_counts.view(ep_size, local).sum(1).tolist()
+    received = all_to_all_rows(rows, send, recv, group)
+    local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
+    order, local_counts = permute_by_expert(torch.repeat_interleave(local_ids, recv_counts), local)
+    out = experts(received.index_select(0, order), local_counts)
+    back = out.new_zeros(out.shape).index_copy(0, order, out)
+    return all_to_all_rows(back, recv, send, group)
+
+
+def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module, num_experts: int,
+                     group: Any | None = None, ep_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kept assignments of ``routing`` through ``experts`` and combine per token.
+
+    Args:
+        x: ``[T, H]`` tokens.
+        routing: the router's decision for ``x``.
+        experts: a module ``(rows sorted by local expert, counts) -> rows``.
+        num_experts: ``E`` across the group.
+        group: the expert-parallel process group, or ``None`` on one rank.
+        ep_size: the group's size (``E / ep_size`` experts per rank).
+
+    Returns:
+        ``(out, load)``: ``out`` ``[T, H]`` in ``x``'s dtype and ``load`` ``[E]`` int64 kept
+        assignments per expert from this rank's tokens.
+    """
+    token, slot = routing.kept.nonzero(as_tuple=True)
+    order, counts = permute_by_expert(routing.expert_ids[token, slot], num_experts)
+    token = token[order]
+    rows = x.index_select(0, token)
+    if ep_size > 1:
+        out_rows = _expert_parallel(rows, counts, experts, group, ep_size)
+    else:
+        out_rows = experts(rows, counts)
+    weights = routing.weights[token, slot[order]]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out = out.index_add(0, token, out_rows.float() * weights[:, None])
+    return out.to(x.dtype), counts

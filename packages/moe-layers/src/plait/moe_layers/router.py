@@ -1,0 +1,158 @@
+"""Top-k routing: scores, router noise, expert capacity with drop policies, and the auxiliary losses.
+
+The router turns ``[T, H]`` tokens into, per token, ``top_k`` expert ids and combine weights, then
+decides which of those ``T * top_k`` assignments fit in their expert's capacity. Everything is
+computed in fp32 (the small logit differences that decide the ranking vanish in bf16).
+
+The gradient reaching the router is the straight-through one every MoE of this family uses: the
+combine weights are differentiable functions of the logits, the choice of experts is not.
+
+Losses, both returned for the user to add to the training loss with their own coefficients:
+
+* load balancing (Switch Transformer, Fedus et al. 2021, eq. 4, generalised to top-k):
+  ``E * sum_e f_e * P_e`` with ``f_e`` the fraction of the ``T * k`` assignments (before capacity
+  drops) that chose expert ``e`` and ``P_e`` the mean router probability of ``e``. It is 1 for a
+  perfectly uniform router at any ``k``. (HF Mixtral's ``load_balancing_loss_func`` equals ``k``
+  times this value.)
+* router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): ``mean_t (logsumexp_e logits_te)^2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.moe_layers.config import MoEConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The router's decision for ``T`` tokens.
+
+    Attributes:
+        logits: ``[T, E]`` fp32 router logits (clean, before any Gumbel noise).
+        probs: ``[T, E]`` fp32 softmax of ``logits``.
+        expert_ids: ``[T, k]`` int64 chosen experts, best first.
+        weights: ``[T, k]`` fp32 combine weights (differentiable in the logits).
+        kept: ``[T, k]`` bool: the assignment fits its expert's capacity (all true when dropless).
+    """
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELosses:
+    """Auxiliary losses and load statistics of one MoE forward.
+
+    Attributes:
+        load_balancing: the Switch load-balancing loss (see the module docstring), a scalar tensor.
+        z_loss: the router z-loss, a scalar tensor.
+        expert_load: ``[E]`` int64 assignments each expert computed (after capacity drops).
+        dropped: assignments dropped for capacity in this forward (0 when dropless).
+    """
+
+    load_balancing: torch.Tensor
+    z_loss: torch.Tensor
+    expert_load: torch.Tensor
+    dropped: int
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` (see the module docstring).
+
+    Args:
+        probs: ``[T, E]`` router probabilities.
+        expert_ids: ``[T, k]`` chosen experts (before capacity drops).
+
+    Returns:
+        A scalar fp32 tensor, differentiable through ``probs``.
+    """
+    num_experts = probs.shape[1]
+    if probs.shape[0] == 0:
+        return probs.sum() * 0
+    fraction = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype) / expert_ids.numel()
+    return num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t (logsumexp_e logits)^2``; a scalar fp32 tensor (zero for no tokens)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def capacity_keep(expert_ids: torch.Tensor, priority: torch.Tensor | None, num_experts: int,
+                  capacity: int | None) -> torch.Tensor:
+    """Which assignments fit in their expert's capacity.
+
+    Assignments are ranked per expert; the first ``capacity`` of each expert are kept. With
+    ``priority=None`` the rank is by position with all first choices before any second choice
+    (GShard's order: token 0 slot 0, token 1 slot 0, ..., token 0 slot 1, ...); otherwise by
+    decreasing ``priority`` (ties by that same position order).
+
+    Args:
+        expert_ids: ``[T, k]`` chosen experts.
+        priority: ``[T, k]`` scores (higher is kept first) or ``None`` for position order.
+        num_experts: ``E``.
+        capacity: assignments per expert, or ``None`` to keep everything.
+
+    Returns:
+        ``[T, k]`` bool.
+    """
+    if capacity is None:
+        return torch.ones_like(expert_ids, dtype=torch.bool)
+    slot_major = expert_ids.t().reshape(-1)
+    order = torch.arange(slot_major.numel(), device=expert_ids.device)
+    if priority is not None:
+        order = torch.argsort(-priority.detach().t().reshape(-1), stable=True)
+    by_expert = order[torch.argsort(slot_major[order], stable=True)]
+    counts = torch.bincount(slot_major, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[by_expert] = torch.arange(by_expert.numel(), device=order.device) - starts[slot_major[by_expert]]
+    return (rank < capacity).view(expert_ids.shape[1], expert_ids.shape[0]).t()
+
+
+class Router(nn.Module):
+    """Linear router with top-k selection, noise and capacity (see :class:`MoEConfig`).
+
+    The weight is ``[E, H]`` like ``nn.Linear(H, E, bias=False)`` and HF Mixtral's
+    ``MixtralTopKRouter.weight``, so converted models keep their router as is.
+    """
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route ``x`` (``[T, H]``); noise and the training capacity apply in training mode only."""
+        cfg = self.config
+        noisy = self.training and cfg.noise != "none" and cfg.noise_eps > 0
+        if noisy and cfg.noise == "jitter":
+            x = x * torch.empty_like(x).uniform_(1.0 - cfg.noise_eps, 1.0 + cfg.noise_eps)
+        logits = F.linear(x.float(), self.weight.float())
+        probs = F.softmax(logits, dim=-1)
+        select_on = logits
+        if noisy and cfg.noise == "gumbel":
+            uniform = torch.rand_like(logits).clamp_(min=1e-10, max=1 - 1e-7)
+            select_on = logits - cfg.noise_eps * torch.log(-torch.log(uniform))
+        expert_ids = select_on.detach().topk(cfg.top_k, dim=-1).indices
+        if cfg.score_order == "topk_softmax":
+            weights = F.softmax(logits.gather(1, expert_ids), dim=-1)
+        else:
+            weights = probs.gather(1, expert_ids)
+            if cfg.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        capacity = cfg.capacity(x.shape[0], training=self.training)
+        priority = probs.gather(1, expert_ids) if cfg.drop_policy == "probability" else None
+        kept = capacity_keep(expert_ids, priority, cfg.num_experts, capacity)
+        return Routing(logits=logits, probs=probs, expert_ids=expert_ids, weights=weights, kept=kept)
