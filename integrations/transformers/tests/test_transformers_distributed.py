@@ -42,9 +42,10 @@ def _zero_grad_callback() -> Any:
 def _two_ranks(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     common = dict(gradient_accumulation_steps=GA)
-    out["ddp"] = train("ddp", f"{tmp}/ddp", **common)
+    out["ddp"] = train("ddp", f"{tmp}/ddp", evaluate=True, **common)
     for stage in (1, 2, 3):
-        out[f"zero{stage}"] = train("plait", f"{tmp}/zero{stage}", plait={"zero": {"stage": stage}}, **common)
+        out[f"zero{stage}"] = train("plait", f"{tmp}/zero{stage}", plait={"zero": {"stage": stage}}, evaluate=True,
+                                    **common)
     out["ddp_noclip"] = train("ddp", f"{tmp}/ddp_noclip", max_grad_norm=0.0, **common)
     out["zero3_noclip"] = train("plait", f"{tmp}/zero3_noclip", plait={"zero": {"stage": 3}}, max_grad_norm=0.0,
                                 **common)
@@ -98,6 +99,12 @@ def test_loss_and_grad_norm_equal_ddp_with_accumulation_and_clipping(runs: dict[
     assert runs["ddp"].grad_norms[0] > 0.5  # max_grad_norm=1.0 clips a norm of this size near the end
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluate_after_training_equals_ddp(runs: dict[str, Any], stage: int) -> None:
+    assert runs["ddp"].eval_loss is not None
+    assert math.isclose(runs[f"zero{stage}"].eval_loss, runs["ddp"].eval_loss, rel_tol=RTOL_FP32)
+
+
 def test_without_clipping_the_norm_is_still_logged(runs: dict[str, Any]) -> None:
     _close(runs["zero3_noclip"].losses, runs["ddp_noclip"].losses, RTOL_FP32)
     _close(runs["zero3_noclip"].grad_norms, runs["ddp_noclip"].grad_norms, RTOL_FP32)
@@ -109,8 +116,6 @@ def test_bf16_equals_ddp_bf16(runs: dict[str, Any], stage: int) -> None:
     assert runs[f"zero{stage}_bf16"].losses != runs[f"zero{stage}"].losses  # bf16 really ran
 
 
-@pytest.mark.xfail(strict=True, reason="engine-notes B2: ZeroModule.zero_grad() (nn.Module's) detaches stage 1's "
-                   "gradient views; issue 12 fixes it in plait-zero-sharding. Remove this mark when it lands.")
 def test_user_model_zero_grad_keeps_training_equal(runs: dict[str, Any]) -> None:
     _close(runs["zero1_user_zero_grad"].losses, runs["ddp"].losses, RTOL_FP32)
 

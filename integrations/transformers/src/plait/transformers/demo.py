@@ -33,6 +33,7 @@ class RunResult:
         step_seconds: wall seconds of every optimizer step.
         peak_rss_bytes: the process's peak resident memory at the end.
         probe_logits: the trained model's logits on :func:`probe_ids` (``probe=True``), else ``None``.
+        eval_loss: ``trainer.evaluate()``'s loss after training (``evaluate=True``), else ``None``.
     """
 
     losses: tuple[float, ...]
@@ -40,6 +41,7 @@ class RunResult:
     step_seconds: tuple[float, ...]
     peak_rss_bytes: int
     probe_logits: torch.Tensor | None = None
+    eval_loss: float | None = None
 
 
 def probe_ids() -> torch.Tensor:
@@ -138,7 +140,7 @@ def deepspeed_config(stage: int, *, offload: bool = False) -> dict[str, Any]:
 def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | None = None,
           model_overrides: dict[str, Any] | None = None, dataset: Any = None, resume: str | bool | None = None,
           save_to: str | None = None, trainer_cls: Any = None, callbacks: tuple = (), probe: bool = False,
-          **args: Any) -> RunResult:
+          evaluate: bool = False, **args: Any) -> RunResult:
     """Train the tiny Llama through the Trainer on this rank.
 
     Args:
@@ -153,6 +155,7 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
         trainer_cls: the Trainer class to run (default ``transformers.Trainer``).
         callbacks: extra ``TrainerCallback`` objects.
         probe: compute the trained model's logits on :func:`probe_ids` (collective).
+        evaluate: run ``trainer.evaluate()`` on a held-out :class:`TokenDataset` after training.
         **args: ``TrainingArguments`` fields (see :func:`training_args`).
 
     Returns:
@@ -178,10 +181,12 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
     targs = training_args(output_dir, **args)
     timer = _step_timer()
     trainer = cls(model=tiny_llama_model(**(model_overrides or {})), args=targs,
-                  train_dataset=dataset if dataset is not None else TokenDataset(), callbacks=[timer, *callbacks])
+                  train_dataset=dataset if dataset is not None else TokenDataset(), callbacks=[timer, *callbacks],
+                  eval_dataset=TokenDataset(16, seed=7) if evaluate else None)
     trainer.train(resume_from_checkpoint=resume)
     if save_to is not None:
         trainer.save_model(save_to)
+    eval_loss = float(trainer.evaluate()["eval_loss"]) if evaluate else None
     logits = None
     if probe:
         with torch.no_grad():
@@ -190,4 +195,5 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return RunResult(losses=tuple(float(h["loss"]) for h in history if "loss" in h),
                      grad_norms=tuple(float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None),
-                     step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits)
+                     step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits,
+                     eval_loss=eval_loss)

@@ -114,7 +114,7 @@ class PlaitTrainerMixin:
         check_transformers_version()
         self.plait_config = self._plait_resolve()
         check_training_args(self.plait_config, self.args)
-        self.plait_config.placement() if self.plait_config.offload is not None else None  # fails early if missing
+        self.plait_config.check_offload_installed()
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
