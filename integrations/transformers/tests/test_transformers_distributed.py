@@ -23,6 +23,9 @@ RTOL_FP32 = 1e-5
 # bf16: DDP keeps fp32 parameters under autocast, plait bf16 compute parameters (fp32 masters) under
 # the same autocast, so norms and residual adds round differently; measured max 4e-5 on 4 steps.
 RTOL_BF16 = 5e-4
+# fp16: fp16 compute parameters, fp32 masters and dynamic loss scaling against the fp32 DDP run (the
+# Trainer's own fp16 is a no-op on CPU); measured max 3e-6 on 4 steps.
+RTOL_FP16 = 1e-4
 FULL_STEPS, SAVE_AT = 6, 3
 GA = 2  # every variant accumulates gradients over 2 micro-batches (no_sync on the first)
 
@@ -53,6 +56,9 @@ def _two_ranks(tmp: str) -> dict[str, Any]:
     for stage in (1, 3):
         out[f"zero{stage}_bf16"] = train("plait", f"{tmp}/zero{stage}_bf16", plait={"zero": {"stage": stage}},
                                          bf16=True, **common)
+    for stage in (1, 3):
+        out[f"zero{stage}_fp16"] = train("plait", f"{tmp}/zero{stage}_fp16", plait={"zero": {"stage": stage}},
+                                         fp16=True, **common)
     out["zero1_user_zero_grad"] = train("plait", f"{tmp}/zero1_user_zero_grad", plait={"zero": {"stage": 1}},
                                         callbacks=(_zero_grad_callback(),), **common)
     # Checkpoints: save every 3 steps, keep at most 2; the final model through save_model().
@@ -114,6 +120,12 @@ def test_without_clipping_the_norm_is_still_logged(runs: dict[str, Any]) -> None
 def test_bf16_equals_ddp_bf16(runs: dict[str, Any], stage: int) -> None:
     _close(runs[f"zero{stage}_bf16"].losses, runs["ddp_bf16"].losses, RTOL_BF16)
     assert runs[f"zero{stage}_bf16"].losses != runs[f"zero{stage}"].losses  # bf16 really ran
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_with_loss_scaling_follows_fp32_ddp(runs: dict[str, Any], stage: int) -> None:
+    _close(runs[f"zero{stage}_fp16"].losses, runs["ddp"].losses, RTOL_FP16)
+    assert runs[f"zero{stage}_fp16"].losses != runs[f"zero{stage}"].losses  # fp16 really ran
 
 
 def test_user_model_zero_grad_keeps_training_equal(runs: dict[str, Any]) -> None:

@@ -56,7 +56,14 @@ class PlaitModel(nn.Module):
             return self.module(*args, **kwargs)
         device = next(iter(self.module.buffers()), torch.empty(0)).device.type
         with torch.autocast(device_type=device, dtype=self.autocast):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # fp16: ZeRO's loss scaling returns the outputs as views of a custom Function, and the
+            # Trainer scales the loss in place (``loss *= num_processes``), which autograd refuses
+            # on such views; a copy of the scalar loss is free.
+            out["loss"] = loss.clone()
+        return out
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside keep gradients local (Accelerate's ``no_sync`` finds this)."""
