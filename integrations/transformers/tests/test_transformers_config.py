@@ -71,6 +71,8 @@ def test_precision_and_clipping_translate_from_training_args(tmp_path: Path) -> 
     (ZeroConfig(stage=3, compute_dtype="fp16"), {"bf16": True}, "ZeroConfig.compute_dtype"),
     (ZeroConfig(stage=3, max_grad_norm=0.5), {"max_grad_norm": 1.0}, "TrainingArguments.max_grad_norm=1.0"),
     (ZeroConfig(stage=3, loss_scale=128.0), {}, "ZeroConfig.loss_scale"),
+    (ZeroConfig(stage=3), {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+     "TrainingArguments.load_best_model_at_end"),
 ])
 def test_contradictions_fail_when_the_trainer_is_built(tmp_path: Path, config: ZeroConfig, args: dict,
                                                       named: str) -> None:

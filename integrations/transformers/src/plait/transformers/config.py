@@ -191,6 +191,10 @@ def check_training_args(config: PlaitConfig, args: Any) -> None:
     if getattr(args, "fsdp", None):
         raise ValueError(f"TrainingArguments.fsdp={args.fsdp!r} is set together with plait; both shard the model. "
                          "Remove fsdp= (plait replaces it) or drop the plait config.")
+    if getattr(args, "load_best_model_at_end", False):
+        raise ValueError("TrainingArguments.load_best_model_at_end=True is not supported with plait yet: its "
+                         "checkpoints hold universal checkpoints, not the weight files the Trainer reloads; set it to "
+                         "False and export the chosen checkpoint-N with trainer.save_model after resuming from it.")
     compute, _ = precision_of(args)
     zero = config.zero
     if zero.compute_dtype != torch.float32 and zero.compute_dtype != compute:
