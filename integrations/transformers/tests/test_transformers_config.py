@@ -113,3 +113,14 @@ def test_config_from_args_or_environment_and_never_both(tmp_path: Path, monkeypa
 def test_offload_without_stage_2_is_refused() -> None:
     with pytest.raises(ValueError, match="PlaitConfig.offload"):
         PlaitConfig(zero=ZeroConfig(stage=1), offload="cpu")
+
+
+def test_sharded_from_pretrained_needs_a_local_safetensors_directory(tmp_path: Path) -> None:
+    from plait.transformers.loading import sharded_from_pretrained
+
+    with pytest.raises(ValueError, match="sharded_from_pretrained"):
+        sharded_from_pretrained(tmp_path)
+    tiny_llama_model().save_pretrained(tmp_path / "m")
+    model = sharded_from_pretrained(tmp_path / "m")
+    assert all(p.is_meta for p in model.parameters())
+    assert type(model).__name__ == "LlamaForCausalLM"

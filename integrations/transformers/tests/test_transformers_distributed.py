@@ -59,6 +59,10 @@ def _two_ranks(tmp: str) -> dict[str, Any]:
     for stage in (1, 3):
         out[f"zero{stage}_fp16"] = train("plait", f"{tmp}/zero{stage}_fp16", plait={"zero": {"stage": stage}},
                                          fp16=True, **common)
+    # Big-model loading: plait builds on meta and fills each rank's shards from the files.
+    out["pretrained_ddp"] = train("ddp", f"{tmp}/pretrained_ddp", pretrained=f"{tmp}/src", **common)
+    out["pretrained_zero3"] = train("plait", f"{tmp}/pretrained_zero3", plait={"zero": {"stage": 3}},
+                                    pretrained=f"{tmp}/src", **common)
     out["zero1_user_zero_grad"] = train("plait", f"{tmp}/zero1_user_zero_grad", plait={"zero": {"stage": 1}},
                                         callbacks=(_zero_grad_callback(),), **common)
     # Checkpoints: save every 3 steps, keep at most 2; the final model through save_model().
@@ -87,6 +91,9 @@ def _one_rank(tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = str(tmp_path_factory.mktemp("hf"))
+    from plait.transformers.demo import tiny_llama_model
+
+    tiny_llama_model(seed=3).save_pretrained(f"{tmp}/src")  # weights unlike the seed-0 runs'
     two = run_distributed(_two_ranks, 2, tmp, timeout=420)
     one = run_distributed(_one_rank, 1, tmp, timeout=240)
     return {"ranks": two, **two[0], **one[0], "tmp": Path(tmp)}
@@ -126,6 +133,12 @@ def test_bf16_equals_ddp_bf16(runs: dict[str, Any], stage: int) -> None:
 def test_fp16_with_loss_scaling_follows_fp32_ddp(runs: dict[str, Any], stage: int) -> None:
     _close(runs[f"zero{stage}_fp16"].losses, runs["ddp"].losses, RTOL_FP16)
     assert runs[f"zero{stage}_fp16"].losses != runs[f"zero{stage}"].losses  # fp16 really ran
+
+
+def test_sharded_from_pretrained_never_builds_the_whole_model(runs: dict[str, Any]) -> None:
+    assert runs["pretrained_zero3"].built_on_meta is True
+    _close(runs["pretrained_zero3"].losses, runs["pretrained_ddp"].losses, RTOL_FP32)
+    assert runs["pretrained_ddp"].losses != runs["ddp"].losses  # the files' weights were used
 
 
 def test_user_model_zero_grad_keeps_training_equal(runs: dict[str, Any]) -> None:
