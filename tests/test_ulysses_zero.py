@@ -1,4 +1,5 @@
-"""Ulysses composed with ZeRO (cross-package: plait-ulysses-sp + plait-zero-sharding + transformers).
+"""Ulysses composed with ZeRO (cross-package: plait-ulysses-sp + plait-zero-sharding + transformers,
+and plait-offload-io for the offload case).
 
 ZeRO shards over ``dp x sp`` (zero-sharding's default ``shard_dims``) and averages gradients over
 those 4 ranks; Ulysses ranks therefore scale their loss share by ``sp`` (the loss contract of
@@ -19,7 +20,14 @@ pytest.importorskip("plait.zero_sharding")
 from plait.kernels.mesh import make_mesh  # noqa: E402
 from plait.kernels.testing.distributed import run_distributed  # noqa: E402
 from plait.kernels.tolerances import tolerance  # noqa: E402
-from plait.ulysses_sp import UlyssesConfig, dp_coordinates, shard_batch, sp_cross_entropy, sp_loss_value  # noqa: E402
+from plait.ulysses_sp import (  # noqa: E402
+    UlyssesConfig,
+    dp_coordinates,
+    enable_offloaded_checkpointing,
+    shard_batch,
+    sp_cross_entropy,
+    sp_loss_value,
+)
 from plait.ulysses_sp.hf import apply_ulysses  # noqa: E402
 from plait.zero_sharding import ZeroConfig, zero_shard  # noqa: E402
 
@@ -53,12 +61,24 @@ def _ddp_reference(model, dp: int) -> list[list[float]]:
     return curve
 
 
-def _ulysses_zero(stage: int, tiled: bool) -> tuple[list[list[float]], list[float], int]:
+def _placement(offload: bool):
+    if not offload:
+        return None
+    from plait.offload_io import OffloadConfig, zero_placement
+
+    return zero_placement(OffloadConfig(device="cpu"))
+
+
+def _ulysses_zero(stage: int, tiled: bool, offload: bool) -> tuple[list[list[float]], list[float], int]:
     mesh = make_mesh(dp=2, sp=2)
     base = _model()
     reference = _ddp_reference(copy.deepcopy(base), dp=2)
     model = apply_ulysses(base, mesh, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None))
-    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=stage), mesh=mesh, lr=LR)
+    if tiled:  # ALST's checkpoint offload under ZeRO: the recompute must regather stage-3 parameters
+        enable_offloaded_checkpointing(model)
+    model.train()
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=stage), mesh=mesh,
+                                  placement=_placement(offload), lr=LR)
     with pytest.raises(ValueError, match="apply_ulysses must come first"):
         apply_ulysses(model, mesh)
     dp_rank, _ = dp_coordinates(mesh)
@@ -75,11 +95,13 @@ def _ulysses_zero(stage: int, tiled: bool) -> tuple[list[list[float]], list[floa
     return reference, curve, dp_rank
 
 
-@pytest.mark.parametrize(("stage", "tiled"), [(3, True), (2, False)])
-def test_ulysses_with_zero_over_dp2_sp2_follows_the_ddp_loss_curve(stage, tiled):
-    results = run_distributed(_ulysses_zero, 4, stage, tiled, timeout=240)
+@pytest.mark.parametrize(("stage", "tiled", "offload"), [(3, True, False), (2, False, False), (3, False, True)])
+def test_ulysses_with_zero_over_dp2_sp2_follows_the_ddp_loss_curve(stage, tiled, offload):
+    if offload:
+        pytest.importorskip("plait.offload_io")
+    results = run_distributed(_ulysses_zero, 4, stage, tiled, offload, timeout=240)
     tol = tolerance("ulysses_model_grad", torch.float32)
     for reference, curve, dp_rank in results:
         got = torch.tensor(curve)
         want = torch.tensor([r[dp_rank] for r in reference])
-        tol.assert_close(got, want, what=f"ZeRO-{stage} x Ulysses loss curve, dp rank {dp_rank}")
+        tol.assert_close(got, want, what=f"ZeRO-{stage} (offload={offload}) x Ulysses loss curve, dp rank {dp_rank}")

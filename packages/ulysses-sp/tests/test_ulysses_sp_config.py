@@ -55,3 +55,35 @@ def test_shard_sequence_pads_to_a_multiple_and_slices_in_rank_order():
 
 def test_shift_labels_moves_targets_left_and_ignores_the_last():
     assert shift_labels(torch.tensor([[5, 6, 7]])).tolist() == [[6, 7, -100]]
+
+
+def _loader_on_dp2_sp2() -> dict:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from plait.kernels.mesh import make_mesh
+    from plait.ulysses_sp import SequenceParallelLoader, dp_coordinates, gather_sequence
+
+    mesh = make_mesh(dp=2, sp=2)
+    dp_rank, dp_size = dp_coordinates(mesh)
+    data = [{"input_ids": torch.arange(i * 100, i * 100 + 7), "labels": torch.arange(i * 100, i * 100 + 7)}
+            for i in range(4)]
+    sampler = DistributedSampler(data, num_replicas=dp_size, rank=dp_rank, shuffle=False)
+    loader = SequenceParallelLoader(DataLoader(data, sampler=sampler, batch_size=2), mesh)
+    batches = list(loader)
+    whole = gather_sequence(batches[0]["input_ids"], mesh, seq_len=7)
+    return {"dp_rank": dp_rank, "len": len(loader), "ids": batches[0]["input_ids"].tolist(),
+            "positions": batches[0]["position_ids"].tolist(), "labels": batches[0]["shift_labels"].tolist(),
+            "whole": whole.tolist()}
+
+
+def test_loader_gives_an_sp_group_one_batch_and_each_rank_its_slice():
+    from plait.kernels.testing.distributed import run_distributed
+
+    out = run_distributed(_loader_on_dp2_sp2, 4, timeout=60)
+    # ranks 0,1 are dp rank 0 (samples 0 and 2), ranks 2,3 are dp rank 1 (samples 1 and 3)
+    assert [o["dp_rank"] for o in out] == [0, 0, 1, 1] and all(o["len"] == 1 for o in out)
+    assert out[0]["whole"] == out[1]["whole"] == [list(range(0, 7)), list(range(200, 207))]
+    assert out[2]["whole"] == [list(range(100, 107)), list(range(300, 307))]
+    assert out[0]["ids"][0] == [0, 1, 2, 3] and out[1]["ids"][0] == [4, 5, 6, 0]  # padded to 8 with id 0
+    assert out[1]["positions"][0] == [4, 5, 6, 7]
+    assert out[0]["labels"][0] == [1, 2, 3, 4] and out[1]["labels"][0] == [5, 6, -100, -100]

@@ -1,6 +1,6 @@
 """HF Llama and Qwen3 (tiny, random, built offline) with Ulysses at sp 2 and 4 on gloo: the loss and
 every parameter gradient equal the same model without SP on the whole sequence; with padding,
-odd lengths, GQA (kv heads < sp) and tiled MLP + tiled loss; apply is reversible; models whose
+odd lengths, GQA (kv heads < sp) and tiled MLP + tiled loss + offloaded checkpoints; apply is reversible; models whose
 attention cannot be wrapped are refused by name."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from plait.kernels.testing.distributed import run_distributed  # noqa: E402
 from plait.kernels.tolerances import tolerance  # noqa: E402
 from plait.ulysses_sp import (  # noqa: E402
     UlyssesConfig,
+    enable_offloaded_checkpointing,
     shard_batch,
     sp_cross_entropy,
     sp_loss_value,
@@ -36,9 +37,10 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 
 
 def _model(family: str):
+    """Llama runs sdpa inside Ulysses, Qwen3 eager (whose causal mask Ulysses must build itself)."""
     torch.manual_seed(0)
     config = (transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config)(**COMMON)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa" if family == "llama" else "eager"
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -83,6 +85,9 @@ def _check_families(families: tuple[str, ...]) -> list[str]:
             base = _model(family)
             ref_loss, ref_grads = _reference(copy.deepcopy(base), _batch(seq, padded))
             model = apply_ulysses(base, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None))
+            if tiled:  # the whole ALST set: checkpointed layers with their inputs kept on the host
+                assert enable_offloaded_checkpointing(model) == COMMON["num_hidden_layers"]
+                model.train()  # transformers checkpoints only in training mode (dropout is 0 here)
             loss, grads = _sp_step(model, _batch(seq, padded), tiled)
             what = f"{family} seq={seq} padded={padded} tiled={tiled}"
             tol.assert_close(torch.tensor(loss), torch.tensor(ref_loss), what=f"{what} loss")
@@ -114,7 +119,7 @@ def _apply_and_remove() -> tuple[str, str, bool]:
 
 def test_apply_is_idempotent_and_reversible():
     during, after, leftover = run_distributed(_apply_and_remove, 1, timeout=60)[0]
-    assert during == ATTN_NAME and after == "sdpa" and not leftover
+    assert during == ATTN_NAME and after == "sdpa" and not leftover  # llama: sdpa before and after
 
 
 def _refusals() -> list[str]:

@@ -14,6 +14,8 @@ transformers is imported lazily: this module is usable only with the ``[hf]`` ex
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +39,27 @@ class UnsupportedModelError(ValueError):
 class _AttentionState:
     sp: SPGroup
     inner: str
+    function: Callable[..., tuple[torch.Tensor, Any]]
+
+
+def inner_function(module: nn.Module, inner: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The attention function named ``inner`` as ``module`` would call it.
+
+    ``"eager"`` is not in transformers' registry: each modeling file passes its own
+    ``eager_attention_forward`` as the default, so it is taken from the module's modeling module.
+
+    Raises:
+        UnsupportedModelError: no such function for this module.
+    """
+    from transformers import AttentionInterface
+
+    if inner != "eager":
+        return AttentionInterface()[inner]
+    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise UnsupportedModelError(f"{type(module).__name__}'s modeling module has no eager_attention_forward; "
+                                    "use UlyssesConfig(inner_attention='sdpa').")
+    return function
 
 
 class _LocalHeads:
@@ -75,8 +98,6 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     Raises:
         RuntimeError: the module was not prepared by :func:`apply_ulysses`.
     """
-    from transformers import AttentionInterface
-
     state: _AttentionState | None = getattr(module, _STATE, None)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation={ATTN_NAME!r} without "
@@ -89,8 +110,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         keep = global_mask(key_padding_mask, seq=seq, causal=causal, device=q.device)
         if keep is not None:
             mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, torch.finfo(q.dtype).min)
-    inner = AttentionInterface()[state.inner]
-    out, _ = inner(_LocalHeads(module), q, k, v, mask, dropout=dropout, scaling=scaling,
+    out, _ = state.function(_LocalHeads(module), q, k, v, mask, dropout=dropout, scaling=scaling,
                    is_causal=causal and mask is None, **kwargs)
     layout = head_layout(state.sp.size, query.shape[1], key.shape[1])
     return heads_to_seq(out.transpose(1, 2), layout.q_splits, state.sp.rank, state.sp.group).transpose(1, 2), None
@@ -173,11 +193,12 @@ def apply_ulysses(model: nn.Module, mesh: Any = None, *, config: UlyssesConfig |
     text = model.config.get_text_config()
     head_layout(sp.size, text.num_attention_heads, getattr(text, "num_key_value_heads", None)
                 or text.num_attention_heads)  # refuse impossible head splits before any work
+    states = [_AttentionState(sp=sp, inner=inner, function=inner_function(m, inner)) for m in modules]
     AttentionInterface.register(ATTN_NAME, ulysses_attention)
     model._plait_ulysses_previous = previous
     model.set_attn_implementation(ATTN_NAME)
-    for module in modules:
-        setattr(module, _STATE, _AttentionState(sp=sp, inner=inner))
+    for module, state in zip(modules, states, strict=True):
+        setattr(module, _STATE, state)
     if config.tiled_mlp_chunks and config.tiled_mlp_chunks > 1:
         for mlp in decoder_mlps(model):
             tile_mlp(mlp, chunks=config.tiled_mlp_chunks)
