@@ -71,6 +71,8 @@ def test_precision_and_clipping_translate_from_training_args(tmp_path: Path) -> 
     (ZeroConfig(stage=3, compute_dtype="fp16"), {"bf16": True}, "ZeroConfig.compute_dtype"),
     (ZeroConfig(stage=3, max_grad_norm=0.5), {"max_grad_norm": 1.0}, "TrainingArguments.max_grad_norm=1.0"),
     (ZeroConfig(stage=3, loss_scale=128.0), {}, "ZeroConfig.loss_scale"),
+    (ZeroConfig(stage=3), {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
+     "TrainingArguments.load_best_model_at_end"),
 ])
 def test_contradictions_fail_when_the_trainer_is_built(tmp_path: Path, config: ZeroConfig, args: dict,
                                                       named: str) -> None:
@@ -111,3 +113,14 @@ def test_config_from_args_or_environment_and_never_both(tmp_path: Path, monkeypa
 def test_offload_without_stage_2_is_refused() -> None:
     with pytest.raises(ValueError, match="PlaitConfig.offload"):
         PlaitConfig(zero=ZeroConfig(stage=1), offload="cpu")
+
+
+def test_sharded_from_pretrained_needs_a_local_safetensors_directory(tmp_path: Path) -> None:
+    from plait.transformers.loading import sharded_from_pretrained
+
+    with pytest.raises(ValueError, match="sharded_from_pretrained"):
+        sharded_from_pretrained(tmp_path)
+    tiny_llama_model().save_pretrained(tmp_path / "m")
+    model = sharded_from_pretrained(tmp_path / "m")
+    assert all(p.is_meta for p in model.parameters())
+    assert type(model).__name__ == "LlamaForCausalLM"

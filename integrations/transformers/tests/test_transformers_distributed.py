@@ -23,6 +23,9 @@ RTOL_FP32 = 1e-5
 # bf16: DDP keeps fp32 parameters under autocast, plait bf16 compute parameters (fp32 masters) under
 # the same autocast, so norms and residual adds round differently; measured max 4e-5 on 4 steps.
 RTOL_BF16 = 5e-4
+# fp16: fp16 compute parameters, fp32 masters and dynamic loss scaling against the fp32 DDP run (the
+# Trainer's own fp16 is a no-op on CPU); measured max 3e-6 on 4 steps.
+RTOL_FP16 = 1e-4
 FULL_STEPS, SAVE_AT = 6, 3
 GA = 2  # every variant accumulates gradients over 2 micro-batches (no_sync on the first)
 
@@ -42,9 +45,10 @@ def _zero_grad_callback() -> Any:
 def _two_ranks(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     common = dict(gradient_accumulation_steps=GA)
-    out["ddp"] = train("ddp", f"{tmp}/ddp", **common)
+    out["ddp"] = train("ddp", f"{tmp}/ddp", evaluate=True, **common)
     for stage in (1, 2, 3):
-        out[f"zero{stage}"] = train("plait", f"{tmp}/zero{stage}", plait={"zero": {"stage": stage}}, **common)
+        out[f"zero{stage}"] = train("plait", f"{tmp}/zero{stage}", plait={"zero": {"stage": stage}}, evaluate=True,
+                                    **common)
     out["ddp_noclip"] = train("ddp", f"{tmp}/ddp_noclip", max_grad_norm=0.0, **common)
     out["zero3_noclip"] = train("plait", f"{tmp}/zero3_noclip", plait={"zero": {"stage": 3}}, max_grad_norm=0.0,
                                 **common)
@@ -52,6 +56,13 @@ def _two_ranks(tmp: str) -> dict[str, Any]:
     for stage in (1, 3):
         out[f"zero{stage}_bf16"] = train("plait", f"{tmp}/zero{stage}_bf16", plait={"zero": {"stage": stage}},
                                          bf16=True, **common)
+    for stage in (1, 3):
+        out[f"zero{stage}_fp16"] = train("plait", f"{tmp}/zero{stage}_fp16", plait={"zero": {"stage": stage}},
+                                         fp16=True, **common)
+    # Big-model loading: plait builds on meta and fills each rank's shards from the files.
+    out["pretrained_ddp"] = train("ddp", f"{tmp}/pretrained_ddp", pretrained=f"{tmp}/src", **common)
+    out["pretrained_zero3"] = train("plait", f"{tmp}/pretrained_zero3", plait={"zero": {"stage": 3}},
+                                    pretrained=f"{tmp}/src", **common)
     out["zero1_user_zero_grad"] = train("plait", f"{tmp}/zero1_user_zero_grad", plait={"zero": {"stage": 1}},
                                         callbacks=(_zero_grad_callback(),), **common)
     # Checkpoints: save every 3 steps, keep at most 2; the final model through save_model().
@@ -80,6 +91,9 @@ def _one_rank(tmp: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = str(tmp_path_factory.mktemp("hf"))
+    from plait.transformers.demo import tiny_llama_model
+
+    tiny_llama_model(seed=3).save_pretrained(f"{tmp}/src")  # weights unlike the seed-0 runs'
     two = run_distributed(_two_ranks, 2, tmp, timeout=420)
     one = run_distributed(_one_rank, 1, tmp, timeout=240)
     return {"ranks": two, **two[0], **one[0], "tmp": Path(tmp)}
@@ -98,6 +112,12 @@ def test_loss_and_grad_norm_equal_ddp_with_accumulation_and_clipping(runs: dict[
     assert runs["ddp"].grad_norms[0] > 0.5  # max_grad_norm=1.0 clips a norm of this size near the end
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluate_after_training_equals_ddp(runs: dict[str, Any], stage: int) -> None:
+    assert runs["ddp"].eval_loss is not None
+    assert math.isclose(runs[f"zero{stage}"].eval_loss, runs["ddp"].eval_loss, rel_tol=RTOL_FP32)
+
+
 def test_without_clipping_the_norm_is_still_logged(runs: dict[str, Any]) -> None:
     _close(runs["zero3_noclip"].losses, runs["ddp_noclip"].losses, RTOL_FP32)
     _close(runs["zero3_noclip"].grad_norms, runs["ddp_noclip"].grad_norms, RTOL_FP32)
@@ -107,6 +127,18 @@ def test_without_clipping_the_norm_is_still_logged(runs: dict[str, Any]) -> None
 def test_bf16_equals_ddp_bf16(runs: dict[str, Any], stage: int) -> None:
     _close(runs[f"zero{stage}_bf16"].losses, runs["ddp_bf16"].losses, RTOL_BF16)
     assert runs[f"zero{stage}_bf16"].losses != runs[f"zero{stage}"].losses  # bf16 really ran
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_with_loss_scaling_follows_fp32_ddp(runs: dict[str, Any], stage: int) -> None:
+    _close(runs[f"zero{stage}_fp16"].losses, runs["ddp"].losses, RTOL_FP16)
+    assert runs[f"zero{stage}_fp16"].losses != runs[f"zero{stage}"].losses  # fp16 really ran
+
+
+def test_sharded_from_pretrained_never_builds_the_whole_model(runs: dict[str, Any]) -> None:
+    assert runs["pretrained_zero3"].built_on_meta is True
+    _close(runs["pretrained_zero3"].losses, runs["pretrained_ddp"].losses, RTOL_FP32)
+    assert runs["pretrained_ddp"].losses != runs["ddp"].losses  # the files' weights were used
 
 
 def test_user_model_zero_grad_keeps_training_equal(runs: dict[str, Any]) -> None:

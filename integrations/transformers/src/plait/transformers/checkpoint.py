@@ -10,7 +10,6 @@ inside ``checkpoint-N/``. ``Trainer.save_model()`` writes consolidated safetenso
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -25,53 +24,15 @@ STATE_DIR = "plait"
 SCHEDULER_NAME = "scheduler.pt"
 WEIGHTS_NAME = "model.safetensors"
 PRODUCER = "plait.transformers"
-_PIECE_PREFIX = "model."
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class ShardedModelState:
-    """The sharded model's ``ShardedStateful`` view for a universal checkpoint, with the replica
-    ranks of per-parameter scalar optimizer state (Adam's ``step``) widened to every rank that
-    holds a piece of that parameter (``ZeroModule`` names only the ranks holding this rank's piece,
-    so ranks splitting one parameter would each claim to be the only writer of its counter).
-
-    Args:
-        module: the sharded model.
-    """
-
-    def __init__(self, module: ZeroModule) -> None:
-        self.module = module
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The module's pieces with corrected replica ranks (collective when distributed)."""
-        pieces = self.module.sharded_state_dict()
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return pieces
-        names = sorted(n[len(_PIECE_PREFIX):] for n in pieces if n.startswith(_PIECE_PREFIX))
-        per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, names)
-        holders: dict[str, tuple[int, ...]] = {}
-        for rank, held in enumerate(per_rank):
-            for name in held:
-                holders[name] = (*holders.get(name, ()), rank)
-        for name, piece in list(pieces.items()):
-            spec = piece.spec
-            if name.startswith("optim.") and spec.global_shape == ():
-                ranks = holders.get(name.split(".", 2)[2], spec.replica_ranks)
-                pieces[name] = dataclasses.replace(piece, spec=dataclasses.replace(spec, replica_ranks=ranks))
-        return pieces
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Hand the filled pieces to the module."""
-        self.module.load_sharded_state_dict(state)
-
-
 class OptimizerOptions:
     """The ZeroOptimizer's small replicated state: group options (lr, betas, weight decay) and its
-    step count. Its moments and masters travel with :class:`ShardedModelState`.
+    step count. Its moments and masters travel with the sharded model.
 
     Args:
         optimizer: the ZeroOptimizer.
@@ -101,7 +62,8 @@ class OptimizerOptions:
 
 
 def _state(model: ZeroModule, optimizer: Any) -> dict[str, Any]:
-    return {"model": ShardedModelState(model), "optimizer": OptimizerOptions(optimizer)}
+    # The sharded model is a ShardedStateful itself (parameters, masters, moments, loss scale).
+    return {"model": model, "optimizer": OptimizerOptions(optimizer)}
 
 
 def has_training_state(checkpoint: str | os.PathLike) -> bool:
@@ -139,8 +101,8 @@ def load_training_state(checkpoint: str | os.PathLike, model: ZeroModule, optimi
 
 
 def base_class(model: ZeroModule) -> type:
-    """The model's own class (``LlamaForCausalLM``), not the ``ZeroLlamaForCausalLM`` it became."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, ZeroModule))
+    """The model's own class (``LlamaForCausalLM``), not the dynamic ZeRO subclass it became."""
+    return model.zero_base_class
 
 
 def pretrained_config(model: ZeroModule) -> Any:

@@ -11,6 +11,7 @@ JSON config-file reader used by scripts nobody edits (``--plait_config file.json
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -62,6 +63,15 @@ class PlaitConfig:
             raise ValueError(f"PlaitConfig.offload_path={self.offload_path!r} must be a directory path or None.")
         if not isinstance(self.verify_on_load, bool):
             raise ValueError(f"PlaitConfig.verify_on_load={self.verify_on_load!r} must be True or False.")
+
+    def check_offload_installed(self) -> None:
+        """Raise now, before any work, when :attr:`offload` needs plait-offload-io and it is missing.
+
+        Raises:
+            ImportError: with the pip line.
+        """
+        if self.offload is not None and importlib.util.find_spec("plait.offload_io") is None:
+            raise ImportError(f"PlaitConfig.offload={self.offload!r} needs plait-offload-io: {OFFLOAD_INSTALL}")
 
     def placement(self) -> Any:
         """The ``zero_shard(placement=...)`` for :attr:`offload`, or ``None`` without offload.
@@ -181,6 +191,10 @@ def check_training_args(config: PlaitConfig, args: Any) -> None:
     if getattr(args, "fsdp", None):
         raise ValueError(f"TrainingArguments.fsdp={args.fsdp!r} is set together with plait; both shard the model. "
                          "Remove fsdp= (plait replaces it) or drop the plait config.")
+    if getattr(args, "load_best_model_at_end", False):
+        raise ValueError("TrainingArguments.load_best_model_at_end=True is not supported with plait yet: its "
+                         "checkpoints hold universal checkpoints, not the weight files the Trainer reloads; set it to "
+                         "False and export the chosen checkpoint-N with trainer.save_model after resuming from it.")
     compute, _ = precision_of(args)
     zero = config.zero
     if zero.compute_dtype != torch.float32 and zero.compute_dtype != compute:

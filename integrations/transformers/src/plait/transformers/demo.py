@@ -33,6 +33,9 @@ class RunResult:
         step_seconds: wall seconds of every optimizer step.
         peak_rss_bytes: the process's peak resident memory at the end.
         probe_logits: the trained model's logits on :func:`probe_ids` (``probe=True``), else ``None``.
+        eval_loss: ``trainer.evaluate()``'s loss after training (``evaluate=True``), else ``None``.
+        built_on_meta: with ``pretrained``: whether every parameter was on the meta device when
+            the Trainer got the model (no rank held the whole model).
     """
 
     losses: tuple[float, ...]
@@ -40,6 +43,8 @@ class RunResult:
     step_seconds: tuple[float, ...]
     peak_rss_bytes: int
     probe_logits: torch.Tensor | None = None
+    eval_loss: float | None = None
+    built_on_meta: bool | None = None
 
 
 def probe_ids() -> torch.Tensor:
@@ -138,7 +143,7 @@ def deepspeed_config(stage: int, *, offload: bool = False) -> dict[str, Any]:
 def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | None = None,
           model_overrides: dict[str, Any] | None = None, dataset: Any = None, resume: str | bool | None = None,
           save_to: str | None = None, trainer_cls: Any = None, callbacks: tuple = (), probe: bool = False,
-          **args: Any) -> RunResult:
+          evaluate: bool = False, pretrained: str | None = None, **args: Any) -> RunResult:
     """Train the tiny Llama through the Trainer on this rank.
 
     Args:
@@ -153,6 +158,9 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
         trainer_cls: the Trainer class to run (default ``transformers.Trainer``).
         callbacks: extra ``TrainerCallback`` objects.
         probe: compute the trained model's logits on :func:`probe_ids` (collective).
+        evaluate: run ``trainer.evaluate()`` on a held-out :class:`TokenDataset` after training.
+        pretrained: a ``save_pretrained`` directory to start from: ``from_pretrained`` for the peers,
+            :func:`~plait.transformers.loading.sharded_from_pretrained` for plait.
         **args: ``TrainingArguments`` fields (see :func:`training_args`).
 
     Returns:
@@ -165,6 +173,7 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
 
     import transformers
 
+    from plait.transformers.loading import sharded_from_pretrained
     from plait.transformers.trainer import with_plait
 
     if route not in ("ddp", "plait", "deepspeed"):
@@ -177,11 +186,20 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
         args["deepspeed"] = deepspeed or deepspeed_config(3)
     targs = training_args(output_dir, **args)
     timer = _step_timer()
-    trainer = cls(model=tiny_llama_model(**(model_overrides or {})), args=targs,
-                  train_dataset=dataset if dataset is not None else TokenDataset(), callbacks=[timer, *callbacks])
+    if pretrained is None:
+        model, on_meta = tiny_llama_model(**(model_overrides or {})), None
+    elif route == "plait":
+        model = sharded_from_pretrained(pretrained)
+        on_meta = all(p.is_meta for p in model.parameters())
+    else:
+        model, on_meta = transformers.AutoModelForCausalLM.from_pretrained(pretrained), None
+    trainer = cls(model=model, args=targs,
+                  train_dataset=dataset if dataset is not None else TokenDataset(), callbacks=[timer, *callbacks],
+                  eval_dataset=TokenDataset(16, seed=7) if evaluate else None)
     trainer.train(resume_from_checkpoint=resume)
     if save_to is not None:
         trainer.save_model(save_to)
+    eval_loss = float(trainer.evaluate()["eval_loss"]) if evaluate else None
     logits = None
     if probe:
         with torch.no_grad():
@@ -190,4 +208,5 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return RunResult(losses=tuple(float(h["loss"]) for h in history if "loss" in h),
                      grad_norms=tuple(float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None),
-                     step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits)
+                     step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits,
+                     eval_loss=eval_loss, built_on_meta=on_meta)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.transformers import checkpoint as ckpt
-from plait.transformers import settings
+from plait.transformers import loading, settings
 from plait.transformers.config import PlaitConfig, check_training_args, load_config, zero_config_for
 from plait.zero_sharding import ZeroModule, ZeroOptimizer, zero_shard
 
@@ -56,7 +56,14 @@ class PlaitModel(nn.Module):
             return self.module(*args, **kwargs)
         device = next(iter(self.module.buffers()), torch.empty(0)).device.type
         with torch.autocast(device_type=device, dtype=self.autocast):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # fp16: ZeRO's loss scaling returns the outputs as views of a custom Function, and the
+            # Trainer scales the loss in place (``loss *= num_processes``), which autograd refuses
+            # on such views; a copy of the scalar loss is free.
+            out["loss"] = loss.clone()
+        return out
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside keep gradients local (Accelerate's ``no_sync`` finds this)."""
@@ -114,7 +121,7 @@ class PlaitTrainerMixin:
         check_transformers_version()
         self.plait_config = self._plait_resolve()
         check_training_args(self.plait_config, self.args)
-        self.plait_config.placement() if self.plait_config.offload is not None else None  # fails early if missing
+        self.plait_config.check_offload_installed()
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -131,12 +138,23 @@ class PlaitTrainerMixin:
         original = super().create_optimizer(model)  # type: ignore[misc]
         zero = zero_config_for(self.plait_config, self.args)
         ensure_process_group()
-        _, sharded = zero_shard(self.model, original, zero, placement=self.plait_config.placement())
+        weights = loading.pending_weights(self.model)
+        # Weights come from the files right after sharding: skip initialising what they overwrite.
+        init = (lambda module: None) if weights is not None else None
+        _, sharded = zero_shard(self.model, original, zero, placement=self.plait_config.placement(), init_fn=init)
+        if weights is not None:
+            loading.load_into_shards(self.model, weights)
         scheduler = getattr(self, "lr_scheduler", None)
         if scheduler is not None and getattr(scheduler, "optimizer", None) is original:
             scheduler.optimizer = sharded  # a scheduler passed in optimizers=(opt, sched)
         self.optimizer = sharded
         return sharded
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if loading.pending_weights(model) is not None:
+            loading.move_buffers(model, device)  # parameters are on meta until sharded
+            return None
+        return super()._move_model_to_device(model, device)  # type: ignore[misc]
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if isinstance(model, PlaitModel):
