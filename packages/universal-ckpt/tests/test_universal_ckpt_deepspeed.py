@@ -96,27 +96,3 @@ def test_moments_match_ds_to_universal(ds_root, tmp_path):
 def test_not_a_deepspeed_checkpoint(tmp_path):
     with pytest.raises(uc.CheckpointNotFoundError):
         import_deepspeed(tmp_path, tmp_path / "out")
-
-
-def continue_under_plait(ckpt: str) -> bool:
-    zero_sharding = pytest.importorskip("plait.zero_sharding")
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
-    model, optim = zero_sharding.zero_shard(model, torch.optim.AdamW, zero_sharding.ZeroConfig(stage=3), lr=1e-2)
-    uc.load({"model": model}, ckpt)
-    resaved = uc.save({"model": model}, f"{ckpt}-plait", step=2)
-    model(torch.randn(2, 8)).square().mean().backward()
-    optim.step()  # training goes on from the imported masters and moments
-    return resaved.path.exists()
-
-
-def test_deepspeed_run_continues_under_plait_zero(ds_root, tmp_path):
-    """A DeepSpeed ZeRO-2 checkpoint, imported, loads into plait.zero_sharding ZeRO-3 at W=2 unchanged."""
-    pytest.importorskip("plait.zero_sharding")
-    ckpt = import_deepspeed(ds_root / "ds_2_fp32", tmp_path / "uc")
-    assert all(run_distributed(continue_under_plait, 2, str(ckpt), timeout=120))
-    imported, manifest = uc.read_manifest(ckpt), uc.read_manifest(uc.latest(f"{ckpt}-plait"))
-    for name, entry in manifest.tensors.items():
-        if name in imported.tensors:
-            assert torch.equal(uc.read_full(ckpt, imported, imported.tensors[name]),
-                               uc.read_full(uc.latest(f"{ckpt}-plait"), manifest, entry)), name

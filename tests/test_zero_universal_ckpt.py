@@ -1,7 +1,7 @@
 """Real producers: plait.zero_sharding ZeRO-1/2/3 models saved at one layout and loaded at another.
 
-plait-universal-ckpt never imports plait.zero_sharding; only this test does, and it is skipped
-when that package is not installed.
+plait-universal-ckpt never imports plait.zero_sharding (it reads any producer through the sharded
+state protocol of plait.kernels), so this test of the two together lives in the top-level suite.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import torch
 import plait.universal_ckpt as uc
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.universal_ckpt.testing import small_model
-
-pytest.importorskip("plait.zero_sharding")
 
 
 def _zero_model(stage: int, seed: int):
