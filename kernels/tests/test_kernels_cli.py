@@ -47,3 +47,52 @@ def test_table_json_and_noise_calls(tmp_path):
     assert "PASS" in table and "benchmark" in table.splitlines()[0]
     path = write_json(rows, tmp_path / "r.json", meta={"suite": "t"})
     assert json.loads(path.read_text())["rows"][1]["ratio"] == 0.5
+
+
+def _fake_suite(monkeypatch, tmp_path):
+    """A suite named "fake" with one measured row and one peer that could not run."""
+    (tmp_path / "fake_suite_mod.py").write_text(
+        "from plait.kernels.bench import BenchRow\n"
+        "def run(quick):\n"
+        "    return [BenchRow(benchmark='b', figure='time (ms)', ours=1.5, peer='p', peer_value=3.0, ratio=0.5,\n"
+        "                     target='<= 1', passed=True),\n"
+        "            BenchRow(benchmark='b', figure='time (ms)', ours=1.5, peer='missing', note='not installed')]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from importlib import metadata
+
+    from plait.kernels.cli import bench
+
+    suites = {"fake": metadata.EntryPoint("fake", "fake_suite_mod:run", "plait.benchmarks")}
+    monkeypatch.setattr(bench, "entry_points", lambda group: dict(suites))
+    monkeypatch.setenv("PLAIT_BENCH_DIR", str(tmp_path / "runs"))
+    return bench
+
+
+def test_bench_writes_outside_the_source_tree_by_default(monkeypatch, tmp_path, capsys):
+    _fake_suite(monkeypatch, tmp_path)
+    assert main(["bench", "fake", "--quick"]) == 0
+    out = capsys.readouterr().out
+    written = list((tmp_path / "runs").glob("fake-quick-*.json"))
+    assert len(written) == 1 and f"wrote {written[0]}" in out and "--update-results" in out
+    assert main(["bench", "fake", "--quick"]) == 0  # a second run (same second) never overwrites the first
+    assert len(list((tmp_path / "runs").glob("fake-quick-*.json"))) == 2
+
+
+def test_bench_update_results_needs_a_source_checkout(monkeypatch, tmp_path, capsys):
+    _fake_suite(monkeypatch, tmp_path)  # plait-fake is not installed, so there is no committed file
+    assert main(["bench", "fake", "--update-results"]) == 2
+    assert "editable" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bench_table_from_results_and_missing_peer_is_na(monkeypatch, tmp_path, capsys):
+    _fake_suite(monkeypatch, tmp_path)
+    assert main(["bench", "fake", "--out", str(tmp_path / "r.json")]) == 0
+    plain = capsys.readouterr().out
+    assert plain.splitlines()[3].split()[5] == "n/a"  # the peer that could not run: no number
+    assert main(["bench", "fake", "--table", "--out", str(tmp_path / "r.json")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| benchmark |") and table[1].startswith("|---")
+    assert table[3].split(" | ")[4] == "n/a"
+    assert "`plait bench fake`" in table[-1] and "+00:00" in table[-1]  # command and date printed
+    assert main(["bench", "fake", "--table", "--out", str(tmp_path / "none.json")]) == 2
