@@ -1,10 +1,16 @@
 """The plait command: report exits 0 here, bench lists and runs suites, unknown names are explained."""
 
+import io
 import json
+import subprocess
+import sys
+
+import pytest
 
 from plait.kernels.bench import BenchRow, TimingStats, format_table, interleaved_timing, timing_row, write_json
 from plait.kernels.cli.main import main
 from plait.kernels.cli.registry import import_name_of
+from plait.kernels.progress import progress
 
 
 def test_report_runs_and_exits_zero(capsys):
@@ -96,3 +102,34 @@ def test_bench_table_from_results_and_missing_peer_is_na(monkeypatch, tmp_path, 
     assert table[3].split(" | ")[4] == "n/a"
     assert "`plait bench fake`" in table[-1] and "+00:00" in table[-1]  # command and date printed
     assert main(["bench", "fake", "--table", "--out", str(tmp_path / "none.json")]) == 2
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench"], ["bench", "--help"], ["report", "--help"]])
+def test_command_starts_without_importing_torch_or_plugins(argv):
+    """Listing and help come from entry-point metadata: no plugin and no torch is imported."""
+    probe = (f"import sys\nfrom plait.kernels.cli.main import main\ntry:\n    main({argv!r})\n"
+             "except SystemExit:\n    pass\n"
+             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('plait.') and "
+             "not m.startswith('plait.kernels'))\nprint('LOADED', loaded)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "LOADED []", result.stdout + result.stderr
+    assert "usage: plait" in result.stdout or "benchmark suites:" in result.stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_one_line_in_a_log():
+    log = io.StringIO()
+    with progress("converting", total=3 * 2**20, stream=log) as update:
+        for _ in range(3):
+            update(2**20)
+    assert "\r" not in log.getvalue() and log.getvalue().startswith("converting: 3.0 MiB in ")
+    assert log.getvalue().count("\n") == 1
+    terminal = _Terminal()
+    with progress("steps", total=4, unit="step", stream=terminal) as update:
+        for _ in range(4):
+            update(1)
+    assert "\r" in terminal.getvalue() and "steps" in terminal.getvalue()
