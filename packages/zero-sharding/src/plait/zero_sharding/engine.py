@@ -5,9 +5,13 @@
   (asynchronously, overlapping the rest of backward) and, in stage 3, its gathered parameters
   are freed. A callback queued on the autograd engine finishes every unit at the end of
   backward (waits for reductions, handles parameters that got no gradient).
-* Module hooks (stage 3): a forward pre-hook gathers a unit and prefetches the next ones in the
-  recorded forward order; a forward post-hook frees it and registers a multi-grad hook on the
-  outputs, which gathers it again (prefetching in reverse order) when backward reaches it.
+* Module hooks (stage 3): a forward pre-hook gathers a unit and prefetches the next ones in
+  forward order; a forward post-hook frees it and registers a multi-grad hook on the outputs,
+  which gathers it again (prefetching in backward order) when backward reaches it.
+
+Every collective follows an order fixed by the model's structure, never by which hooks fired on
+this rank (see :mod:`plait.zero_sharding.ordering`), so ranks that run different modules or get
+gradients for different units (MoE experts) still pair up the right units.
 """
 
 from __future__ import annotations
@@ -23,12 +27,19 @@ from torch import nn
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.extension import wait
+from plait.zero_sharding.ordering import GatherCursor, module_orders, reduce_order, twin_groups
 from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.units import FlatUnit
 
 # Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
 # freed): two keep communication overlapped with the next unit's backward.
 MAX_PENDING_REDUCE = 2
+
+
+def _finished(handle: Any) -> bool:
+    """Whether waiting on ``handle`` cannot block (done, or a handle that cannot tell)."""
+    check = getattr(handle, "is_completed", None)
+    return handle is None or check is None or bool(check())
 
 
 def _in_backward() -> bool:
@@ -69,8 +80,15 @@ class ZeroEngine:
         self.pinned = 0  # >0 inside gathered_parameters(): hooks neither gather nor free
         self.pending_reduce: list[tuple[FlatUnit, Any, torch.Tensor, torch.Tensor]] = []
         self.callback_queued = False
-        self.forward_order: list[nn.Module] = []
-        self.order_frozen = False
+        self.reduce_order = reduce_order(model, self.units)
+        self.reduce_next = 0  # reduce_order[:reduce_next] are launched in this backward
+        self.unsynced = False  # a backward ran without gradient sync since the last reduction
+        forward, backward = module_orders(model, list(partition.module_units))
+        units_of = partition.module_units.__getitem__
+        self.forward_pass = GatherCursor(forward, units_of, lambda us: self._catch_up(us, "forward"),
+                                         self._release_caught_up)
+        self.backward_pass = GatherCursor(backward, units_of, lambda us: self._catch_up(us, "backward"),
+                                          self._release_caught_up)
         self.handles: list[Any] = []
         self.storage: Any = None
         # Optional placement attribute: where reduced gradient slices should live (host memory
@@ -80,6 +98,9 @@ class ZeroEngine:
         self.host_copies_pending = False
         self._register_grad_hooks()
         if config.stage == 3:
+            twins = twin_groups(self.units)
+            for unit in self.units:
+                unit.reduce_group = twins.get(id(unit.group), unit.group)
             self._register_module_hooks()
 
     # ---- registration -------------------------------------------------------------------------
@@ -108,27 +129,44 @@ class ZeroEngine:
 
     # ---- stage 3 forward ----------------------------------------------------------------------
     def _root_pre_forward(self, root: list[FlatUnit]) -> None:
-        if self.forward_order and not _in_backward():
-            self.order_frozen = True  # the first complete forward defined the order
+        if not _in_backward() and not self.pinned:
+            self.forward_pass.start()
         for unit in root:
             unit.gather(self.gatherer, "forward")
 
     def _root_post_forward(self, root: list[FlatUnit]) -> None:
+        if not _in_backward():
+            self.forward_pass.finish()  # modules this rank skipped are gathered as everywhere else
         if not torch.is_grad_enabled() and not self.pinned:
             for unit in root:
                 unit.release()
 
+    def _catch_up(self, units: list[FlatUnit], phase: str) -> None:
+        """Gather the units of a module this rank has not reached, where the other ranks may."""
+        for unit in units:
+            unit.gather(self.gatherer, phase, block=False)
+
+    def _release_caught_up(self, units: list[FlatUnit]) -> None:
+        # Forward without resharding keeps everything until backward ends; backward's end
+        # releases every unit anyway.
+        if self.config.reshard_after_forward and not self.pinned:
+            for unit in units:
+                unit.release()
+
     def _pre_forward(self, module: nn.Module, units: list[FlatUnit]) -> None:
-        if not self.order_frozen and module not in self.forward_order:
-            self.forward_order.append(module)
         if self.pinned:
             return
         with profiling.range_("pre_forward"):
             recompute = _in_backward()  # activation checkpointing re-runs forward inside backward
+            if recompute:
+                self._queue_callback()  # a reentrant recompute can come before any backward hook
+            cursor = self.backward_pass if recompute else self.forward_pass
+            phase = "backward" if recompute else "forward"
+            position = cursor.reach(module)
             for unit in units:
-                unit.gather(self.gatherer, "backward" if recompute else "forward")
+                unit.gather(self.gatherer, phase)
             if not recompute:
-                self._prefetch(module, +1, "forward")
+                self._prefetch(cursor, position, phase)
 
     def _post_forward(self, module: nn.Module, units: list[FlatUnit], out: Any) -> None:
         if self.pinned or _in_backward():
@@ -143,20 +181,19 @@ class ZeroEngine:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, m=module, us=units: self._pre_backward(m, us), mode="any")
 
-    def _prefetch(self, module: nn.Module, direction: int, phase: str) -> None:
-        if not self.config.prefetch or module not in self.forward_order:
+    def _prefetch(self, cursor: GatherCursor, position: int | None, phase: str) -> None:
+        """Start gathering the next modules of the pass (in its order: prefetches are part of
+        the sequence every rank issues)."""
+        if not self.config.prefetch or position is None or not cursor.active:
             return
-        index = self.forward_order.index(module)
-        for step in range(1, self.config.prefetch + 1):
-            other = index + direction * step
-            if 0 <= other < len(self.forward_order):
-                for unit in self.partition.module_units.get(self.forward_order[other], []):
-                    unit.gather(self.gatherer, phase, block=False)
+        ahead = cursor.ahead(position, self.config.prefetch + 1)
+        for module in ahead[:self.config.prefetch]:
+            for unit in self.partition.module_units[module]:
+                unit.gather(self.gatherer, phase, block=False)
         # Offloaded shards: start reading one module further, so that read overlaps this
         # module's compute and the next one's gather (double buffering of ZeRO-Infinity).
-        other = index + direction * (self.config.prefetch + 1)
-        if self.storage is not None and 0 <= other < len(self.forward_order):
-            for unit in self.partition.module_units.get(self.forward_order[other], []):
+        if self.storage is not None and len(ahead) > self.config.prefetch:
+            for unit in self.partition.module_units[ahead[-1]]:
                 unit.prefetch_shard()
 
     # ---- backward -----------------------------------------------------------------------------
@@ -165,13 +202,16 @@ class ZeroEngine:
         if self.pinned:
             return
         with profiling.range_("pre_backward"):
+            position = self.backward_pass.reach(module)
             for unit in units:
                 unit.gather(self.gatherer, "backward")
-            self._prefetch(module, -1, "backward")
+            self._prefetch(self.backward_pass, position, "backward")
 
     def _queue_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
+            if self.config.stage == 3 and not self.pinned:
+                self.backward_pass.start()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             started = getattr(self.placement, "backward_started", None)
             if started is not None:
@@ -183,29 +223,47 @@ class ZeroEngine:
         if unit.ready < unit.trainable:
             return
         if self.config.stage >= 2 and self.require_sync and self.config.overlap_comm:
-            self._launch_reduce(unit)
+            self._launch_ready()
         if not self.pinned and not (self.config.stage == 3 and not self.config.reshard_after_forward):
             unit.release()
 
-    def _launch_reduce(self, unit: FlatUnit) -> None:
-        flat = unit.flat_grads()
+    def _launch_ready(self) -> None:
+        """Launch reductions in :attr:`reduce_order` while the next one is ready."""
+        order = self.reduce_order
+        while self.reduce_next < len(order) and order[self.reduce_next].ready >= order[self.reduce_next].trainable:
+            self._launch_reduce(order[self.reduce_next], zeros=True)
+            self.reduce_next += 1
+
+    def _launch_remaining(self) -> None:
+        """Launch every reduction not launched yet, in order, zeros where a unit has no gradient."""
+        for unit in self.reduce_order[self.reduce_next:]:
+            self._launch_reduce(unit, zeros=True)
+        self.reduce_next = 0
+
+    def _launch_reduce(self, unit: FlatUnit, *, zeros: bool = False) -> None:
+        flat = unit.flat_grads(zeros=zeros)
         if flat is None:
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
         with profiling.comm_range("reduce_scatter", block=False):
-            handle = self.reducer.reduce_scatter(flat, out, group=unit.group, key=unit.key)
+            handle = (unit.reducer or self.reducer).reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
-        # Bound the flat gradient buckets alive at once: fold the oldest reduction while newer ones
-        # are in flight, instead of holding every unit's bucket until the end of backward.
-        while len(self.pending_reduce) > MAX_PENDING_REDUCE:
+        # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
+        # for one still in flight could deadlock when ranks reach it at different points of
+        # backward (rank-dependent usage), so only a handle that cannot say is waited for.
+        while len(self.pending_reduce) > MAX_PENDING_REDUCE and _finished(self.pending_reduce[0][1]):
             self._fold(*self.pending_reduce.pop(0))
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
-        if self.config.stage >= 2 and self.require_sync:
-            for unit in self.units:
-                if unit.ready < unit.trainable or not self.config.overlap_comm:
-                    self._launch_reduce(unit)
+        if self.config.stage == 3 and not self.pinned:
+            self.backward_pass.finish()
+        if self.config.stage >= 2:
+            if self.require_sync:
+                self._launch_remaining()
+                self.unsynced = False
+            else:
+                self.unsynced = True
         self.wait_reductions()
         for unit in self.units:
             unit.ready = 0
@@ -246,11 +304,26 @@ class ZeroEngine:
     def finish_gradients(self) -> None:
         """Make every unit's ``grad_shard`` final before a step: reduce anything still local
         (stage 1 always, stages 2/3 after ``no_sync`` backward passes) and wait."""
-        for unit in self.units:
-            if unit.full_grad is not None or any(s.param.grad is not None for s in unit.slots):
-                self._launch_reduce(unit)
+        if self.config.stage == 1:
+            for unit in self.units:
+                if unit.full_grad is not None:
+                    self._launch_reduce(unit)
+        elif self.unsynced:
+            self._launch_remaining()  # every rank ran the same no_sync backwards: all reduce, in order
+        self.unsynced = False
         self.wait_reductions()
         self.sync_host_copies()
+        self._reduce_replicas()
+
+    def _reduce_replicas(self) -> None:
+        """HSDP: sum each shard's gradient over the ranks holding the same shard (mesh dimensions
+        not sharded over), once per step, in unit order on every rank."""
+        for unit in self.units:
+            if unit.replicate_group is not None and unit.grad_shard is not None and not unit.replicated:
+                with profiling.comm_range("replicate_all_reduce"):
+                    reducer = unit.reducer or self.reducer
+                    wait(reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
+                unit.replicated = True
 
     # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
     def attach_storage(self, storage: Any) -> int:

@@ -34,6 +34,9 @@ class OptionGroup:
         group_size: ranks in ``group``.
         replicas: identical copies of this group's state outside ``group`` (world / group for
             dense parameters, 1 for parameters that differ across the other ranks, e.g. experts).
+        grad_divisor: what the group's summed gradients are divided by (``None``: its
+            ``group_size``); see ``zero_grad_divisor`` in :func:`plait.zero_sharding.zero_shard`.
+        reducer, gatherer: the group's own extension points (``None``: the engine's).
     """
 
     options: dict[str, Any]
@@ -42,6 +45,9 @@ class OptionGroup:
     group_rank: int
     group_size: int
     replicas: int
+    grad_divisor: float | None = None
+    reducer: Any = None
+    gatherer: Any = None
 
 
 @dataclasses.dataclass

@@ -80,6 +80,13 @@ class FlatUnit:
                  resident: bool, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, option_index: int,
                  replicas: int, device: torch.device) -> None:
         self.key, self.slots, self.group = key, slots, group
+        self.reduce_group = group  # stage 3: a twin of ``group`` (see plait.zero_sharding.ordering)
+        self.replicate_group: Any = None  # HSDP: ranks holding the same shard; gradients all-reduced over it
+        self.replicated = False  # grad_shard already all-reduced over replicate_group
+        # Per-parameter-group extension points (param group's zero_reducer / zero_gatherer); None:
+        # the engine's.
+        self.reducer: Any = None
+        self.gatherer: Any = None
         self.group_rank, self.group_size = group_rank, group_size
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
@@ -87,6 +94,7 @@ class FlatUnit:
         self.shard_numel = max(1, math.ceil(self.numel / group_size))
         self.padded_numel = self.shard_numel * group_size
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
+        self.grad_divisor: float = group_size  # summed gradients / this = the average the optimizer sees
         self.full = torch.zeros(0)
         self.shard = torch.zeros(0)
         self.master = torch.zeros(0)
@@ -162,7 +170,9 @@ class FlatUnit:
 
     # ---- gather / release (stage 3) ----------------------------------------------------------
     def gather(self, gatherer: Any, phase: str, *, block: bool = True) -> None:
-        """Make ``full`` hold every rank's shard (no-op when resident or already gathered)."""
+        """Make ``full`` hold every rank's shard (no-op when resident or already gathered);
+        the unit's own gatherer, when its parameter group has one, replaces ``gatherer``."""
+        gatherer = self.gatherer or gatherer
         if not self.gathered:
             self.load_shard()
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
@@ -207,6 +217,7 @@ class FlatUnit:
 
     def regather(self, gatherer: Any) -> None:
         """Refresh ``full`` from every rank's shard where it is live (resident or gathered)."""
+        gatherer = self.gatherer or gatherer
         if self.resident:
             shard = self.shard.clone()  # the gather input must not alias its output for every gatherer
             with profiling.comm_range("all_gather"):
@@ -318,15 +329,16 @@ class FlatUnit:
             self._shard_failed = None
 
     # ---- gradients ----------------------------------------------------------------------------
-    def flat_grads(self) -> torch.Tensor | None:
+    def flat_grads(self, *, zeros: bool = False) -> torch.Tensor | None:
         """The local gradients as one padded flat tensor in the reduce dtype, taking them off the
-        parameters (stage 2/3); ``None`` when no parameter has a gradient."""
+        parameters (stage 2/3); when no parameter has a gradient: zeros with ``zeros``, else
+        ``None``."""
         if self.full_grad is not None:
             # A reduce-scatter only reads its input, so stage 1's buffer is passed as it is.
             return self.full_grad.to(self.reduce_dtype) if self.full_grad.dtype != self.reduce_dtype \
                 else self.full_grad
         if not any(slot.param.grad is not None for slot in self.slots):
-            return None
+            return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device) if zeros else None
         # empty + explicit zeros where no gradient lands: one pass over the bucket, not two.
         flat = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         flat[self.numel:].zero_()
@@ -346,6 +358,7 @@ class FlatUnit:
             self.grad_shard = reduced
         else:
             self.grad_shard.add_(reduced)
+        self.replicated = False
 
     def zero_grad(self) -> None:
         """Forget gradients: the reduced slice, any unreduced ``param.grad``, stage 1's buffer."""
