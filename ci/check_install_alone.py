@@ -1,5 +1,8 @@
 """Install-alone check: each distribution installs into a fresh environment with only its declared
-dependencies, pulls in no other plait distribution than those it declares, and imports.
+dependencies, pulls in no other plait distribution than those it declares, imports, and passes its
+own tests there (``<distribution>/tests``; tests of several pieces together live in the top-level
+``tests/``, run by ci/test.sh in the full environment). Tests of optional third-party extras skip
+where the extra is absent (``pytest.importorskip``); the full environment runs them.
 
 One base environment holds torch (installed once from the pinned wheel, or the machine's CUDA
 torch); each distribution then gets its own fresh venv that sees the base through a ``.pth``
@@ -11,6 +14,7 @@ index only for third-party dependencies the base lacks.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -23,6 +27,9 @@ from distributions import ROOT, Distribution, distributions
 
 WORK = Path(os.environ.get("PLAIT_ISOLATION_DIR", ROOT / "build" / "install-alone"))
 FORBIDDEN_AT_IMPORT = ("lightning", "transformers", "vllm", "deepspeed")
+# What running a distribution's tests needs besides the distribution: the test runner, at the
+# versions of the calling environment (so both runs behave alike).
+TEST_TOOLS = ("pytest", "pytest-timeout")
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -35,19 +42,23 @@ def _site_packages(venv: Path) -> Path:
 
 
 def base_env() -> Path:
-    """A venv holding only torch (and what torch needs), made once and reused."""
+    """A venv holding only torch (and what torch needs) and the test runner, made once and reused."""
+    from importlib import metadata
+
     base = WORK / "base"
     import torch
 
     want = f"torch=={torch.__version__.split('+')[0]}"
+    tools = [f"{name}=={metadata.version(name)}" for name in TEST_TOOLS]
     if not (base / "bin" / "python").exists():
         _run([sys.executable, "-m", "venv", str(base)])
     # torch's metadata asks for setuptools>=77; the base must satisfy it so installs stay offline.
     probe = subprocess.run([str(base / "bin" / "python"), "-c",
-                            "import torch, setuptools, numpy; assert int(setuptools.__version__.split('.')[0]) >= 77"],
+                            "import torch, setuptools, numpy, pytest, pytest_timeout; "
+                            "assert int(setuptools.__version__.split('.')[0]) >= 77"],
                            capture_output=True)
     if probe.returncode:
-        _run([str(base / "bin" / "python"), "-m", "pip", "install", "-q", want, "numpy", "setuptools>=77"])
+        _run([str(base / "bin" / "python"), "-m", "pip", "install", "-q", want, "numpy", "setuptools>=77", *tools])
     return base
 
 
@@ -108,8 +119,30 @@ def check(dist: Distribution, by_name: dict[str, Distribution], base: Path, whee
     return None
 
 
+def run_tests(dist: Distribution) -> str | None:
+    """Run ``dist``'s own tests in its isolated venv (made by :func:`check`); a problem or None.
+
+    Runs from the repository root so the root conftest.py and pytest settings apply; the
+    distribution under test is the installed wheel (src/ is not on the path).
+    """
+    tests = dist.folder / "tests"
+    if not tests.is_dir():
+        return None
+    start = time.monotonic()
+    result = subprocess.run([str(WORK / dist.name / "bin" / "python"), "-m", "pytest", "-q", "-ra",
+                             str(tests.relative_to(ROOT))], capture_output=True, text=True, cwd=ROOT)
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(f"install-alone: {dist.name} tests alone: {summary} ({time.monotonic() - start:.0f}s)", flush=True)
+    if result.returncode:
+        return f"{dist.name}: its tests fail when it is installed alone:\n{(result.stdout + result.stderr)[-4000:]}"
+    return None
+
+
 def main() -> int:
     """Check every distribution; exit 1 if any fails."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--imports-only", action="store_true", help="install and import; skip running the tests")
+    args = parser.parse_args()
     start = time.monotonic()
     WORK.mkdir(parents=True, exist_ok=True)
     dists = distributions()
@@ -118,6 +151,11 @@ def main() -> int:
     wheels = build_wheels(dists)
     with ThreadPoolExecutor(max_workers=2) as pool:
         problems = [p for p in pool.map(lambda d: check(d, by_name, base, wheels), dists) if p]
+    if not args.imports_only:
+        # One distribution at a time: the distributed tests start processes of their own, and two
+        # suites at once on two cores would time them out.
+        failed = {p.split(":", 1)[0] for p in problems}
+        problems += [p for p in (run_tests(d) for d in dists if d.name not in failed) if p]
     for problem in problems:
         print(f"install-alone: {problem}")
     print(f"install-alone: {len(dists)} distributions, {len(problems)} problem(s), {time.monotonic() - start:.0f}s")

@@ -3,12 +3,17 @@
 For each of kernels/, packages/*, integrations/*: pyproject.toml, README.md, src/plait/<name>/,
 tests/; the distribution name is ``plait-<folder>``; no ``src/plait/__init__.py`` (PEP 420); no
 ``__init__.py`` in tests/ (pytest collects every package's tests together in importlib mode);
-test file names carry the package name so tracebacks say whose test failed.
+test file names carry the package name so tracebacks say whose test failed; a distribution's
+tests import no plait distribution it does not declare (tests of two or more pieces together live
+in the top-level tests/, whose files are named test_<topic>.py), so the install-alone check can
+run each distribution's tests where only it and its declared dependencies are installed.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 
 from distributions import ROOT, distributions
 
@@ -40,6 +45,43 @@ def problems() -> list[str]:
         for test in tests.glob("test_*.py") if tests.is_dir() else []:
             if not test.name.startswith(f"test_{short}"):
                 found.append(f"{rel}: {test.name} should be named test_{short}_*.py")
+        allowed = {dist.import_name, *(_import_name(dep) for dep in dist.plait_dependencies)}
+        for source in sorted(tests.rglob("*.py")) if tests.is_dir() else []:
+            for module in sorted(plait_imports(source) - allowed):
+                found.append(f"{source.relative_to(ROOT)} imports {module}, which {dist.name} does not declare; "
+                             f"move the test to the top-level tests/ (cross-package suite)")
+    found.extend(_top_level_problems(ROOT / "tests"))
+    return found
+
+
+def _import_name(distribution: str) -> str:
+    head, _, tail = distribution.partition("-")
+    return f"{head}.{tail.replace('-', '_')}"
+
+
+def plait_imports(source: Path) -> set[str]:
+    """The plait packages (``plait.<name>``) a Python file imports, at any depth, importorskip included."""
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if node.module == "plait" else node.module for alias in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in
+              ("importorskip", "import_module") and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [str(node.args[0].value)]
+        found.update(".".join(name.split(".")[:2]) for name in names if name.startswith("plait."))
+    return found
+
+
+def _top_level_problems(tests: Path) -> list[str]:
+    """The cross-package suite: plain test_<topic>.py files, no __init__.py."""
+    if not tests.is_dir():
+        return []
+    found = []
+    if (tests / "__init__.py").exists():
+        found.append("tests/__init__.py must not exist (pytest runs in importlib mode)")
     return found
 
 

@@ -266,7 +266,8 @@ def test_fabric_equal_to_ddp_and_resumes_on_one(runs: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(420)
 def test_consolidated_weights_and_hf_export(runs: dict[str, Any], tmp_path: Any) -> None:
-    from safetensors.torch import load_file
+    # safetensors reads the export independently of our writer; plait-lightning does not depend on it.
+    load_file = pytest.importorskip("safetensors.torch").load_file
 
     from plait.lightning import consolidated_state_dict, export_weights
 

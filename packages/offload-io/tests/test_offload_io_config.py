@@ -13,6 +13,7 @@ from plait.offload_io import (
     OffloadConfig,
     OffloadDiskFullError,
     OffloadedOptimizer,
+    ZeroOffloadPlacement,
     aligned_empty,
 )
 from plait.offload_io.buffers import BufferPool
@@ -120,3 +121,17 @@ def test_aligned_buffers():
     with pytest.raises(ValueError, match="count=0"):
         BufferPool(0, 10)
     del b
+
+
+def test_parameter_offload_config_errors() -> None:
+    with pytest.raises(ValueError, match="param_device='nvme' needs path"):
+        OffloadConfig(param_device="nvme")
+    with pytest.raises(ValueError, match="param_device='disk' must be one of none, cpu, nvme"):
+        OffloadConfig(param_device="disk")
+    with pytest.raises(ValueError, match="zero_placement"):
+        OffloadedOptimizer([torch.nn.Parameter(torch.zeros(3))], param_device="cpu")
+
+
+def test_placement_refuses_a_non_config() -> None:
+    with pytest.raises(TypeError, match="OffloadConfig"):
+        ZeroOffloadPlacement({"device": "cpu"})

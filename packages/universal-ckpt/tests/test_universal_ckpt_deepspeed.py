@@ -12,6 +12,7 @@ import torch
 import plait.universal_ckpt as uc
 from plait.kernels.testing import run_distributed
 from plait.universal_ckpt.interop.deepspeed import import_deepspeed
+from plait.universal_ckpt.interop.hf import export_hf
 
 # fp16 is refused by DeepSpeed's CPU accelerator ("Type fp16 is not supported on your device"),
 # so the low-precision variant tested on CPU is bf16; the importer reads fp16 runs the same way
@@ -29,7 +30,7 @@ def make_deepspeed_checkpoints(root: str, configs: list[tuple[int, str]]) -> boo
     deepspeed.init_distributed("gloo")
     for stage, dtype in configs:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+        model = _sequential()
         config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
         if dtype == "bf16":
             config["bf16"] = {"enabled": True}
@@ -69,6 +70,45 @@ def test_import_matches_deepspeed_fp32_weights(ds_root, tmp_path, stage, dtype):
             moment = uc.read_full(ckpt, manifest, manifest.tensors[f"model/optim.{field}.{name}"])
             assert moment.shape == tensor.shape and torch.isfinite(moment).all()
     assert float(uc.read_full(ckpt, manifest, manifest.tensors["model/optim.step.0.weight"])) == 2.0
+    # The HF export carries the model's own names: it loads into the original module, strict.
+    _assert_export_loads(export_hf(ckpt, tmp_path / "hf"), reference)
+
+
+def _sequential() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+
+
+def _assert_export_loads(hf_dir, reference: dict[str, torch.Tensor]) -> None:
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    weights = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    module = _sequential()
+    module.load_state_dict(weights, strict=True)
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.parametrize("route", ["direct", "through universal"])
+def test_ckpt_convert_deepspeed_to_hf_keeps_model_names(ds_root, tmp_path, route):
+    """`plait ckpt convert <deepspeed dir> out --to hf`, directly or via --to universal first."""
+    import argparse
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from plait.universal_ckpt.cli import register
+
+    def plait(*argv: str) -> int:
+        parser = argparse.ArgumentParser(prog="plait")
+        register(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(list(argv))
+        return args.func(args)
+
+    src = ds_root / "ds_3_bf16"
+    if route == "direct":
+        assert plait("ckpt", "convert", str(src), str(tmp_path / "hf"), "--to", "hf") == 0
+    else:
+        assert plait("ckpt", "convert", str(src), str(tmp_path / "uc"), "--to", "universal") == 0
+        assert plait("ckpt", "convert", str(tmp_path / "uc"), str(tmp_path / "hf"), "--to", "hf") == 0
+    _assert_export_loads(tmp_path / "hf", get_fp32_state_dict_from_zero_checkpoint(str(src)))
 
 
 def test_moments_match_ds_to_universal(ds_root, tmp_path):
@@ -96,27 +136,3 @@ def test_moments_match_ds_to_universal(ds_root, tmp_path):
 def test_not_a_deepspeed_checkpoint(tmp_path):
     with pytest.raises(uc.CheckpointNotFoundError):
         import_deepspeed(tmp_path, tmp_path / "out")
-
-
-def continue_under_plait(ckpt: str) -> bool:
-    zero_sharding = pytest.importorskip("plait.zero_sharding")
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
-    model, optim = zero_sharding.zero_shard(model, torch.optim.AdamW, zero_sharding.ZeroConfig(stage=3), lr=1e-2)
-    uc.load({"model": model}, ckpt)
-    resaved = uc.save({"model": model}, f"{ckpt}-plait", step=2)
-    model(torch.randn(2, 8)).square().mean().backward()
-    optim.step()  # training goes on from the imported masters and moments
-    return resaved.path.exists()
-
-
-def test_deepspeed_run_continues_under_plait_zero(ds_root, tmp_path):
-    """A DeepSpeed ZeRO-2 checkpoint, imported, loads into plait.zero_sharding ZeRO-3 at W=2 unchanged."""
-    pytest.importorskip("plait.zero_sharding")
-    ckpt = import_deepspeed(ds_root / "ds_2_fp32", tmp_path / "uc")
-    assert all(run_distributed(continue_under_plait, 2, str(ckpt), timeout=120))
-    imported, manifest = uc.read_manifest(ckpt), uc.read_manifest(uc.latest(f"{ckpt}-plait"))
-    for name, entry in manifest.tensors.items():
-        if name in imported.tensors:
-            assert torch.equal(uc.read_full(ckpt, imported, imported.tensors[name]),
-                               uc.read_full(uc.latest(f"{ckpt}-plait"), manifest, entry)), name

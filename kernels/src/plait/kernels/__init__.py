@@ -7,6 +7,7 @@
 * :mod:`plait.kernels.mesh` - named device meshes from sizes.
 * :mod:`plait.kernels.testing` - the gloo harness, tiny-llama, the built-in corpus.
 * :mod:`plait.kernels.bench` - benchmark rows, interleaved timing, tables.
+* :mod:`plait.kernels.progress` - progress bars on a terminal, one plain line in logs.
 
 Submodules are imported on first use, so ``import plait.kernels`` stays cheap.
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("bench", "collectives", "dispatch", "mesh", "ops", "settings", "sharded_state", "testing", "tolerances")
+_SUBMODULES = ("bench", "collectives", "dispatch", "mesh", "ops", "progress", "settings", "sharded_state", "testing",
+               "tolerances")
 
 
 def __getattr__(name: str) -> Any:

@@ -159,20 +159,32 @@ def timing_row(
                     passed=passed, note=note)
 
 
+_HEADER = ("benchmark", "figure", "ours", "peer", "peer's", "ratio", "target", "pass", "note")
+
+
+def _cells(row: BenchRow) -> tuple[str, ...]:
+    # A named peer without a value could not run: "n/a" (its reason is in the note), never a number.
+    peer_value = "n/a" if row.peer and row.peer_value is None else _num(row.peer_value)
+    return (row.benchmark, row.figure, _num(row.ours), row.peer or "-", peer_value, _num(row.ratio),
+            row.target or "-", {True: "PASS", False: "FAIL", None: "-"}[row.passed], row.note)
+
+
 def format_table(rows: Iterable[BenchRow]) -> str:
-    """Render rows as the table of shared/benchmarks.md (plain text, aligned columns)."""
-    header = ("benchmark", "figure", "ours", "peer", "peer's", "ratio", "target", "pass", "note")
-    lines = [header]
-    for row in rows:
-        lines.append((
-            row.benchmark, row.figure, _num(row.ours), row.peer or "-",
-            _num(row.peer_value), _num(row.ratio), row.target or "-",
-            {True: "PASS", False: "FAIL", None: "-"}[row.passed], row.note,
-        ))
+    """Render rows as the table of docs/benchmarks.md (plain text, aligned columns)."""
+    lines = [_HEADER, *(_cells(row) for row in rows)]
+    header = _HEADER
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
     out.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(out)
+
+
+def format_markdown(rows: Iterable[BenchRow]) -> str:
+    """Render rows as the markdown table a README carries (the same columns as :func:`format_table`)."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(_HEADER), "|" + "---|" * len(_HEADER), *(line(_cells(row)) for row in rows)])
 
 
 def _num(value: float | None) -> str:
@@ -195,3 +207,20 @@ def write_json(rows: Sequence[BenchRow], path: Path, *, meta: dict | None = None
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_json(path: Path) -> tuple[list[BenchRow], dict]:
+    """Read a file :func:`write_json` wrote.
+
+    Returns:
+        ``(rows, meta)``.
+
+    Raises:
+        ValueError: the file is not a results file (no ``rows`` list).
+    """
+    payload = json.loads(Path(path).read_text())
+    if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+        raise ValueError(f"{path} is not a plait bench results file (no 'rows' list); pass a file `plait bench` wrote.")
+    names = {field.name for field in dataclasses.fields(BenchRow)}
+    rows = [BenchRow(**{k: v for k, v in row.items() if k in names}) for row in payload["rows"]]
+    return rows, payload.get("meta") or {}

@@ -9,6 +9,7 @@ takes effect).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 KERNEL_BACKENDS = ("auto", "triton", "reference")
 
@@ -51,3 +52,16 @@ def test_timeout_scale() -> float:
     if scale <= 0:
         raise ValueError(f"PLAIT_TEST_TIMEOUT_SCALE={raw!r} must be positive; set it to e.g. 1.0 or 2.0.")
     return scale
+
+
+def bench_dir() -> Path:
+    """Where ``plait bench`` writes a run's JSON by default (``PLAIT_BENCH_DIR``).
+
+    Default: ``$XDG_CACHE_HOME/plait/bench`` (``~/.cache/plait/bench``), outside any source
+    checkout, so running a benchmark never changes tracked files.
+    """
+    raw = os.environ.get("PLAIT_BENCH_DIR", "").strip()
+    if raw:
+        return Path(raw).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "plait" / "bench"

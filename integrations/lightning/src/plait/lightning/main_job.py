@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
     phases = {name: json.loads((out / f"phase-{name}.json").read_text()) for name in ("train", "resume")}
     report = build_report(phases, checkpoint, out, model=model, prompt=PROMPT, walls=walls,
                           total_s=time.perf_counter() - started)
-    plot_losses(phases, out / "loss.png")
+    plot = plot_losses(phases, out / "loss.png")
     report["total_wall_s"] = round(time.perf_counter() - started, 1)
     (out / "main-job.json").write_text(json.dumps(report, indent=2) + "\n")
     print_report(report)
-    print(f"\nwrote {out / 'main-job.json'}, {out / 'loss.png'}, checkpoint {checkpoint}, HF weights {out / 'hf'}")
+    print(f"\nwrote {out / 'main-job.json'}, {plot or 'no plot'}, checkpoint {checkpoint}, HF weights {out / 'hf'}")
     return 0 if report["ok"] else 1
 
 

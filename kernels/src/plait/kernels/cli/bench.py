@@ -1,17 +1,29 @@
-"""``plait bench NAME [--quick]``: run a package's benchmarks, print the table, write JSON."""
+"""``plait bench NAME [--quick]``: run a package's benchmarks, print the table, write JSON.
+
+Where results go (so that running a benchmark never dirties a source checkout):
+
+* by default, a new timestamped file under :func:`plait.kernels.settings.bench_dir` (outside any
+  checkout; ``PLAIT_BENCH_DIR`` moves it); the path is printed;
+* ``--update-results``: the package's committed results file,
+  ``<source folder>/benchmarks/results/<name>[-quick].json`` (an editable install only), which
+  the README tables are generated from;
+* ``--out PATH``: exactly there.
+
+``plait bench NAME --table [--quick]`` runs nothing: it prints the committed results file (or
+``--out PATH``) as the markdown table a README carries, with the date, machine and command that
+produced it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import platform
 import urllib.parse
 from importlib import metadata
 from pathlib import Path
 
-from plait.kernels.bench import format_table, write_json
 from plait.kernels.cli.registry import entry_points
 
 
@@ -20,14 +32,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="run a package's benchmarks against its peers, as a table")
     parser.add_argument("name", nargs="?", help="benchmark suite (a package name, e.g. zero-sharding); omit to list")
     parser.add_argument("--quick", action="store_true", help="small sizes: the whole suite in about a minute on CPU")
-    parser.add_argument("--out", type=Path, default=None, help="JSON output path (default: the package's "
-                        "benchmarks/results/<name>.json in a source checkout, else ./plait-bench-<name>.json)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None,
+                       help="JSON path to write (with --table: to read); default: a new timestamped file under "
+                            "PLAIT_BENCH_DIR (~/.cache/plait/bench), never inside the source tree")
+    where.add_argument("--update-results", action="store_true",
+                       help="write the package's committed results file (benchmarks/results/<name>[-quick].json "
+                            "of a source checkout), the one README tables are generated from")
+    parser.add_argument("--table", action="store_true",
+                        help="run nothing: print the committed results (or --out) as a README markdown table "
+                             "with their date, machine and command")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one suite (or list them). Exit 1 when a row fails its target, 2 on an unknown name."""
-    suites = _suites()
+    """Run one suite (or list them, or print a results table).
+
+    Returns:
+        0; 1 when a row fails its target; 2 on an unknown name or a results file that is not there.
+    """
+    suites = entry_points("plait.benchmarks")
+    if "kernels" not in suites:  # running from a source tree: plait-kernels' own suite still works
+        suites["kernels"] = metadata.EntryPoint("kernels", "plait.kernels.benchmarks.suite:run", "plait.benchmarks")
     if not args.name:
         print("benchmark suites:", ", ".join(sorted(suites)) or "none installed")
         return 0
@@ -35,34 +61,54 @@ def run(args: argparse.Namespace) -> int:
         print(f"plait bench: no suite named {args.name!r}; installed: {', '.join(sorted(suites)) or 'none'}. "
               f"Install the package (pip install plait-{args.name}) to add its suite.")
         return 2
-    rows = suites[args.name](quick=args.quick)
+    stem = args.name + ("-quick" if args.quick else "")
+    if args.table:
+        return _print_table(args.out or committed_results(args.name, stem))
+    from plait.kernels.bench import format_table, write_json
+
+    if args.update_results:
+        out = committed_results(args.name, stem)
+        if out is None:
+            print(f"plait bench: --update-results needs plait-{args.name} installed editable from a source "
+                  f"checkout (pip install -e <checkout>/...); use --out PATH to keep the results elsewhere.")
+            return 2
+    else:
+        out = args.out or default_results_path(stem)
+    rows = suites[args.name].load()(quick=args.quick)
     print(format_table(rows))
-    out = args.out or _default_out(args.name + ("-quick" if args.quick else ""), args.name)
-    meta = {"suite": args.name, "quick": args.quick, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "machine": platform.platform(), "processor": platform.processor(), "command": f"plait bench {args.name}"
-            + (" --quick" if args.quick else "")}
+    now = datetime.datetime.now(datetime.UTC)
+    meta = {"suite": args.name, "quick": args.quick, "date": now.isoformat(timespec="seconds"),
+            "machine": platform.platform(), "processor": platform.processor(),
+            "command": f"plait bench {args.name}" + (" --quick" if args.quick else "")}
     print(f"\nwrote {write_json(rows, out, meta=meta)}")
+    if not args.update_results:
+        print(f"(the committed results are updated only with: plait bench {args.name}"
+              f"{' --quick' if args.quick else ''} --update-results)")
     return 1 if any(row.passed is False for row in rows) else 0
 
 
-def _suites() -> dict:
-    found = {name: ep.load for name, ep in entry_points("plait.benchmarks").items()}
-    if "kernels" not in found:  # running from a source tree: plait-kernels' own suite still works
-        found["kernels"] = lambda: importlib.import_module("plait.kernels.benchmarks.suite").run
-    return {name: _lazy(loader) for name, loader in found.items()}
+def default_results_path(stem: str) -> Path:
+    """A new, timestamped file for one run, under :func:`plait.kernels.settings.bench_dir`.
+
+    Args:
+        stem: ``<suite>`` or ``<suite>-quick``.
+
+    Returns:
+        ``<bench dir>/<stem>-<UTC time>.json``; earlier runs are never overwritten.
+    """
+    from plait.kernels.settings import bench_dir
+
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    path, n = bench_dir() / f"{stem}-{stamp}.json", 1
+    while path.exists():  # two runs in one second
+        path, n = bench_dir() / f"{stem}-{stamp}-{n}.json", n + 1
+    return path
 
 
-def _lazy(loader):  # defer importing a suite (and its peers) until it is run
-    def run_suite(*, quick: bool):
-        return loader()(quick=quick)
+def committed_results(name: str, stem: str) -> Path | None:
+    """``<source folder>/benchmarks/results/<stem>.json`` of an editable install, else None.
 
-    return run_suite
-
-
-def _default_out(stem: str, name: str) -> Path:
-    """``<source folder>/benchmarks/results/<stem>.json`` for an editable install, else the cwd.
-
-    Quick runs get their own file (``<name>-quick.json``) so they never overwrite a full run's figures.
+    Quick runs have their own file (``<name>-quick.json``), so they never replace a full run's figures.
     """
     dist_name = "plait-kernels" if name == "kernels" else f"plait-{name}"
     try:
@@ -72,4 +118,18 @@ def _default_out(stem: str, name: str) -> Path:
     url = direct.get("url", "")
     if direct.get("dir_info", {}).get("editable") and url.startswith("file://"):
         return Path(urllib.parse.unquote(url[len("file://"):])) / "benchmarks" / "results" / f"{stem}.json"
-    return Path(f"plait-bench-{stem}.json")
+    return None
+
+
+def _print_table(path: Path | None) -> int:
+    if path is None or not path.is_file():
+        print(f"plait bench --table: no results file at {path or 'a source checkout of this package'}; "
+              "run the suite with --update-results (or pass --out PATH of a run's JSON).")
+        return 2
+    from plait.kernels.bench import format_markdown, read_json
+
+    rows, meta = read_json(path)
+    print(format_markdown(rows))
+    print(f"\n{meta.get('date', 'date unknown')}, {meta.get('machine', 'machine unknown')}, "
+          f"`{meta.get('command', 'command unknown')}` ({path.name})")
+    return 0

@@ -6,7 +6,6 @@ import argparse
 import platform
 import sys
 
-from plait.kernels import dispatch, settings
 from plait.kernels.cli.registry import plait_distributions
 
 
@@ -79,6 +78,8 @@ def _nvml_lines() -> list[str]:
 
 def _kernels() -> list[str]:
     import torch
+
+    from plait.kernels import dispatch, settings  # torch: only when the report runs
 
     try:
         forced = settings.kernel_backend()

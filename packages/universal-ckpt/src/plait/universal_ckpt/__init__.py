@@ -7,21 +7,53 @@ only the byte ranges each rank needs, and verify hashes by default. See the pack
 the on-disk format.
 """
 
-from plait.universal_ckpt.adapters import RNGState
-from plait.universal_ckpt.api import CheckpointConfig, CheckpointManager, latest, load, save, wait_pending
-from plait.universal_ckpt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointIntegrityError,
-    CheckpointLayoutError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    SaveInFlightError,
-)
-from plait.universal_ckpt.manifest import FORMAT_VERSION, Layout, Manifest, TensorEntry
-from plait.universal_ckpt.reader import read_full, read_manifest, verify_checkpoint
-from plait.universal_ckpt.saver import SaveHandle
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public names -> the module defining them. They load on first use (PEP 562), so importing a
+# light submodule (the `plait ckpt` command's parser, the errors) does not import torch.
+_EXPORTS = {
+    "RNGState": "adapters",
+    **dict.fromkeys(("CheckpointConfig", "CheckpointManager", "latest", "load", "save", "wait_pending"), "api"),
+    **dict.fromkeys(("CheckpointError", "CheckpointExistsError", "CheckpointFormatError", "CheckpointIntegrityError",
+                     "CheckpointLayoutError", "CheckpointNotFoundError", "CheckpointWriteError", "SaveInFlightError"),
+                    "errors"),
+    **dict.fromkeys(("FORMAT_VERSION", "Layout", "Manifest", "TensorEntry"), "manifest"),
+    **dict.fromkeys(("read_full", "read_manifest", "verify_checkpoint"), "reader"),
+    "SaveHandle": "saver",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from plait.universal_ckpt.adapters import RNGState
+    from plait.universal_ckpt.api import CheckpointConfig, CheckpointManager, latest, load, save, wait_pending
+    from plait.universal_ckpt.errors import (
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointFormatError,
+        CheckpointIntegrityError,
+        CheckpointLayoutError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+        SaveInFlightError,
+    )
+    from plait.universal_ckpt.manifest import FORMAT_VERSION, Layout, Manifest, TensorEntry
+    from plait.universal_ckpt.reader import read_full, read_manifest, verify_checkpoint
+    from plait.universal_ckpt.saver import SaveHandle
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"plait.universal_ckpt.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'plait.universal_ckpt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "FORMAT_VERSION", "CheckpointConfig", "CheckpointError", "CheckpointExistsError", "CheckpointFormatError",

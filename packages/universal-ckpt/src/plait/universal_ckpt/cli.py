@@ -6,14 +6,12 @@ import argparse
 import contextlib
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from plait.universal_ckpt import directory
+# Only what `plait ckpt --help` needs is imported here; torch and the readers load when a
+# subcommand runs (the plait command's start-up stays well under a second).
 from plait.universal_ckpt.errors import CheckpointError
-from plait.universal_ckpt.reader import check_coverage, check_files, read_manifest, verify_checkpoint
 
 SOURCE_KINDS = ("universal", "dcp", "deepspeed", "hf")
 
@@ -50,23 +48,11 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-@contextlib.contextmanager
-def _progress(total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr (tqdm when installed, a plain counter otherwise)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        done = [0]
+def _progress(total: int | None, desc: str) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+    """Bytes done, on stderr: a bar on a terminal, one line at the end in a log."""
+    from plait.kernels.progress import progress
 
-        def update(n: int) -> None:
-            done[0] += n
-            print(f"\r{desc}: {done[0] / 2**20:.1f} MiB", end="", file=sys.stderr)
-
-        yield update
-        print(file=sys.stderr)
-        return
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False) as bar:
-        yield bar.update
+    return progress(desc, total=total)
 
 
 def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
@@ -87,6 +73,9 @@ def _size(nbytes: float) -> str:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the layout, a table of tensors and the integrity status; 1 when a check fails."""
+    from plait.universal_ckpt import directory
+    from plait.universal_ckpt.reader import check_coverage, check_files, read_manifest, verify_checkpoint
+
     try:
         ckpt = directory.resolve(args.path)
         manifest = read_manifest(ckpt)
@@ -131,6 +120,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Check everything; print OK or the first problem (file, expected, actual)."""
+    from plait.universal_ckpt import directory
+    from plait.universal_ckpt.reader import read_manifest, verify_checkpoint
+
     try:
         ckpt = directory.resolve(args.path)
         total = sum(e.nbytes for e in read_manifest(ckpt).tensors.values())
@@ -150,6 +142,8 @@ def detect_format(path: Path) -> str:
     Raises:
         CheckpointError: none recognised.
     """
+    from plait.universal_ckpt import directory
+
     if path.is_dir() and ((path / "manifest.json").is_file() or directory.latest(path) is not None):
         return "universal"
     if (path / ".metadata").is_file():
@@ -178,6 +172,8 @@ def _to_universal(src: Path, kind: str, dst: Path, key: str | None, update: Call
 
 def run_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; the source is never modified. Returns 1 on a refused conversion."""
+    import torch
+
     src, dst = Path(args.src), Path(args.dst)
     dtype = None
     if args.dtype is not None:

@@ -29,6 +29,11 @@ from plait.universal_ckpt.reader import read_full, read_manifest, read_region
 from plait.universal_ckpt.storage import fsync_dir, tensor_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
+# ZeRO producers (plait.zero_sharding, and DeepSpeed runs read by import_deepspeed) keep a model's
+# parameters as "model.<name>" and its buffers as "buffer.<name>" next to their optimizer state and
+# this loss-scaler entry; exports carry the model's own state_dict names instead.
+ZERO_MARKER = "zero.loss_scaler"
+_ZERO_PREFIXES = {"parameter": "model.", "buffer": "buffer."}
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -80,7 +85,8 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
         dtype: cast floating tensors to this dtype (default: as saved).
         max_shard_bytes: size bound of each ``model-<i>-of-<n>.safetensors`` shard (5-digit numbers).
         config: an object with ``save_pretrained(dst)`` (an HF config) or a dict written as config.json.
-        rename: maps checkpoint names to HF names (default: unchanged).
+        rename: maps checkpoint names to HF names (default: :func:`model_name`, the model's own
+            ``state_dict`` names, which ``from_pretrained`` and ``load_state_dict`` expect).
         verify: check hashes while reading.
         progress: called with the bytes of each tensor written.
 
@@ -100,6 +106,12 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             raise CheckpointLayoutError(f"export_hf needs key=... : parameters live under {keys or 'no key'}.")
         key = keys[0]
     entries = [e for e in manifest.tensors.values() if e.key == key and e.kind in ("parameter", "buffer")]
+    if rename is None:
+        zero = f"{key}/{ZERO_MARKER}" in manifest.tensors
+        kinds = {e.name: e.kind for e in entries}
+
+        def rename(name: str) -> str:
+            return model_name(name, kinds[name], zero=zero)
     if not entries:
         raise CheckpointLayoutError(f"key {key!r} holds no parameters in {ckpt}; keys with parameters: {keys}.")
     out = Path(dst)
@@ -121,7 +133,7 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             tensor = read_full(ckpt, manifest, entry, verify=verify)
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            hf_name = rename(entry.name) if rename else entry.name
+            hf_name = rename(entry.name)
             tensors[hf_name] = tensor
             weight_map[hf_name] = name
             total += tensor.numel() * tensor.element_size()
@@ -138,6 +150,22 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     fsync_dir(out)
     return out
+
+
+def model_name(name: str, kind: str, *, zero: bool) -> str:
+    """The model's own ``state_dict`` name of a checkpoint tensor.
+
+    Args:
+        name: the tensor's name in the checkpoint (within its key).
+        kind: its kind (``parameter``, ``buffer``, ...).
+        zero: whether the key was written by a ZeRO producer (it holds ``zero.loss_scaler``), whose
+            names carry ``model.`` (parameters) and ``buffer.`` (buffers) prefixes.
+
+    Returns:
+        ``name`` without the ZeRO producer's prefix; other producers' names unchanged.
+    """
+    prefix = _ZERO_PREFIXES.get(kind, "")
+    return name[len(prefix):] if zero and prefix and name.startswith(prefix) else name
 
 
 def hf_manifest(src: str | os.PathLike, *, key: str = "model") -> tuple[Path, Manifest]:

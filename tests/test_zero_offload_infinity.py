@@ -183,14 +183,3 @@ def refuse_stage2_session(root: str) -> str:
 def test_parameter_offload_needs_stage_3(tmp_path) -> None:
     message = run_distributed(refuse_stage2_session, 1, str(tmp_path), timeout=45)[0]
     assert "stage=3" in message and "stage=2" in message
-
-
-def test_parameter_offload_config_errors(tmp_path) -> None:
-    from plait.offload_io import OffloadConfig, OffloadedOptimizer
-
-    with pytest.raises(ValueError, match="param_device='nvme' needs path"):
-        OffloadConfig(param_device="nvme")
-    with pytest.raises(ValueError, match="param_device='disk' must be one of none, cpu, nvme"):
-        OffloadConfig(param_device="disk")
-    with pytest.raises(ValueError, match="zero_placement"):
-        OffloadedOptimizer([torch.nn.Parameter(torch.zeros(3))], param_device="cpu")

@@ -9,8 +9,8 @@ close) on 1 and on 2 gloo processes.
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,10 +18,10 @@ import torch
 
 from plait.kernels.testing import run_distributed
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_lightning_distributed import STEPS, _fit, _quiet  # the shared Trainer helpers
-
-pytest.importorskip("plait.offload_io")
+# The Trainer helpers of plait-lightning's own tests (run_distributed imports this module in each
+# rank, so the path is set at import).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
+from test_lightning_distributed import STEPS, _fit, _quiet
 
 PAIRS = {1: (("plait_zero2_offload", "plait_zero2"), ("plait_zero3_offload", "plait_zero3")),
          2: (("plait_zero2_offload", "plait_zero2"), ("plait_zero3_offload", "plait_zero3"),

@@ -1,7 +1,7 @@
 """Real producers: plait.zero_sharding ZeRO-1/2/3 models saved at one layout and loaded at another.
 
-plait-universal-ckpt never imports plait.zero_sharding; only this test does, and it is skipped
-when that package is not installed.
+plait-universal-ckpt never imports plait.zero_sharding (it reads any producer through the sharded
+state protocol of plait.kernels), so this test of the two together lives in the top-level suite.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import torch
 import plait.universal_ckpt as uc
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.universal_ckpt.testing import small_model
-
-pytest.importorskip("plait.zero_sharding")
 
 
 def _zero_model(stage: int, seed: int):
@@ -72,3 +70,27 @@ def test_zero_reshard(tmp_path, save_stage, save_world, load_stage, load_world):
     assert sorted(before) == sorted(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
+
+
+def _plait_ckpt(*argv: str) -> int:
+    from plait.kernels.cli.main import main
+
+    return main(["ckpt", *argv])
+
+
+def test_hf_export_of_zero_and_dcp_sources_loads_into_the_module(tmp_path):
+    """ZeRO-3 at W=2 -> HF export (directly, and through DCP) -> the original module, strict=True."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "zero"
+    run_distributed(save_zero, 2, str(src), 3, timeout=150)
+    assert _plait_ckpt("convert", str(src), str(tmp_path / "dcp"), "--to", "dcp") == 0
+    masters = {name.removeprefix("model/model."): tensor for name, tensor in _consolidated(src, "model/model.").items()}
+    for source in (src, tmp_path / "dcp"):
+        out = tmp_path / f"hf-{source.name}"
+        assert _plait_ckpt("convert", str(source), str(out), "--to", "hf") == 0
+        weights = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        module = small_model(1)
+        module.load_state_dict(weights, strict=True)  # the model's own names, every one of them
+        assert all(torch.equal(module.state_dict()[name], masters[name]) for name in masters)
+        assert sorted(masters) == sorted(name for name, _ in module.named_parameters())
