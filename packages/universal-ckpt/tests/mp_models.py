@@ -122,3 +122,47 @@ def tp_logits(model, ids: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
 def tokens() -> torch.Tensor:
     """A fixed batch of token ids covering the vocabulary's last rows (the padded rank's)."""
     return torch.arange(2 * 12).reshape(2, 12) * 7 % VOCAB
+
+
+def llama(seed: int):
+    """A tiny random HF Llama (4 heads, 4 KV heads so TP=4 divides them), eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                         attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def torch_tp(model, mesh):
+    """torch's own tensor parallelism on a Llama: column-parallel q/k/v/gate/up, row-parallel o/down."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for index in range(len(model.model.layers)):
+        prefix = f"model.layers.{index}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def llama_batch() -> torch.Tensor:
+    """Token ids for the Llama runs."""
+    return torch.arange(2 * 10).reshape(2, 10) * 5 % 64
+
+
+def train(model, optimizer, steps: int) -> list[float]:
+    """``steps`` AdamW steps on a fixed batch; the losses."""
+    losses = []
+    model.train()
+    for _ in range(steps):
+        loss = model(llama_batch(), labels=llama_batch()).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    return losses
