@@ -4,6 +4,7 @@ every tensor bitwise, logits equal to HF's; a pipeline split saved per stage and
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 import plait.universal_ckpt as uc
 from plait.kernels.testing import run_distributed
 from plait.universal_ckpt import TensorLayout, layouts
+from plait.universal_ckpt.cli import register
 from plait.universal_ckpt.interop import hf
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,7 +92,7 @@ def _single(root) -> torch.nn.Module:
     return model
 
 
-def test_tp2_to_tp1_tp4_and_hf_export(tmp_path):
+def test_tp2_to_tp1_tp4_and_hf_export(tmp_path, capsys):
     root, wrong, root4 = (str(tmp_path / n) for n in ("tp2", "wrong", "tp4"))
     expected = run_distributed(save_tp, 2, root, wrong, timeout=120)[0]
     manifest = uc.read_manifest(uc.latest(root))
@@ -98,6 +100,13 @@ def test_tp2_to_tp1_tp4_and_hf_export(tmp_path):
         "dim": 1, "group": "tp", "parts": [32, 32, 32], "unit": 8}
     assert manifest.tensors["model/model.lm_head.weight"].global_shape == (mp.VOCAB, mp.HIDDEN)  # stripped
     assert manifest.layout.mesh == {"tp": 2}
+    parser = argparse.ArgumentParser(prog="plait")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ckpt", "inspect", root, "--limit", "0"])
+    assert args.func(args) == 0
+    shown = capsys.readouterr().out
+    assert "mesh={'tp': 2}" in shown and "tp:dim1 parts=32+32+32 unit=8" in shown
+    assert "tp:dim0 vocab=50 padded=56" in shown and "tp:replicated" in shown
 
     reference = mp.gpt2(0)
     single = _single(root)  # TP=2 -> one process: every tensor bitwise, so the logits are bitwise too
@@ -143,6 +152,7 @@ def save_stages(root: str) -> None:
 
 def test_pipeline_stages_load_into_one_process(tmp_path):
     run_distributed(save_stages, 2, str(tmp_path), timeout=90)
+    assert uc.read_manifest(uc.latest(tmp_path)).layout.mesh == {"pp": 2}
     reference, model = mp.gpt2(0, layers=4), mp.gpt2(1, layers=4)
     uc.load({"model": uc.model_parallel(model)}, tmp_path)
     for name, tensor in reference.state_dict().items():

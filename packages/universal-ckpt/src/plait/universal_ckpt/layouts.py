@@ -98,6 +98,23 @@ class TensorLayout:
                    unit=body.get("unit", 1), padded_size=body.get("padded_size"), vocab_size=body.get("vocab_size"))
 
 
+def describe(pattern: dict | None) -> str:
+    """A short human form of a manifest pattern: ``tp:dim1 parts=32+32+32 unit=8``, ``replicated``, ``-``."""
+    if pattern is None:
+        return "-"
+    layout = TensorLayout.from_json(pattern)
+    if layout.dim is None:
+        return f"{layout.group}:replicated"
+    text = f"{layout.group}:dim{layout.dim}"
+    if layout.parts:
+        text += " parts=" + "+".join(map(str, layout.parts))
+    if layout.unit != 1:
+        text += f" unit={layout.unit}"
+    if layout.padded_size is not None:
+        text += f" vocab={layout.vocab_size} padded={layout.padded_size}"
+    return text
+
+
 def global_shape(layout: TensorLayout, local: tuple[int, ...], size: int, *, name: str = "tensor") -> tuple[int, ...]:
     """The consolidated shape of a tensor whose rank-local shape is ``local`` in a group of ``size``.
 

@@ -24,6 +24,7 @@ parallelism shards activations, not state: its ranks are replicas (put them in `
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -114,8 +115,21 @@ class ModelParallelState:
         self.config = config
 
     def checkpoint_layout(self) -> dict:
-        """Mesh sizes for the manifest's informational layout."""
-        return {"mesh": {g: len(r) for g, r in self.config.groups.items()}} if self.config.groups else {}
+        """Mesh sizes for the manifest's informational layout: the groups, ``dp`` (the replicas)
+        and ``pp`` (whatever factor of the world is left: the stages)."""
+        mesh = {g: len(r) for g, r in self.config.groups.items() if len(r) > 1}
+        if self.config.replicas is not None and len(self.config.replicas) > 1:
+            mesh["dp"] = len(self.config.replicas)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        used = math.prod(mesh.values())
+        if world % used:
+            return {}
+        if world // used > 1:
+            mesh["pp"] = world // used
+        layout: dict = {"mesh": mesh} if mesh else {}
+        if "ep" in mesh:
+            layout["expert_parallel_size"] = mesh["ep"]
+        return layout
 
     def _layout_of(self, local_name: str) -> TensorLayout | None:
         for pattern, layout in self.config.rules:
