@@ -47,6 +47,9 @@ class TensorLayout:
             (vocabulary-parallel embeddings); None for no padding. Not with ``parts``.
         vocab_size: the consolidated size along ``dim`` of a padded tensor (set with
             ``padded_size``, at most it).
+        owned: with ``dim=None``: each rank of ``group`` holds a different whole tensor (experts
+            of a ModuleList, renamed to global indices by the ``name_map``), so the group's ranks
+            are not replicas of one another.
     """
 
     dim: int | None = None
@@ -55,6 +58,7 @@ class TensorLayout:
     unit: int = 1
     padded_size: int | None = None
     vocab_size: int | None = None
+    owned: bool = False
 
     def __post_init__(self) -> None:
         if self.dim is not None and (not isinstance(self.dim, int) or self.dim < 0):
@@ -75,6 +79,8 @@ class TensorLayout:
                              f"{self.padded_size}].")
         if self.padded_size is not None and self.parts is not None:
             raise ValueError("TensorLayout: set padded_size or parts, not both (padding is for one block).")
+        if self.owned and self.dim is not None:
+            raise ValueError("TensorLayout.owned=True is for whole tensors; leave dim=None (or owned=False).")
         if self.dim is None and (self.parts or self.padded_size or self.unit != 1):
             raise ValueError("TensorLayout: parts, unit and padded_size need a split dim; set dim.")
 
@@ -88,6 +94,8 @@ class TensorLayout:
         if self.padded_size is not None:
             body["padded_size"] = self.padded_size
             body["vocab_size"] = self.vocab_size
+        if self.owned:
+            body["owned"] = True
         return body
 
     @classmethod
@@ -95,7 +103,8 @@ class TensorLayout:
         """Inverse of :meth:`to_json`."""
         parts = body.get("parts")
         return cls(dim=body.get("dim"), group=body.get("group", "tp"), parts=tuple(parts) if parts else None,
-                   unit=body.get("unit", 1), padded_size=body.get("padded_size"), vocab_size=body.get("vocab_size"))
+                   unit=body.get("unit", 1), padded_size=body.get("padded_size"), vocab_size=body.get("vocab_size"),
+                   owned=body.get("owned", False))
 
 
 def describe(pattern: dict | None) -> str:
@@ -104,7 +113,7 @@ def describe(pattern: dict | None) -> str:
         return "-"
     layout = TensorLayout.from_json(pattern)
     if layout.dim is None:
-        return f"{layout.group}:replicated"
+        return f"{layout.group}:{'owned' if layout.owned else 'replicated'}"
     text = f"{layout.group}:dim{layout.dim}"
     if layout.parts:
         text += " parts=" + "+".join(map(str, layout.parts))

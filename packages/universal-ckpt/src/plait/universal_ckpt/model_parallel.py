@@ -150,9 +150,10 @@ class ModelParallelState:
         index, size = self.config.coordinate(layout.group)
         shape = layouts.global_shape(layout, local, size, name=name)
         boxes = layouts.pieces(layout, shape, index, size, name=name)
-        # Ranks of every other group hold the same boxes; the split group's ranks do not.
-        others = {r for g, ranks in self.config.groups.items() if g != layout.group or layout.dim is None
-                  for r in ranks}
+        # Ranks of every other group hold the same boxes; those of the group a tensor is split
+        # over (or owned per rank of) do not.
+        divided = layout.dim is not None or layout.owned
+        others = {r for g, ranks in self.config.groups.items() if g != layout.group or not divided for r in ranks}
         return _Described(name, shape, boxes, tuple(sorted(base | others)), layout.to_json(),
                           layouts.padding_box(layout, shape, index, size))
 
