@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from plait.kernels.mesh import make_mesh, resolve_mesh_sizes
+from plait.kernels.mesh import complement_dims, flat_group, make_mesh, resolve_mesh_sizes
 from plait.kernels.sharded_state import ShardedStateful, ShardedTensor, ShardSpec, even_flat_range, flat_overlap
 from plait.kernels.testing import run_distributed
 
@@ -98,3 +98,21 @@ def test_protocol_is_structural_and_pieces_alias_live_storage():
     assert isinstance(holder, ShardedStateful)
     holder.sharded_state_dict()["w"].local.fill_(7.0)
     assert torch.equal(holder.w, torch.full((6,), 7.0))
+
+
+def _flat_groups() -> dict[str, list[int]]:
+    import torch.distributed as dist
+
+    mesh = make_mesh(dp=2, ep=2)
+    with pytest.raises(ValueError, match=r"\['tp'\] are not among them"):
+        flat_group(mesh, ("dp", "tp"))
+    assert complement_dims(mesh, ("dp",)) == ("ep",)
+    return {"dp": dist.get_process_group_ranks(flat_group(mesh, ("dp",))),
+            "ep": dist.get_process_group_ranks(flat_group(mesh, ("ep",))),
+            "both": dist.get_process_group_ranks(flat_group(mesh, ("ep", "dp")))}
+
+
+def test_flat_group_of_mesh_dimensions():
+    for rank, groups in enumerate(run_distributed(_flat_groups, 4, timeout=60)):
+        dp, ep = divmod(rank, 2)
+        assert groups == {"dp": [ep, 2 + ep], "ep": [2 * dp, 2 * dp + 1], "both": [0, 1, 2, 3]}

@@ -173,3 +173,16 @@ def _refuses_bad_divisor() -> str:
 
 def test_bad_gradient_divisor_is_refused_naming_the_group():
     assert "data-parallel world" in run_distributed(_refuses_bad_divisor, 1, timeout=60)[0]
+
+
+def _class_identity() -> tuple[str, str, bool, bool]:
+    from plait.zero_sharding import ZeroModule
+
+    model, _ = zero_shard(Routed(2), torch.optim.SGD, ZeroConfig(stage=3), lr=0.1)
+    return type(model).__name__, model.zero_base_class.__name__, isinstance(model, Routed), \
+        isinstance(model, ZeroModule)
+
+
+def test_sharded_model_keeps_its_class_name_and_exposes_the_base_class():
+    # Libraries read __class__.__name__ as the architecture (HF's config.json "architectures").
+    assert run_distributed(_class_identity, 1, timeout=60) == [("Routed", "Routed", True, True)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -66,3 +68,49 @@ def make_mesh(*, device_type: str = "cpu", **sizes: int) -> DeviceMesh:
         raise RuntimeError("make_mesh needs torch.distributed initialised first (torchrun or init_process_group).")
     resolved = resolve_mesh_sizes(dist.get_world_size(), **sizes)
     return init_device_mesh(device_type, tuple(resolved.values()), mesh_dim_names=tuple(resolved))
+
+
+_flat_groups: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def flat_group(mesh: DeviceMesh, dims: Sequence[str]) -> Any:
+    """This rank's process group over the named dimensions of ``mesh``, flattened (row-major in
+    the mesh's order): ``flat_group(mesh, ("dp", "sp"))`` on a ``dp x sp x ep`` mesh is the group
+    of ranks that share this rank's ``ep`` coordinate. Built from the public ``mesh.mesh`` rank
+    grid with ``torch.distributed.new_subgroups_by_enumeration``, cached per mesh and dimensions.
+
+    Collective the first time for a given mesh and dimensions: every rank of the default group
+    must call it at the same point (it creates every group of the flattening).
+
+    Args:
+        mesh: a named ``DeviceMesh``.
+        dims: dimension names of ``mesh`` (one or more, each once).
+
+    Returns:
+        The process group of this rank.
+
+    Raises:
+        ValueError: no dimension, a repeated one, or a name the mesh does not have.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = tuple(dims)
+    unknown = [d for d in dims if d not in names]
+    if not dims or unknown or len(set(dims)) != len(dims):
+        raise ValueError(f"flat_group(mesh, dims={dims}): name one or more distinct dimensions of the mesh, whose "
+                         f"dimensions are {names}" + (f"; {unknown} are not among them." if unknown else "."))
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    key = (id(mesh), tuple(sorted(dims, key=names.index)))
+    if key not in _flat_groups:
+        keep = [names.index(d) for d in key[1]]
+        rest = [i for i in range(len(names)) if i not in keep]
+        grid = mesh.mesh.permute(*rest, *keep).reshape(-1, math.prod(mesh.mesh.shape[i] for i in keep))
+        mine, _ = dist.new_subgroups_by_enumeration(grid.tolist())
+        _flat_groups[key] = (mesh, mine)  # the mesh is kept alive so its id is not reused
+    return _flat_groups[key][1]
+
+
+def complement_dims(mesh: DeviceMesh, dims: Sequence[str]) -> tuple[str, ...]:
+    """The dimensions of ``mesh`` not in ``dims``, in the mesh's order (e.g. the dimensions a
+    data-parallel engine replicates over when it shards over ``dims``)."""
+    return tuple(name for name in (mesh.mesh_dim_names or ()) if name not in dims)

@@ -82,7 +82,7 @@ class PlaitConfig:
             ``plait.offload_io.OffloadConfig``.
         offload_path: directory for ``offload="nvme"`` (default ``$PLAIT_OFFLOAD_PATH`` or
             ``./plait-offload``).
-        extensions: objects following :class:`plait.lightning.pieces.ShardingExtension`, applied in
+        extensions: objects following :class:`plait.zero_sharding.composition.ShardingExtension`, applied in
             ascending ``order``.
         init_fn: initialises a module whose meta parameters ZeRO just allocated (models built in
             ``configure_model`` / ``fabric.init_module()``); default ``module.reset_parameters()``.
@@ -110,7 +110,7 @@ class PlaitConfig:
             missing = [m for m in ("order", "check", "apply", "zero_kwargs") if not hasattr(ext, m)]
             if missing:
                 raise ValueError(f"PlaitConfig.extensions: {ext!r} lacks {missing}; see "
-                                 "plait.lightning.pieces.ShardingExtension.")
+                                 "plait.zero_sharding.composition.ShardingExtension.")
         if self.init_fn is not None and not callable(self.init_fn):
             raise ValueError(f"PlaitConfig.init_fn={self.init_fn!r} must be callable(module) or None.")
 

@@ -1,10 +1,12 @@
 """How a strategy composes plait's pieces around a module: extensions first, then ZeRO.
 
 The strategy's core only ever calls :func:`shard_module`. Features that arrive later (sequence
-parallelism, MoE expert placement, 1-bit optimizers) plug in as :class:`ShardingExtension`
-objects in :class:`~plait.lightning.config.PlaitConfig.extensions`: an extension may transform the
-module before ZeRO sees it and may supply ZeRO's reducer, gatherer or placement. Offloading is the
-built-in case of the latter, found in plait-offload-io when that is installed.
+parallelism, MoE expert placement, 1-bit optimizers) plug in as
+:class:`~plait.zero_sharding.composition.ShardingExtension` objects (the protocol lives in
+plait-zero-sharding, so every integration composes the same way) in
+:class:`~plait.lightning.config.PlaitConfig.extensions`: an extension may transform the module
+before ZeRO sees it and may supply ZeRO's reducer, gatherer, placement or parameter groups.
+Offloading is the built-in case of a placement, found in plait-offload-io when that is installed.
 """
 
 from __future__ import annotations
@@ -12,43 +14,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait.lightning.config import PlaitConfig
 from plait.zero_sharding import ZeroOptimizer, zero_shard
+from plait.zero_sharding.composition import ShardingExtension, apply_extensions, check_extensions
 
 OFFLOAD_INSTALL = "pip install plait-offload-io  (or: pip install 'plait-lightning[offload]')"
 # Names plait-offload-io may expose for a zero_shard placement (a class or a factory taking its config).
 _PLACEMENT_NAMES = ("zero_placement", "ZeroOffloadPlacement", "OffloadPlacement")
-_ZERO_KWARGS = ("reducer", "gatherer", "placement")
+__all__ = ["PieceMissingError", "ShardingExtension", "check_plan", "offload_available", "offload_placement_factory",
+           "shard_module"]
 
 
 class PieceMissingError(ImportError):
     """A plait piece the configuration needs is not installed (the message has the pip line)."""
-
-
-@runtime_checkable
-class ShardingExtension(Protocol):
-    """A feature composed with ZeRO by configuration.
-
-    Attributes:
-        order: place in the fixed composition order (10 sequence parallel, 20 MoE expert
-            placement, 30 activation checkpointing / offload of activations); ZeRO comes last.
-    """
-
-    order: int
-
-    def check(self, plan: PlaitConfig, precision: str) -> None:
-        """Refuse an illegal combination with a ``ValueError`` (called before processes start)."""
-
-    def apply(self, module: nn.Module, group: Any) -> nn.Module:
-        """Transform the module (in place or return a new one) before ZeRO shards it."""
-
-    def zero_kwargs(self) -> dict[str, Any]:
-        """Extension points for ``zero_shard``: any of ``reducer``, ``gatherer``, ``placement``."""
 
 
 def offload_available() -> bool:
@@ -99,16 +82,8 @@ def check_plan(plan: PlaitConfig, precision: str) -> None:
     """
     if plan.offload is not None:
         offload_placement_factory()
-    claimed: dict[str, Any] = {"placement": "offload"} if plan.offload is not None else {}
-    for ext in sorted(plan.extensions, key=lambda e: e.order):
-        ext.check(plan, precision)
-        for key in ext.zero_kwargs():
-            if key not in _ZERO_KWARGS:
-                raise ValueError(f"extension {ext!r} supplies zero_shard({key}=...); only {_ZERO_KWARGS} can be set.")
-            if key in claimed:
-                raise ValueError(f"extensions {claimed[key]!r} and {ext!r} both supply the ZeRO {key}; "
-                                 "only one of them can be used at a time.")
-            claimed[key] = ext
+    check_extensions(plan.extensions, plan, precision,
+                     claimed={"placement": "offload"} if plan.offload is not None else None)
 
 
 def _as_class(optimizer: torch.optim.Optimizer) -> tuple[type, list[dict[str, Any]], dict[str, Any]]:
@@ -148,13 +123,13 @@ def shard_module(module: nn.Module, optimizer: Any, plan: PlaitConfig, precision
     """
     check_plan(plan, precision)
     zero = plan.zero_config_for(precision, gradient_clip_val=gradient_clip_val)
-    kwargs: dict[str, Any] = {}
-    for ext in sorted(plan.extensions, key=lambda e: e.order):
-        module = ext.apply(module, group) or module
-        kwargs.update(ext.zero_kwargs())
+    module, kwargs = apply_extensions(module, plan.extensions, group)
     if plan.offload is not None:
         kwargs["placement"] = _offload_placement(plan)
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer, param_groups, optimizer_kwargs = _as_class(optimizer)
+        if "param_groups" in kwargs:
+            raise ValueError("an extension supplies param_groups, so configure_optimizers must return an optimizer "
+                             "class with options (the extension's groups replace the optimizer's own).")
         kwargs["param_groups"] = param_groups
     return zero_shard(module, optimizer, zero, mesh=group, init_fn=plan.init_fn, **kwargs, **optimizer_kwargs)

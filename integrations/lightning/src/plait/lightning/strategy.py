@@ -134,7 +134,7 @@ class PlaitStrategy(DDPStrategy):
     Args:
         zero: the ZeRO settings (default ``ZeroConfig()``: stage 3).
         offload: ``"cpu"``/``"nvme"`` (needs plait-offload-io) or an ``OffloadConfig``.
-        extensions: :class:`~plait.lightning.pieces.ShardingExtension` objects.
+        extensions: :class:`~plait.zero_sharding.composition.ShardingExtension` objects.
         init_fn: initialiser for modules built in ``configure_model``.
         verify_on_load: check checkpoint hashes on load.
         config: a whole :class:`PlaitConfig` instead of the fields above.

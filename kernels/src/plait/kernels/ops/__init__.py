@@ -25,6 +25,13 @@ from plait.kernels.ops.rotary import (
     rotary_embedding,
     rotate_reference,
 )
+from plait.kernels.ops.sign import (
+    compress_with_error_feedback,
+    pack_signs,
+    packed_numel,
+    signs_reference,
+    unpack_signs,
+)
 
 __all__ = [
     "GeluAndMul",
@@ -32,10 +39,13 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "apply_rotary",
+    "compress_with_error_feedback",
     "dequantize_blockwise",
     "dequantize_blockwise_reference",
     "gated_activation_reference",
     "gelu_and_mul",
+    "pack_signs",
+    "packed_numel",
     "quantize_blockwise",
     "quantize_blockwise_reference",
     "rms_norm",
@@ -43,5 +53,7 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_embedding",
     "rotate_reference",
+    "signs_reference",
     "silu_and_mul",
+    "unpack_signs",
 ]

@@ -9,8 +9,9 @@ Example::
         loss = model(**batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from plait.zero_sharding.api import gathered_parameters, resolve_group, sharded_init, zero_shard
+from plait.zero_sharding.api import gathered_parameters, resolve_group, resolve_groups, sharded_init, zero_shard
 from plait.zero_sharding.checkpoint import export_full_weights, iter_full_parameters
+from plait.zero_sharding.composition import ShardingExtension, apply_extensions, check_extensions
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.extension import (
     DefaultGatherer,
@@ -29,8 +30,8 @@ from plait.zero_sharding.replicas import ReplicaMismatchError, check_replicas
 
 __all__ = [
     "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement", "ParamGatherer",
-    "ReplicaMismatchError", "ShardStorage", "StatePlacement", "StepBreakdown", "ZeroConfig", "ZeroModule",
-    "ZeroOptimizer",
-    "check_replicas", "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes",
-    "resolve_group", "sharded_init", "zero_formula_bytes", "zero_shard",
+    "ReplicaMismatchError", "ShardingExtension", "ShardStorage", "StatePlacement", "StepBreakdown",
+    "ZeroConfig", "ZeroModule", "ZeroOptimizer", "apply_extensions", "check_extensions", "check_replicas",
+    "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes", "resolve_group",
+    "resolve_groups", "sharded_init", "zero_formula_bytes", "zero_shard",
 ]

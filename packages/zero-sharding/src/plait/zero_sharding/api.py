@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.kernels.mesh import complement_dims, flat_group
+from plait.zero_sharding.composition import notify
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
@@ -34,13 +36,23 @@ _before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDic
 _init_mesh: list[Any] = []
 
 
+DEFAULT_SHARD_DIMS = ("dp", "sp")
+
+
 def resolve_group(mesh: Any, config: ZeroConfig) -> Any:
-    """The process group to shard over: a 1-D mesh's group, the flattened ``shard_dims`` of an
-    N-D mesh (sequence-parallel ranks count as data-parallel), a process group, or the world.
+    """The process group to shard over (see :func:`resolve_groups`)."""
+    return resolve_groups(mesh, config)[0]
+
+
+def resolve_groups(mesh: Any, config: ZeroConfig) -> tuple[Any, Any]:
+    """``(shard group, replicate group or None)``: a 1-D mesh's group, the flattened
+    ``shard_dims`` of an N-D mesh (sequence-parallel ranks count as data-parallel) with the other
+    dimensions flattened into the replicate group (HSDP), a process group, or the world.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: an N-D mesh without any of ``config.shard_dims``.
+        ValueError: an N-D mesh without any of the shard dimensions, or an explicit
+            ``config.shard_dims`` naming a dimension the mesh does not have.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -48,19 +60,24 @@ def resolve_group(mesh: Any, config: ZeroConfig) -> Any:
             "before sharding; a single process uses world size 1."
         )
     if mesh is None:
-        return dist.group.WORLD
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim == 1:
-            return mesh.get_group()
-        names = mesh.mesh_dim_names or ()
-        dims = tuple(name for name in names if name in config.shard_dims)
-        if not dims:
-            raise ValueError(
-                f"mesh has dimensions {names} but ZeroConfig.shard_dims={config.shard_dims} names none of them; "
-                "pass mesh['dp'] or set shard_dims to the data-parallel dimension names."
-            )
-        return mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten().get_group()
-    return mesh
+        return dist.group.WORLD, None
+    if not isinstance(mesh, DeviceMesh):
+        return mesh, None
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    names = mesh.mesh_dim_names or ()
+    unknown = [d for d in config.shard_dims or () if d not in names]
+    if unknown:
+        raise ValueError(f"ZeroConfig.shard_dims={config.shard_dims} names {unknown}, which the mesh (dimensions "
+                         f"{names}) does not have; name only its dimensions, or leave shard_dims=None.")
+    dims = tuple(name for name in names if name in (config.shard_dims or DEFAULT_SHARD_DIMS))
+    if not dims:
+        raise ValueError(
+            f"mesh has dimensions {names} but none is a ZeRO shard dimension (shard_dims={config.shard_dims}, "
+            f"default {DEFAULT_SHARD_DIMS}); pass mesh['dp'] or set shard_dims to the data-parallel dimension names."
+        )
+    replicate = complement_dims(mesh, dims)
+    return flat_group(mesh, dims), (flat_group(mesh, replicate) if replicate else None)
 
 
 def compute_device(model: nn.Module, mesh: Any) -> torch.device:
@@ -77,9 +94,10 @@ def compute_device(model: nn.Module, mesh: Any) -> torch.device:
 
 
 def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str, Any]] | None,
-                   kwargs: dict[str, Any], group: Any) -> tuple[list[OptionGroup], type]:
+                   kwargs: dict[str, Any], group: Any, replicate: Any) -> tuple[list[OptionGroup], type]:
     world = dist.get_world_size()
-    data_parallel = dist.get_world_size(group)  # the default divisor of every group's gradients
+    # The data-parallel world (shard x replicate ranks): the default divisor of every group's gradients.
+    data_parallel = dist.get_world_size(group) * (1 if replicate is None else dist.get_world_size(replicate))
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
             raise ValueError(
@@ -111,15 +129,19 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         seen.update(id(p) for p in params)
         sub = g.pop("zero_group", None)
         distinct = g.pop("zero_distinct", sub is not None)
-        pg = group if sub is None else (sub.get_group() if isinstance(sub, DeviceMesh) else sub)
+        pg = group if sub is None else (_mesh_group(sub) if isinstance(sub, DeviceMesh) else sub)
         size = dist.get_world_size(pg)
-        # Distinct parameters (experts) are averaged over the data-parallel world like dense ones;
-        # a replicated group over a smaller group only ever sees its own ranks' gradients.
-        divisor = _grad_divisor(index, g.pop("zero_grad_divisor", data_parallel if distinct else size))
+        # Dense and distinct parameters (experts) are averaged over the data-parallel world; a
+        # replicated group sharded over another group only ever sees that group's gradients.
+        own = pg is not group and not distinct
+        divisor = _grad_divisor(index, g.pop("zero_grad_divisor", size if own else data_parallel))
+        reducer = _extension(index, "zero_reducer", g.pop("zero_reducer", None), ("reduce_scatter", "all_reduce"))
+        gatherer = _extension(index, "zero_gatherer", g.pop("zero_gatherer", None), ("all_gather",))
         order = {id(p): i for i, p in enumerate(model_params.values())}
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
-                               replicas=1 if distinct else max(1, world // size), grad_divisor=divisor))
+                               replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
+                               reducer=reducer, gatherer=gatherer))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -127,6 +149,19 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         out.append(OptionGroup(options={"lr": 0.0}, params=rest, group=group, group_rank=dist.get_rank(group),
                                group_size=size, replicas=max(1, world // size), grad_divisor=data_parallel))
     return out, cls
+
+
+def _mesh_group(mesh: DeviceMesh) -> Any:
+    """A (sub-)mesh given as a parameter group's ``zero_group``: its dimensions, flattened."""
+    return mesh.get_group() if mesh.ndim == 1 else flat_group(mesh, mesh.mesh_dim_names or ())
+
+
+def _extension(index: int, key: str, value: Any, methods: tuple[str, ...]) -> Any:
+    missing = [m for m in methods if value is not None and not callable(getattr(value, m, None))]
+    if missing:
+        raise ValueError(f"param_groups[{index}]['{key}'] is a {type(value).__name__} without {missing}; pass an "
+                         "object implementing plait.zero_sharding.GradientReducer / ParamGatherer, or leave it out.")
+    return value
 
 
 def _grad_divisor(index: int, value: Any) -> float:
@@ -164,7 +199,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``zero_group`` shards that group over another process group or mesh (MoE experts over
             the expert-data-parallel group); ``zero_distinct`` (default ``True`` with
             ``zero_group``) says its parameters differ across the other ranks;
-            ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
+            ``zero_reducer`` / ``zero_gatherer`` replace the engine's reducer / gatherer for the
+            group's units (see :mod:`plait.zero_sharding.composition` for the optional members
+            the engine calls); ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
             divided by (default with ``zero_distinct``: the data-parallel world, i.e. the ranks
             ``mesh`` shards over, so expert gradients reduced over a smaller group are scaled as
             dense ones are, as DeepSpeed does; otherwise the group's own size).
@@ -195,8 +232,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     check_optimizer(cls, config)
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
-    group = resolve_group(mesh, config)
-    groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group)
+    group, replicate = resolve_groups(mesh, config)
+    groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate)
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():
         handle = _before_sharding.pop(module, None)
@@ -208,6 +245,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
     for unit in partition.units:
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
+        if unit.group is group:
+            unit.replicate_group = replicate  # HSDP: the dimensions not sharded over
+        unit.reducer, unit.gatherer = groups[unit.option_index].reducer, groups[unit.option_index].gatherer
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
     inner_groups = []
@@ -227,6 +267,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     scaler = LossScaler(config, enabled=config.compute_dtype == torch.float16)
     zero_optimizer = ZeroOptimizer(engine, inner, scaler)
     install(model, engine, zero_optimizer)
+    notify(engine, "bind", engine)  # extensions that need the units, groups or keys
     return model, zero_optimizer
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
+from plait.zero_sharding.composition import extension_objects
 from plait.zero_sharding.units import FlatUnit
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -163,6 +164,14 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
                     # A flat-range spec describes a 0-d tensor's piece as 1-D, hence view(1).
                     spec_full = ShardSpec.full(name, value.view(()), kind="optimizer_state", replica_ranks=holders)
                     out[name] = ShardedTensor(spec_full, value.view(1))
+    for obj in extension_objects(engine):
+        if hasattr(obj, "sharded_state_dict"):
+            pieces = obj.sharded_state_dict()
+            odd = [name for name in pieces if not name.startswith("ext.") or name in out]
+            if odd:
+                raise ValueError(f"{type(obj).__name__}.sharded_state_dict() names {odd[:3]}: extension pieces must "
+                                 "start with 'ext.' and be unique; rename them.")
+            out.update(pieces)
     scaler = optimizer.scaler.as_tensor()
     out["zero.loss_scaler"] = ShardedTensor(ShardSpec.full("zero.loss_scaler", scaler, kind="other",
                                                            replica_ranks=tuple(range(dist.get_world_size()))), scaler)
@@ -180,6 +189,10 @@ def load_sharded_state_dict(engine: Any, optimizer: Any, state: dict[str, Sharde
     for unit in engine.units:
         unit.refresh_from_master(engine.placement, engine.gatherer)
     engine.settle_shards()
+    extension_pieces = {name: piece for name, piece in state.items() if name.startswith("ext.")}
+    for obj in extension_objects(engine):
+        if hasattr(obj, "load_sharded_state_dict"):
+            obj.load_sharded_state_dict(extension_pieces)
 
 
 def _safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:

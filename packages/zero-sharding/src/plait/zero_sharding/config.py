@@ -68,8 +68,11 @@ class ZeroConfig:
         elementwise_optimizer: ``None``: accept only optimizers known to update each element
             independently (flat partitions are exact only for those); ``True``: trust that the
             given optimizer is elementwise.
-        shard_dims: when a multi-dimensional ``DeviceMesh`` is given, the dimensions (present in
-            the mesh) counted as data-parallel for sharding, e.g. ``("dp", "sp")``.
+        shard_dims: when a multi-dimensional ``DeviceMesh`` is given, the dimensions ZeRO shards
+            over (flattened into one group), e.g. ``("dp", "sp")``. ``None``: ``dp`` and ``sp``,
+            those of them the mesh has. Every other dimension of the mesh is replicated over,
+            HSDP-style: each shard's gradients are all-reduced over it before the step. An
+            explicit name the mesh does not have is an error.
     """
 
     stage: int = 3
@@ -91,7 +94,7 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     check_replicas_every: int = 0
     elementwise_optimizer: bool | None = None
-    shard_dims: tuple[str, ...] = ("dp", "sp")
+    shard_dims: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -106,7 +109,12 @@ class ZeroConfig:
         object.__setattr__(self, "compute_dtype", _as_dtype("compute_dtype", self.compute_dtype, allow_none=False))
         object.__setattr__(self, "reduce_dtype", _as_dtype("reduce_dtype", self.reduce_dtype, allow_none=True))
         object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
-        object.__setattr__(self, "shard_dims", tuple(self.shard_dims))
+        if self.shard_dims is not None:
+            if isinstance(self.shard_dims, str) or not all(isinstance(d, str) for d in self.shard_dims) \
+                    or not self.shard_dims:
+                raise ValueError(f"ZeroConfig.shard_dims={self.shard_dims!r} must be a non-empty tuple of mesh "
+                                 "dimension names, e.g. ('dp', 'sp'), or None.")
+            object.__setattr__(self, "shard_dims", tuple(self.shard_dims))
         if self.max_grad_norm is not None and not (_finite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"ZeroConfig.max_grad_norm={self.max_grad_norm!r} must be a positive number or None.")
         if not (_finite(self.loss_scale) and self.loss_scale >= 0):

@@ -246,7 +246,7 @@ class ZeroEngine:
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
         with profiling.comm_range("reduce_scatter", block=False):
-            handle = self.reducer.reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
+            handle = (unit.reducer or self.reducer).reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
         # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
         # for one still in flight could deadlock when ranks reach it at different points of
@@ -313,6 +313,17 @@ class ZeroEngine:
         self.unsynced = False
         self.wait_reductions()
         self.sync_host_copies()
+        self._reduce_replicas()
+
+    def _reduce_replicas(self) -> None:
+        """HSDP: sum each shard's gradient over the ranks holding the same shard (mesh dimensions
+        not sharded over), once per step, in unit order on every rank."""
+        for unit in self.units:
+            if unit.replicate_group is not None and unit.grad_shard is not None and not unit.replicated:
+                with profiling.comm_range("replicate_all_reduce"):
+                    reducer = unit.reducer or self.reducer
+                    wait(reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
+                unit.replicated = True
 
     # ---- shard storage (stage 3, ZeRO-Infinity) ------------------------------------------------
     def attach_storage(self, storage: Any) -> int:

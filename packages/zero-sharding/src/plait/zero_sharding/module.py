@@ -1,5 +1,11 @@
 """ZeroModule: the class a sharded model becomes (``fully_shard`` style: a dynamic subclass).
 
+The subclass keeps the base class's name and qualified name: libraries read
+``model.__class__.__name__`` as the architecture (HF ``save_pretrained`` writes it into
+``config.json``'s ``architectures``, which vLLM and ``from_pretrained`` resolve), so a sharded
+``LlamaForCausalLM`` must still be called that. ``isinstance(model, ZeroModule)`` tells a sharded
+model apart, and :attr:`ZeroModule.zero_base_class` gives the class it was built as.
+
 It adds the engine-facing methods next to the model's own: ``no_sync()``,
 ``set_requires_gradient_sync()``, ``gathered_parameters()``, full-tensor ``state_dict`` /
 ``load_state_dict``, the sharded-state protocol, ``export_full_weights`` and ``model_state_bytes``.
@@ -30,6 +36,7 @@ class ZeroModule:
 
     zero_engine: Any
     zero_optimizer: Any
+    zero_base_class: type  # the model's class before sharding (set on each dynamic subclass)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
@@ -126,7 +133,8 @@ def install(model: nn.Module, engine: Any, optimizer: Any) -> None:
     """Turn ``model`` into a ZeroModule subclass instance and attach engine and optimizer."""
     base = type(model)
     if base not in _classes:
-        _classes[base] = type(f"Zero{base.__name__}", (ZeroModule, base), {"__module__": base.__module__})
+        _classes[base] = type(base.__name__, (ZeroModule, base), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__, "zero_base_class": base})
     model.__class__ = _classes[base]
     model.zero_engine = engine
     model.zero_optimizer = optimizer

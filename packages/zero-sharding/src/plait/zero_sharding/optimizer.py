@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.zero_sharding import profiling
+from plait.zero_sharding.composition import notify
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.replicas import check_replicas
@@ -91,6 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     unit.grad_shard = None  # stage 1 re-reduces its full buffer each step
             self.scaler.update(False)
             self.steps_taken += 1
+            notify(engine, "on_step", self.steps_taken)
             self.last_breakdown = profiling.close_step()
             # Last: the step is complete in memory; a shard that could not be written stays in
             # memory and is written by the next step (raised on every rank together).
@@ -150,6 +152,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler.update(True)
         for unit in self.engine.units:
             unit.grad_shard = None
+        notify(self.engine, "on_skipped_step", self.steps_taken)
         self.last_grad_norm = float("nan")
         self.last_breakdown = profiling.close_step()
 

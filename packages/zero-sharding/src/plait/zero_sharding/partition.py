@@ -36,6 +36,7 @@ class OptionGroup:
             dense parameters, 1 for parameters that differ across the other ranks, e.g. experts).
         grad_divisor: what the group's summed gradients are divided by (``None``: its
             ``group_size``); see ``zero_grad_divisor`` in :func:`plait.zero_sharding.zero_shard`.
+        reducer, gatherer: the group's own extension points (``None``: the engine's).
     """
 
     options: dict[str, Any]
@@ -45,6 +46,8 @@ class OptionGroup:
     group_size: int
     replicas: int
     grad_divisor: float | None = None
+    reducer: Any = None
+    gatherer: Any = None
 
 
 @dataclasses.dataclass

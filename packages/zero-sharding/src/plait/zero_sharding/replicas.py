@@ -1,7 +1,8 @@
 """Replica consistency (reliability test R12): replicated state must be bitwise equal on every rank.
 
 Resident units (every unit in stages 1/2) hold the full parameters on each rank of their group;
-the loss scaler is replicated on every rank. A flipped bit in one replica silently diverges the
+with a replicated mesh dimension (HSDP) every rank of the replicate group holds the same master
+shard; the loss scaler is replicated on every rank. A flipped bit in one replica silently diverges the
 run, so the check hashes each replicated tensor and all-gathers the 32-byte digests (a few
 hundred bytes per check, through the counted collectives).
 """
@@ -63,4 +64,7 @@ def check_replicas(engine: Any, scaler: Any) -> None:
         if unit.resident:
             names = ", ".join(slot.name for slot in unit.slots[:3]) + ("..." if len(unit.slots) > 3 else "")
             _compare(f"parameters of unit {unit.key} ({names})", unit.full, unit.group, unit.device)
+        if unit.replicate_group is not None:  # HSDP: the same shard lives on every rank of this group
+            master = engine.placement.masters()[unit.key]
+            _compare(f"master shard of unit {unit.key}", master.detach(), unit.replicate_group, unit.device)
     _compare("loss-scaler state", scaler.as_tensor(), None, engine.device)

@@ -81,6 +81,12 @@ class FlatUnit:
                  replicas: int, device: torch.device) -> None:
         self.key, self.slots, self.group = key, slots, group
         self.reduce_group = group  # stage 3: a twin of ``group`` (see plait.zero_sharding.ordering)
+        self.replicate_group: Any = None  # HSDP: ranks holding the same shard; gradients all-reduced over it
+        self.replicated = False  # grad_shard already all-reduced over replicate_group
+        # Per-parameter-group extension points (param group's zero_reducer / zero_gatherer); None:
+        # the engine's.
+        self.reducer: Any = None
+        self.gatherer: Any = None
         self.group_rank, self.group_size = group_rank, group_size
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
@@ -164,7 +170,9 @@ class FlatUnit:
 
     # ---- gather / release (stage 3) ----------------------------------------------------------
     def gather(self, gatherer: Any, phase: str, *, block: bool = True) -> None:
-        """Make ``full`` hold every rank's shard (no-op when resident or already gathered)."""
+        """Make ``full`` hold every rank's shard (no-op when resident or already gathered);
+        the unit's own gatherer, when its parameter group has one, replaces ``gatherer``."""
+        gatherer = self.gatherer or gatherer
         if not self.gathered:
             self.load_shard()
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
@@ -209,6 +217,7 @@ class FlatUnit:
 
     def regather(self, gatherer: Any) -> None:
         """Refresh ``full`` from every rank's shard where it is live (resident or gathered)."""
+        gatherer = self.gatherer or gatherer
         if self.resident:
             shard = self.shard.clone()  # the gather input must not alias its output for every gatherer
             with profiling.comm_range("all_gather"):
@@ -349,6 +358,7 @@ class FlatUnit:
             self.grad_shard = reduced
         else:
             self.grad_shard.add_(reduced)
+        self.replicated = False
 
     def zero_grad(self) -> None:
         """Forget gradients: the reduced slice, any unreduced ``param.grad``, stage 1's buffer."""

@@ -1,0 +1,190 @@
+"""Checkpoints of a plait Trainer, inside the Trainer's own ``checkpoint-N/`` directories.
+
+``save_steps`` writes ``checkpoint-N/plait/`` (a plait-universal-ckpt root: the sharded model with
+its fp32 masters and optimizer moments, plus the optimizer's options and step count) next to the
+Trainer's ``scheduler.pt``, RNG states and ``trainer_state.json``; ``resume_from_checkpoint`` loads
+it at any world size and ZeRO stage. ``save_total_limit`` keeps working because everything lives
+inside ``checkpoint-N/``. ``Trainer.save_model()`` writes consolidated safetensors and a
+``config.json`` naming the model's own class, which ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait import universal_ckpt
+from plait.zero_sharding import ZeroModule
+
+STATE_DIR = "plait"
+SCHEDULER_NAME = "scheduler.pt"
+WEIGHTS_NAME = "model.safetensors"
+PRODUCER = "plait.transformers"
+_PIECE_PREFIX = "model."
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class ShardedModelState:
+    """The sharded model's ``ShardedStateful`` view for a universal checkpoint, with the replica
+    ranks of per-parameter scalar optimizer state (Adam's ``step``) widened to every rank that
+    holds a piece of that parameter (``ZeroModule`` names only the ranks holding this rank's piece,
+    so ranks splitting one parameter would each claim to be the only writer of its counter).
+
+    Args:
+        module: the sharded model.
+    """
+
+    def __init__(self, module: ZeroModule) -> None:
+        self.module = module
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The module's pieces with corrected replica ranks (collective when distributed)."""
+        pieces = self.module.sharded_state_dict()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return pieces
+        names = sorted(n[len(_PIECE_PREFIX):] for n in pieces if n.startswith(_PIECE_PREFIX))
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, names)
+        holders: dict[str, tuple[int, ...]] = {}
+        for rank, held in enumerate(per_rank):
+            for name in held:
+                holders[name] = (*holders.get(name, ()), rank)
+        for name, piece in list(pieces.items()):
+            spec = piece.spec
+            if name.startswith("optim.") and spec.global_shape == ():
+                ranks = holders.get(name.split(".", 2)[2], spec.replica_ranks)
+                pieces[name] = dataclasses.replace(piece, spec=dataclasses.replace(spec, replica_ranks=ranks))
+        return pieces
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand the filled pieces to the module."""
+        self.module.load_sharded_state_dict(state)
+
+
+class OptimizerOptions:
+    """The ZeroOptimizer's small replicated state: group options (lr, betas, weight decay) and its
+    step count. Its moments and masters travel with :class:`ShardedModelState`.
+
+    Args:
+        optimizer: the ZeroOptimizer.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Options of every parameter group and the step count."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"param_groups": groups, "steps_taken": int(self.optimizer.steps_taken)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: the checkpoint has a different number of parameter groups.
+        """
+        saved = state["param_groups"]
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"the checkpoint has {len(saved)} optimizer parameter groups, this Trainer's optimizer "
+                             f"{len(self.optimizer.param_groups)}; resume with the same optim/weight_decay setup.")
+        for group, options in zip(self.optimizer.param_groups, saved):
+            group.update(options)
+        self.optimizer.steps_taken = int(state["steps_taken"])
+
+
+def _state(model: ZeroModule, optimizer: Any) -> dict[str, Any]:
+    return {"model": ShardedModelState(model), "optimizer": OptimizerOptions(optimizer)}
+
+
+def has_training_state(checkpoint: str | os.PathLike) -> bool:
+    """Whether ``checkpoint`` (an HF ``checkpoint-N`` directory) holds a committed plait checkpoint."""
+    root = Path(checkpoint, STATE_DIR)
+    return root.is_dir() and universal_ckpt.latest(root) is not None
+
+
+def save_training_state(output_dir: str | os.PathLike, model: ZeroModule, optimizer: Any, *, step: int) -> Path:
+    """Save the sharded training state into ``output_dir/plait/``. Collective: every rank calls it.
+
+    Returns:
+        The committed universal-checkpoint directory.
+
+    Raises:
+        plait.universal_ckpt.CheckpointExistsError: ``output_dir`` already holds this step
+            (nothing a user saved is overwritten).
+    """
+    handle = universal_ckpt.save(_state(model, optimizer), Path(output_dir, STATE_DIR), step=int(step),
+                                 user_meta={"producer": PRODUCER})
+    committed = handle.wait()
+    if _rank() == 0:
+        pretrained_config(model).save_pretrained(output_dir)
+    return committed
+
+
+def load_training_state(checkpoint: str | os.PathLike, model: ZeroModule, optimizer: Any, *,
+                        verify: bool = True) -> universal_ckpt.Manifest:
+    """Load ``checkpoint/plait/`` into the sharded model and optimizer (any saved world size or stage).
+
+    Raises:
+        plait.universal_ckpt.CheckpointError: missing, damaged or incompatible checkpoint.
+    """
+    return universal_ckpt.load(_state(model, optimizer), Path(checkpoint, STATE_DIR), verify=verify)
+
+
+def base_class(model: ZeroModule) -> type:
+    """The model's own class (``LlamaForCausalLM``), not the ``ZeroLlamaForCausalLM`` it became."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, ZeroModule))
+
+
+def pretrained_config(model: ZeroModule) -> Any:
+    """A copy of the model's HF config whose ``architectures`` names its own class."""
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.architectures = [base_class(model).__name__]
+    return config
+
+
+def export_pretrained(output_dir: str | os.PathLike, model: ZeroModule, processing_class: Any = None, *,
+                      args: Any = None, dtype: torch.dtype | None = None) -> Path:
+    """Write what ``from_pretrained`` loads: consolidated ``model.safetensors`` (streamed, tensor by
+    tensor), ``config.json`` naming the model's own class, the generation config, the tokenizer or
+    processor, and the training arguments. Collective: every rank calls it; rank 0 writes.
+
+    Args:
+        output_dir: the directory (created).
+        model: the sharded model.
+        processing_class: the Trainer's tokenizer/processor, or ``None``.
+        args: ``TrainingArguments`` to store as ``training_args.bin`` (rank 0), or ``None``.
+        dtype: weights' dtype in the file (default: the config's ``dtype`` if set, else fp32).
+
+    Returns:
+        ``output_dir``.
+    """
+    out = Path(output_dir)
+    if _rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    config = pretrained_config(model)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model.export_full_weights(out / WEIGHTS_NAME, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+    if _rank() == 0:
+        config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(out)
+        if processing_class is not None:
+            processing_class.save_pretrained(out)
+        if args is not None:
+            torch.save(args, out / "training_args.bin")
+    if dist.is_initialized():
+        dist.barrier()
+    return out

@@ -1,0 +1,210 @@
+"""PlaitConfig: what plait does under the HF Trainer, and how ``TrainingArguments`` translate into it.
+
+The Trainer states precision (``bf16=``/``fp16=``) and clipping (``max_grad_norm=``) on its
+``TrainingArguments``; plait states them on :class:`~plait.zero_sharding.ZeroConfig`. This module
+holds the one translation between the two, the checks that refuse contradictions (a plait config
+together with ``deepspeed=`` or ``fsdp=``, a ZeroConfig dtype that contradicts ``bf16=``), and the
+JSON config-file reader used by scripts nobody edits (``--plait_config file.json`` or
+``PLAIT_CONFIG=file.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.zero_sharding import ZeroConfig
+
+OFFLOAD_DEVICES = ("cpu", "nvme")
+OFFLOAD_INSTALL = "pip install plait-offload-io  (or: pip install 'plait-transformers[offload]')"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlaitConfig:
+    """Everything plait does for one Trainer.
+
+    Attributes:
+        zero: the ZeRO settings (default stage 3). ``compute_dtype``/``reduce_dtype`` left at
+            their defaults are filled from ``TrainingArguments.bf16``/``fp16``; set explicitly they
+            must agree with them. Clipping comes from ``TrainingArguments.max_grad_norm``.
+        offload: ``None``, ``"cpu"`` or ``"nvme"`` (needs plait-offload-io), or a
+            ``plait.offload_io.OffloadConfig``. With stage 3 the string forms move parameter shards,
+            fp32 masters and optimizer state (ZeRO-Infinity, like DeepSpeed's
+            ``offload_param`` + ``offload_optimizer``); with stage 2 the optimizer state only.
+        offload_path: directory for ``offload="nvme"`` (default ``./plait-offload``).
+        verify_on_load: check every hash when a checkpoint is resumed.
+    """
+
+    zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+    offload: Any = None
+    offload_path: str | None = None
+    verify_on_load: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.zero, ZeroConfig):
+            raise ValueError(f"PlaitConfig.zero={self.zero!r} must be a plait.zero_sharding.ZeroConfig, "
+                             "e.g. ZeroConfig(stage=3).")
+        if isinstance(self.offload, str) and self.offload not in OFFLOAD_DEVICES:
+            raise ValueError(f"PlaitConfig.offload={self.offload!r}; use None, 'cpu', 'nvme' or an OffloadConfig.")
+        if self.offload is not None and not isinstance(self.offload, str) \
+                and type(self.offload).__name__ != "OffloadConfig":
+            raise ValueError(f"PlaitConfig.offload={self.offload!r}; use None, 'cpu', 'nvme' or a "
+                             "plait.offload_io.OffloadConfig.")
+        if self.offload is not None and self.zero.stage == 1:
+            raise ValueError("PlaitConfig.offload is set with ZeroConfig.stage=1; offloading needs the partitioned "
+                             "gradients of stage 2 or 3: use ZeroConfig(stage=2) or stage=3.")
+        if self.offload_path is not None and not isinstance(self.offload_path, str | os.PathLike):
+            raise ValueError(f"PlaitConfig.offload_path={self.offload_path!r} must be a directory path or None.")
+        if not isinstance(self.verify_on_load, bool):
+            raise ValueError(f"PlaitConfig.verify_on_load={self.verify_on_load!r} must be True or False.")
+
+    def placement(self) -> Any:
+        """The ``zero_shard(placement=...)`` for :attr:`offload`, or ``None`` without offload.
+
+        Raises:
+            ImportError: offloading is asked for and plait-offload-io is not installed.
+        """
+        if self.offload is None:
+            return None
+        try:
+            from plait.offload_io import OffloadConfig, zero_placement
+        except ImportError as exc:
+            raise ImportError(f"PlaitConfig.offload={self.offload!r} needs plait-offload-io: {OFFLOAD_INSTALL}") \
+                from exc
+        offload = self.offload
+        if isinstance(offload, str):
+            params = offload if self.zero.stage == 3 else "none"
+            path = {"path": self.offload_path or "./plait-offload"} if offload == "nvme" else {}
+            offload = OffloadConfig(device=offload, param_device=params, **path)
+        return zero_placement(offload)
+
+
+_TOP_KEYS = {f.name for f in dataclasses.fields(PlaitConfig)}
+_ZERO_KEYS = {f.name for f in dataclasses.fields(ZeroConfig)}
+
+
+def config_from_dict(data: dict[str, Any], *, source: str = "plait config") -> PlaitConfig:
+    """Build a :class:`PlaitConfig` from plain data (a parsed JSON file).
+
+    The shape is ``{"zero": {ZeroConfig fields}, "offload": "cpu", "offload_path": ..., "verify_on_load": ...}``;
+    ``offload`` may also be a dict of ``plait.offload_io.OffloadConfig`` fields.
+
+    Args:
+        data: the parsed content.
+        source: where it came from (named in errors).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ValueError: not a JSON object, an unknown key (named, with the known ones), or a field the
+            config classes refuse.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object like {{\"zero\": {{\"stage\": 3}}}}, "
+                         f"got {type(data).__name__}.")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}; the known keys are {sorted(_TOP_KEYS)}.")
+    zero = data.get("zero", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"{source}: 'zero' must be an object of ZeroConfig fields, got {zero!r}.")
+    unknown = sorted(set(zero) - _ZERO_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {[f'zero.{k}' for k in unknown]}; ZeroConfig's fields are "
+                         f"{sorted(_ZERO_KEYS)}.")
+    offload = data.get("offload")
+    if isinstance(offload, dict):
+        try:
+            from plait.offload_io import OffloadConfig
+        except ImportError as exc:
+            raise ImportError(f"{source}: 'offload' needs plait-offload-io: {OFFLOAD_INSTALL}") from exc
+        offload = OffloadConfig(**offload)
+    fields = {k: v for k, v in data.items() if k not in ("zero", "offload")}
+    try:
+        return PlaitConfig(zero=ZeroConfig(**zero), offload=offload, **fields)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from exc
+
+
+def load_config(source: str | os.PathLike | dict[str, Any] | PlaitConfig) -> PlaitConfig:
+    """A :class:`PlaitConfig` from a config, a dict, a JSON file path or a JSON string.
+
+    Raises:
+        ValueError: the file is missing or is not valid JSON, or its content is refused (see
+            :func:`config_from_dict`).
+    """
+    if isinstance(source, PlaitConfig):
+        return source
+    if isinstance(source, dict):
+        return config_from_dict(source)
+    text = str(source)
+    if text.lstrip().startswith("{"):
+        name, raw = "plait config (inline JSON)", text
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"plait config file {str(path)!r} does not exist; pass a JSON file such as "
+                             "{\"zero\": {\"stage\": 3}}.")
+        name, raw = f"plait config file {str(path)!r}", path.read_text()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    return config_from_dict(data, source=name)
+
+
+def precision_of(args: Any) -> tuple[torch.dtype, torch.dtype]:
+    """``(compute_dtype, reduce_dtype)`` for the Trainer's ``bf16``/``fp16`` flags: low-precision
+    parameters with fp32 masters and fp32 gradient reduction, as the Trainer's own mixed precision."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16, torch.float32
+    if getattr(args, "fp16", False):
+        return torch.float16, torch.float32
+    return torch.float32, torch.float32
+
+
+def check_training_args(config: PlaitConfig, args: Any) -> None:
+    """Refuse ``TrainingArguments`` that contradict plait (called before any work starts).
+
+    Raises:
+        ValueError: naming both settings and the fix.
+    """
+    if getattr(args, "deepspeed", None):
+        raise ValueError(f"TrainingArguments.deepspeed={args.deepspeed!r} is set together with plait; both shard "
+                         "the model. Remove deepspeed= (plait replaces it) or drop the plait config.")
+    if getattr(args, "fsdp", None):
+        raise ValueError(f"TrainingArguments.fsdp={args.fsdp!r} is set together with plait; both shard the model. "
+                         "Remove fsdp= (plait replaces it) or drop the plait config.")
+    compute, _ = precision_of(args)
+    zero = config.zero
+    if zero.compute_dtype != torch.float32 and zero.compute_dtype != compute:
+        raise ValueError(f"ZeroConfig.compute_dtype={zero.compute_dtype} contradicts TrainingArguments(bf16="
+                         f"{getattr(args, 'bf16', False)}, fp16={getattr(args, 'fp16', False)}); set the precision on "
+                         "TrainingArguments only and leave compute_dtype unset.")
+    if zero.loss_scale and compute != torch.float16:
+        raise ValueError(f"ZeroConfig.loss_scale={zero.loss_scale} only applies with TrainingArguments(fp16=True); "
+                         "remove loss_scale or train in fp16.")
+    clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+    if zero.max_grad_norm is not None and clip > 0 and clip != zero.max_grad_norm:
+        raise ValueError(f"TrainingArguments.max_grad_norm={clip} contradicts ZeroConfig.max_grad_norm="
+                         f"{zero.max_grad_norm}; set one of them (they mean the same thing).")
+
+
+def zero_config_for(config: PlaitConfig, args: Any) -> ZeroConfig:
+    """The ZeroConfig actually used under these ``TrainingArguments``.
+
+    Raises:
+        ValueError: see :func:`check_training_args`.
+    """
+    check_training_args(config, args)
+    compute, reduce = precision_of(args)
+    changes: dict[str, Any] = {"compute_dtype": compute}
+    if config.zero.reduce_dtype is None:
+        changes["reduce_dtype"] = reduce
+    return dataclasses.replace(config.zero, **changes)

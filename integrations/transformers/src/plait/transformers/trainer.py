@@ -1,0 +1,249 @@
+"""``with_plait(TrainerCls)``: any HF ``Trainer`` subclass (TRL's included) trained on plait ZeRO.
+
+The mixin keeps Accelerate in plain DDP / single-process mode for data loading, logging and
+collectives, and takes over what sharding changes; each override is listed, with its reason, in
+``docs/patches.md``:
+
+* ``_build_accelerator_args``: no Accelerate mixed precision (plait owns dtypes and fp16 loss
+  scaling) and no optimizer device placement (its state round-trip would copy every shard).
+* ``create_accelerator_and_postprocess``: the contradiction checks, before any work starts.
+* ``create_optimizer``: the Trainer's own optimizer (weight-decay groups, ``optim``,
+  ``optimizer_cls_and_kwargs``) handed to ``zero_shard`` with the model; schedulers are built
+  afterwards on the returned ``ZeroOptimizer``.
+* ``_wrap_model``: a thin :class:`PlaitModel` instead of DDP; it gives the Trainer ``no_sync``
+  (gradient accumulation without communication) and a ``zero_grad`` that clears ZeRO's shards.
+* ``_clip_grad_norm`` / ``_get_grad_norm``: the global norm over every shard.
+* checkpoints and ``save_model``: see :mod:`plait.transformers.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.transformers import checkpoint as ckpt
+from plait.transformers import settings
+from plait.transformers.config import PlaitConfig, check_training_args, load_config, zero_config_for
+from plait.zero_sharding import ZeroModule, ZeroOptimizer, zero_shard
+
+# The transformers range these overrides were read against and tested on.
+TRANSFORMERS_RANGE = ((5, 19), (5, 24))
+_classes: dict[tuple[type, PlaitConfig | None], type] = {}
+
+
+class PlaitModel(nn.Module):
+    """What the Trainer calls for every step in place of ``DistributedDataParallel(model)``.
+
+    Args:
+        module: the sharded model (a ``ZeroModule``).
+        autocast: ``torch.autocast`` dtype around forward (``bf16=``/``fp16=``), or ``None``.
+    """
+
+    def __init__(self, module: nn.Module, autocast: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.autocast = autocast
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the sharded model (under autocast for the Trainer's mixed precision)."""
+        if self.autocast is None:
+            return self.module(*args, **kwargs)
+        device = next(iter(self.module.buffers()), torch.empty(0)).device.type
+        with torch.autocast(device_type=device, dtype=self.autocast):
+            return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes inside keep gradients local (Accelerate's ``no_sync`` finds this)."""
+        return self.module.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient ZeRO holds (``nn.Module.zero_grad`` would miss the shards)."""
+        self.module.zero_optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def check_transformers_version() -> None:
+    """Refuse a transformers release whose Trainer these overrides were not read against.
+
+    Raises:
+        ImportError: naming the installed version and the supported range.
+    """
+    import transformers
+
+    parts = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    low, high = TRANSFORMERS_RANGE
+    if not low <= parts < high:
+        raise ImportError(f"plait.transformers supports transformers>={low[0]}.{low[1]},<{high[0]}.{high[1]}; "
+                          f"{transformers.__version__} is installed. Install a supported version.")
+
+
+def ensure_process_group() -> None:
+    """A one-process group when the script runs without a launcher (``python train.py``): ZeRO
+    always shards over a process group, and the Trainer creates one only under torchrun."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class PlaitTrainerMixin:
+    """The overrides (see the module docstring). Use :func:`with_plait` rather than this directly."""
+
+    plait_default: PlaitConfig | None = None
+
+    # ---- configuration ---------------------------------------------------------------------------
+    def _plait_resolve(self) -> PlaitConfig:
+        """The config from ``with_plait(..., config)``, ``args.plait_config`` or ``$PLAIT_CONFIG`` (one only).
+
+        Raises:
+            ValueError: more than one of them is given.
+        """
+        given = {"with_plait(config=...)": self.plait_default,
+                 "TrainingArguments.plait_config": getattr(self.args, "plait_config", None),
+                 "$PLAIT_CONFIG": settings.config_source()}
+        present = {name: value for name, value in given.items() if value is not None}
+        if len(present) > 1:
+            raise ValueError(f"a plait config is given by {' and '.join(present)}; give it in one place only.")
+        return load_config(next(iter(present.values()), PlaitConfig()))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Resolve and check the plait config, then build Accelerate's state as the Trainer does."""
+        check_transformers_version()
+        self.plait_config = self._plait_resolve()
+        check_training_args(self.plait_config, self.args)
+        self.plait_config.placement() if self.plait_config.offload is not None else None  # fails early if missing
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
+        args["mixed_precision"] = "no"
+        args["device_placement"] = False
+        return args
+
+    # ---- sharding --------------------------------------------------------------------------------
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, then ``zero_shard`` of the model with it (once)."""
+        if isinstance(self.model, ZeroModule):
+            return self.optimizer
+        original = super().create_optimizer(model)  # type: ignore[misc]
+        zero = zero_config_for(self.plait_config, self.args)
+        ensure_process_group()
+        _, sharded = zero_shard(self.model, original, zero, placement=self.plait_config.placement())
+        scheduler = getattr(self, "lr_scheduler", None)
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is original:
+            scheduler.optimizer = sharded  # a scheduler passed in optimizers=(opt, sched)
+        self.optimizer = sharded
+        return sharded
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if isinstance(model, PlaitModel):
+            return model
+        if not isinstance(self.model, ZeroModule):
+            return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+        compute = self.model.zero_engine.config.compute_dtype
+        return PlaitModel(self.model, autocast=None if compute == torch.float32 else compute)
+
+    @property
+    def plait_optimizer(self) -> ZeroOptimizer:
+        """The ZeroOptimizer under Accelerate's wrapper."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if not isinstance(self.model, ZeroModule):
+            return super()._clip_grad_norm(model)  # type: ignore[misc]
+        return self.plait_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if not isinstance(self.model, ZeroModule):
+            return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+        if grad_norm is None:
+            # Not clipping: the global norm still comes from the shards (p.grad, which the Trainer
+            # would read, is empty at stages 2 and 3); a ZeroConfig.max_grad_norm keeps applying.
+            optimizer = self.plait_optimizer
+            grad_norm = optimizer.clip_grad_norm_(optimizer.engine.config.max_grad_norm or sys.float_info.max)
+        return grad_norm
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Inside ``save_steps`` checkpoints: the sharded universal checkpoint. Called by the user:
+        consolidated safetensors plus ``config.json`` that ``from_pretrained`` loads. Collective."""
+        if not isinstance(self.model, ZeroModule):
+            return super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            ckpt.save_training_state(output_dir, self.model, self.plait_optimizer, step=self.state.global_step)
+        else:
+            ckpt.export_pretrained(output_dir, self.model, self.processing_class,
+                                   args=self.args if self.args.should_save else None)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not isinstance(self.model, ZeroModule):
+            return super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        if self.args.save_only_model:
+            return None
+        if self.args.should_save:
+            # The optimizer's moments and options are in the universal checkpoint already.
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, ckpt.SCHEDULER_NAME))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if ckpt.has_training_state(resume_from_checkpoint):
+            return None  # loaded after sharding, in _load_optimizer_and_scheduler
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not isinstance(self.model, ZeroModule):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        if not ckpt.has_training_state(checkpoint):
+            raise ValueError(f"{checkpoint} has no plait checkpoint ({ckpt.STATE_DIR}/); its weights were loaded, "
+                             "but its optimizer state cannot be split into ZeRO shards. Resume from a checkpoint "
+                             "saved by a plait Trainer, or start a fresh run from these weights.")
+        ckpt.load_training_state(checkpoint, self.model, self.plait_optimizer, verify=self.plait_config.verify_on_load)
+        path = os.path.join(checkpoint, ckpt.SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        return None
+
+
+def with_plait(trainer_cls: type, config: PlaitConfig | str | os.PathLike | dict | None = None) -> type:
+    """A subclass of ``trainer_cls`` that trains with plait (``Trainer``, TRL's ``SFTTrainer``...).
+
+    Args:
+        trainer_cls: a ``transformers.Trainer`` subclass (or ``Trainer`` itself).
+        config: a :class:`PlaitConfig`, a :class:`~plait.zero_sharding.ZeroConfig`, a dict or a JSON
+            file path; ``None`` takes it from ``TrainingArguments.plait_config`` or ``$PLAIT_CONFIG``,
+            else ZeRO stage 3.
+
+    Returns:
+        The subclass (cached: the same class for the same arguments).
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a ``transformers.Trainer`` subclass.
+        ValueError: the config is refused (named field).
+    """
+    from transformers import Trainer
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"with_plait needs a transformers.Trainer subclass, got {trainer_cls!r}.")
+    if issubclass(trainer_cls, PlaitTrainerMixin) and config is None:
+        return trainer_cls
+    if config is not None and type(config).__name__ == "ZeroConfig":
+        config = PlaitConfig(zero=config)
+    resolved = None if config is None else load_config(config)
+    key = (trainer_cls, resolved)
+    try:
+        cached = _classes.get(key)
+    except TypeError:  # an unhashable OffloadConfig field: no caching
+        cached, key = None, None
+    if cached is None:
+        cached = type(f"Plait{trainer_cls.__name__}", (PlaitTrainerMixin, trainer_cls),
+                      {"plait_default": resolved, "__module__": trainer_cls.__module__})
+        if key is not None:
+            _classes[key] = cached
+    return cached

@@ -1,0 +1,113 @@
+"""Config files, ``TrainingArguments`` translation and contradictions: errors that name the field,
+raised when the Trainer is built (before any training work)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plait.transformers import PlaitConfig, load_config, with_plait, zero_config_for
+from plait.transformers.demo import TokenDataset, deepspeed_config, tiny_llama_model, training_args
+from plait.zero_sharding import ZeroConfig
+
+
+def _trainer(tmp_path: Path, config: Any = None, **args: Any) -> Any:
+    import transformers
+
+    cls = with_plait(transformers.Trainer, config)
+    return cls(model=tiny_llama_model(), args=training_args(str(tmp_path), **args), train_dataset=TokenDataset(8))
+
+
+def test_file_route_reads_every_field(tmp_path: Path) -> None:
+    path = tmp_path / "plait.json"
+    path.write_text(json.dumps({"zero": {"stage": 2, "reduce_bucket_elements": 1000}, "verify_on_load": False}))
+    config = load_config(path)
+    assert config.zero == ZeroConfig(stage=2, reduce_bucket_elements=1000)
+    assert config.verify_on_load is False
+    assert load_config('{"zero": {"stage": 1}}').zero.stage == 1  # inline JSON
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    ({"zero": {"stage": 3}, "stag": 2}, "'stag'"),
+    ({"zero": {"stage": 3, "offlod": "cpu"}}, "zero.offlod"),
+    ({"zero": {"stage": 4}}, "ZeroConfig.stage=4"),
+    ({"zero": {"stage": 1}, "offload": "cpu"}, "PlaitConfig.offload"),
+    ({"offload": "disk"}, "PlaitConfig.offload='disk'"),
+    ({"verify_on_load": "yes"}, "PlaitConfig.verify_on_load"),
+    ({"zero": 3}, "'zero' must be an object"),
+    ([1, 2], "expected a JSON object"),
+])
+def test_bad_config_files_name_the_field(tmp_path: Path, content: Any, named: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.json")
+    (tmp_path / "broken.json").write_text("{zero: 3")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_config(tmp_path / "broken.json")
+
+
+def test_precision_and_clipping_translate_from_training_args(tmp_path: Path) -> None:
+    config = PlaitConfig(zero=ZeroConfig(stage=3))
+    bf16 = zero_config_for(config, training_args(str(tmp_path), bf16=True))
+    assert (bf16.compute_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    fp32 = zero_config_for(config, training_args(str(tmp_path)))
+    assert (fp32.compute_dtype, fp32.reduce_dtype) == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize(("config", "args", "named"), [
+    (ZeroConfig(stage=3), {"deepspeed": deepspeed_config(3)}, "TrainingArguments.deepspeed"),
+    (ZeroConfig(stage=3), {"fsdp": True}, "TrainingArguments.fsdp"),
+    (ZeroConfig(stage=3, compute_dtype="fp16"), {"bf16": True}, "ZeroConfig.compute_dtype"),
+    (ZeroConfig(stage=3, max_grad_norm=0.5), {"max_grad_norm": 1.0}, "TrainingArguments.max_grad_norm=1.0"),
+    (ZeroConfig(stage=3, loss_scale=128.0), {}, "ZeroConfig.loss_scale"),
+])
+def test_contradictions_fail_when_the_trainer_is_built(tmp_path: Path, config: ZeroConfig, args: dict,
+                                                      named: str) -> None:
+    if "deepspeed" in args:
+        pytest.importorskip("deepspeed", reason="TrainingArguments(deepspeed=...) imports DeepSpeed")
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        _trainer(tmp_path, config, **args)
+
+
+def test_with_plait_refuses_a_non_trainer_and_caches_classes() -> None:
+    import transformers
+
+    with pytest.raises(TypeError, match="transformers.Trainer subclass"):
+        with_plait(torch.nn.Module)
+    config = PlaitConfig(zero=ZeroConfig(stage=2))
+    assert with_plait(transformers.Trainer, config) is with_plait(transformers.Trainer, config)
+    assert with_plait(transformers.Trainer, config).__name__ == "PlaitTrainer"
+    assert issubclass(with_plait(transformers.Seq2SeqTrainer), transformers.Seq2SeqTrainer)
+
+
+def test_config_from_args_or_environment_and_never_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from plait.transformers import PlaitTrainingArguments
+
+    parser = transformers.HfArgumentParser(PlaitTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "true",
+                                                  "--report_to", "none", "--plait_config", '{"zero": {"stage": 1}}'])
+    cls = with_plait(transformers.Trainer)
+    trainer = cls(model=tiny_llama_model(), args=args, train_dataset=TokenDataset(8))
+    assert trainer.plait_config.zero.stage == 1
+    monkeypatch.setenv("PLAIT_CONFIG", '{"zero": {"stage": 2}}')
+    with pytest.raises(ValueError, match=r"TrainingArguments\.plait_config and \$PLAIT_CONFIG"):
+        cls(model=tiny_llama_model(), args=args, train_dataset=TokenDataset(8))
+    assert _trainer(tmp_path).plait_config.zero.stage == 2
+
+
+def test_offload_without_stage_2_is_refused() -> None:
+    with pytest.raises(ValueError, match="PlaitConfig.offload"):
+        PlaitConfig(zero=ZeroConfig(stage=1), offload="cpu")

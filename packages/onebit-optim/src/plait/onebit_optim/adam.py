@@ -1,0 +1,124 @@
+"""1-bit Adam (Tang et al., arXiv 2102.02888): Adam whose momentum crosses the network in 1 bit.
+
+Steps ``1..freeze_step`` (warm-up) are exactly ``torch.optim.AdamW`` on gradients averaged with
+DDP's arithmetic: the same torch kernel, so parameters equal DDP + AdamW bit for bit (and DDP +
+Adam when ``weight_decay=0``). After warm-up the variance ``v`` is frozen, because Adam's
+variance settles early and is what makes the momentum impossible to compress well while it
+moves. Each later step:
+
+1. ``m <- beta1 m + (1 - beta1) g_local`` (every rank starts from the same synchronised ``m``);
+2. ``m <- compressed average of m`` (1 bit per element plus scales, worker and server error
+   feedback: :func:`plait.kernels.collectives.compressed_allreduce`), then the momentum masks;
+3. the AdamW update with the frozen variance: ``p <- p (1 - lr wd)``, then
+   ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^freeze_step) + eps)``.
+
+Bias correction continues the warm-up's: the variance's correction is frozen with the variance.
+Every rank ends the step with the same ``m`` and therefore the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.config import OnebitAdamConfig
+
+
+class OnebitAdam(CompressedOptimizer):
+    """1-bit Adam for a model replicated on every rank (do not wrap it in DDP).
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (per group; schedulers work as usual).
+        betas: ``(beta1, beta2)``.
+        eps: added to the denominator.
+        weight_decay: decoupled (AdamW-style) weight decay.
+        config: the 1-bit settings (:class:`OnebitAdamConfig`).
+        process_group: the data-parallel group (``None``: the default group).
+        momentum_masks: ``{parameter: 0/1 mask}`` applied to the exchanged momentum.
+
+    Raises:
+        ValueError: invalid hyperparameters, config or masks (naming the field and the fix).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitAdamConfig | None = None,
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
+        check_hyperparameters("OnebitAdam", lr, betas, eps, weight_decay)
+        self.config = config if config is not None else OnebitAdamConfig()
+        if not isinstance(self.config, OnebitAdamConfig):
+            raise ValueError(f"OnebitAdam: config must be an OnebitAdamConfig, got {type(self.config).__name__}.")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen (the last step taken was past ``freeze_step``)."""
+        return self.step_count > self.config.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step: warm-up AdamW, or the 1-bit momentum exchange and frozen-variance update.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        if self.step_count <= self.config.freeze_step:
+            self.average_gradients_()
+            for group in self.param_groups:
+                self._adamw_step(group)
+        else:
+            for index, group in enumerate(self.param_groups):
+                self._compressed_step(index, group)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            # The names, dtypes and the float32 step tensor of torch's Adam, so states compare directly.
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params = self.params_with_grad(group)
+        states = [self._state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                   [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _compressed_step(self, index: int, group: dict[str, Any]) -> None:
+        params = self.params_with_grad(group)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        states = [self._state(p) for p in params]
+        momenta = [s["exp_avg"] for s in states]
+        for p, m in zip(params, momenta):
+            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        self.exchange_momentum_(index, momenta, params)
+        frozen_correction = math.sqrt(1 - beta2 ** self.config.freeze_step)
+        for p, state in zip(params, states):
+            state["step"] += 1
+            step_size = lr / (1 - beta1 ** state["step"].item())
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            denom = (state["exp_avg_sq"].sqrt() / frozen_correction).add_(eps)
+            p.addcdiv_(state["exp_avg"], denom, value=-step_size)

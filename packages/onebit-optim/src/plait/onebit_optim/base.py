@@ -1,0 +1,167 @@
+"""What the three compressed optimizers share: arguments, masks, the exchanges and their state.
+
+A :class:`CompressedOptimizer` is a ``torch.optim.Optimizer`` for a model replicated on every
+rank of a data-parallel group (DDP-style, but *not* wrapped in DDP: the optimizer owns the
+exchange, because after warm-up it exchanges momentum instead of gradients). The user's loop is
+unchanged: forward, ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``.
+
+State: torch's per-parameter state (``exp_avg``, ``exp_avg_sq``, ... as torch's Adam names them)
+plus, under the ``"onebit"`` key of :meth:`state_dict`, the step counters, the freeze state and
+every group's error-feedback buffers, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from plait.onebit_optim.exchange import CompressedExchange, average_gradients, world_of
+
+
+def check_hyperparameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Validate the per-group hyperparameters before any work.
+
+    Raises:
+        ValueError: naming the argument and the fix.
+    """
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"{owner}: lr={lr!r} must be a finite number >= 0; pass e.g. 1e-3.")
+    if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        raise ValueError(f"{owner}: betas={betas!r} must be two numbers in [0, 1); pass e.g. (0.9, 0.999).")
+    if not (isinstance(eps, int | float) and eps > 0):
+        raise ValueError(f"{owner}: eps={eps!r} must be > 0; pass e.g. 1e-8.")
+    if not (isinstance(weight_decay, int | float) and weight_decay >= 0):
+        raise ValueError(f"{owner}: weight_decay={weight_decay!r} must be >= 0.")
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base of :class:`OnebitAdam`, :class:`OnebitLamb` and :class:`ZeroOneAdam`.
+
+    Args:
+        params: parameters or param-group dicts, as for any torch optimizer.
+        defaults: the per-group hyperparameters.
+        process_group: the data-parallel group (``None``: the default group, or one process
+            when torch.distributed is not initialised).
+        momentum_masks: optional ``{parameter: mask}`` of 0/1 tensors shaped like the parameter;
+            the exchanged momentum is multiplied by the mask, so elements whose gradient is
+            always zero (padding embeddings) stay exactly zero, which 1 bit cannot say.
+
+    Raises:
+        ValueError: a mask of the wrong shape or for a parameter this optimizer does not hold,
+            or a parameter that is not floating point.
+    """
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, process_group: Any | None = None,
+                 momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.rank, self.world = world_of(process_group)
+        self.step_count = 0
+        self.exchanges: list[CompressedExchange | None] = [None] * len(self.param_groups)
+        self.masks = self._check_masks(momentum_masks or {})
+
+    def _check_masks(self, masks: dict[torch.Tensor, torch.Tensor]) -> dict[int, torch.Tensor]:
+        owned = {id(p): p for group in self.param_groups for p in group["params"]}
+        for p in owned.values():
+            if not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__}: parameter of dtype {p.dtype} is not floating point.")
+        checked = {}
+        for param, mask in masks.items():
+            if id(param) not in owned:
+                raise ValueError(
+                    f"momentum_masks: a mask is given for a tensor of shape {tuple(param.shape)} that is not one of "
+                    "this optimizer's parameters; key the dict by the parameters themselves.")
+            if not isinstance(mask, torch.Tensor) or mask.shape != param.shape:
+                got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+                raise ValueError(
+                    f"momentum_masks: the mask of a parameter of shape {tuple(param.shape)} has shape {got}; "
+                    "give a 0/1 tensor of exactly the parameter's shape.")
+            checked[id(param)] = mask.to(device=param.device, dtype=torch.float32)
+        return checked
+
+    # -- the two exchanges ------------------------------------------------------------------
+
+    def params_with_grad(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The group's parameters that have a gradient this step.
+
+        Raises:
+            RuntimeError: some but not all of the group's parameters have one: the flat 1-bit
+                buffer's layout must be the same on every rank and at every step.
+        """
+        params = [p for p in group["params"] if p.grad is not None]
+        if params and len(params) != len(group["params"]):
+            raise RuntimeError(
+                f"{type(self).__name__}: {len(group['params']) - len(params)} parameter(s) of a group have no "
+                "gradient this step; every rank must exchange the same layout. Freeze them with requires_grad=False "
+                "before building the optimizer, or put them in a group of their own.")
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
+        return params
+
+    def average_gradients_(self) -> None:
+        """All-reduce every gradient to the data-parallel average (DDP's arithmetic)."""
+        grads = [p.grad for group in self.param_groups for p in self.params_with_grad(group)]
+        average_gradients(grads, group=self.process_group)
+
+    def exchange(self, index: int) -> CompressedExchange:
+        """Group ``index``'s 1-bit exchange, created on first use (no error buffers during warm-up)."""
+        if self.exchanges[index] is None:
+            params = self.param_groups[index]["params"]
+            self.exchanges[index] = CompressedExchange(
+                [p.numel() for p in params], group=self.process_group, device=params[0].device)
+        return self.exchanges[index]
+
+    def exchange_momentum_(self, index: int, tensors: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+        """1-bit average of ``tensors`` (one per parameter of group ``index``), then the masks."""
+        self.exchange(index).exchange_(tensors)
+        for tensor, param in zip(tensors, params):
+            mask = self.masks.get(id(param))
+            if mask is not None:
+                tensor.mul_(mask)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The counters of the subclass's schedule (overridden to add more)."""
+        return {"step_count": self.step_count}
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`onebit_state` returned."""
+        self.step_count = state["step_count"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus ``"onebit"``: counters and every group's error feedback."""
+        out = super().state_dict()
+        out["onebit"] = {
+            "kind": type(self).__name__,
+            "counters": self.onebit_state(),
+            "exchanges": [None if ex is None else ex.state_dict() for ex in self.exchanges],
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` of the same optimizer kind on the same rank.
+
+        Raises:
+            ValueError: the ``"onebit"`` part is missing (a plain torch optimizer's state: the
+                counters and error feedback would be lost) or belongs to another kind, rank or
+                world size.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        if extra is None or extra.get("kind") != type(self).__name__:
+            found = "none" if extra is None else extra.get("kind")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state has no {type(self).__name__} part (found: {found}); "
+                "load a state saved by the same optimizer, so its step counters and error feedback are restored.")
+        super().load_state_dict(state_dict)
+        self.load_onebit_state(extra["counters"])
+        for index, saved in enumerate(extra["exchanges"]):
+            if saved is None:
+                self.exchanges[index] = None
+            else:
+                self.exchange(index).load_state_dict(saved)

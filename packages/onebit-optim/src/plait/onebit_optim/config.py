@@ -1,0 +1,137 @@
+"""The frozen, keyword-only settings of the three compressed optimizers.
+
+Hyperparameters that torch optimizers take per parameter group (``lr``, ``betas``, ``eps``,
+``weight_decay``) stay constructor arguments, so learning-rate schedulers and param groups work
+as with ``torch.optim.AdamW``. What is particular to compressed communication lives here, once,
+validated before any work starts. Names follow DeepSpeed's configuration keys, so a DeepSpeed
+``"optimizer": {"params": {...}}`` block translates key for key (:func:`config_from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name}={value!r} must be an integer >= {minimum}; pass e.g. {max(minimum, 100)}.")
+
+
+def _check_positive(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name}={value!r} must be a finite number > 0.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnebitAdamConfig:
+    """Settings of :class:`~plait.onebit_optim.OnebitAdam`.
+
+    Attributes:
+        freeze_step: steps of plain (full-precision, all-reduced) Adam before the variance is
+            frozen and the momentum is exchanged in 1 bit. DeepSpeed's papers use 15-25% of
+            the run; too short a warm-up freezes a variance that has not settled yet. At least 1.
+    """
+
+    freeze_step: int = 100
+
+    def __post_init__(self) -> None:
+        # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.
+        _check_int("OnebitAdamConfig", "freeze_step", self.freeze_step, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnebitLambConfig:
+    """Settings of :class:`~plait.onebit_optim.OnebitLamb`.
+
+    Attributes:
+        freeze_step: steps of plain LAMB before the variance and the scaling coefficient freeze
+            (at least 1).
+        max_coeff: upper bound of LAMB's per-tensor trust ratio ``||p|| / ||update||``.
+        min_coeff: lower bound of that ratio.
+        coeff_beta: the frozen coefficient is an exponential moving average of the warm-up
+            ratios with this decay (0 <= coeff_beta < 1).
+        factor_max: upper bound of the compression-stage factor that rescales the frozen
+            coefficient by how far the fresh variance estimate has moved.
+        factor_min: lower bound of that factor.
+        factor_threshold: the factor may change by at most this fraction per step.
+    """
+
+    freeze_step: int = 100
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+    coeff_beta: float = 0.9
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1
+
+    def __post_init__(self) -> None:
+        owner = "OnebitLambConfig"
+        _check_int(owner, "freeze_step", self.freeze_step, 1)
+        for name in ("max_coeff", "min_coeff", "factor_max", "factor_min", "factor_threshold"):
+            _check_positive(owner, name, getattr(self, name))
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"{owner}.min_coeff={self.min_coeff} exceeds max_coeff={self.max_coeff}; swap them.")
+        if self.factor_min > self.factor_max:
+            raise ValueError(f"{owner}.factor_min={self.factor_min} exceeds factor_max={self.factor_max}; swap them.")
+        if not (isinstance(self.coeff_beta, int | float) and 0 <= self.coeff_beta < 1):
+            raise ValueError(f"{owner}.coeff_beta={self.coeff_beta!r} must be in [0, 1); pass e.g. 0.9.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroOneAdamConfig:
+    """Settings of :class:`~plait.onebit_optim.ZeroOneAdam` (0/1 Adam, arXiv 2202.06009).
+
+    Attributes:
+        var_freeze_step: the last step whose variance may be updated; after it every step is a
+            local step and only the synchronisation steps communicate.
+        var_update_scaler: the interval between variance updates (which all-reduce the gradient
+            in full precision; the other steps exchange it in 1 bit) doubles after this many
+            variance updates.
+        local_step_scaler: after the variance is frozen, the interval between synchronisations
+            doubles every this many steps...
+        local_step_clipper: ...up to at most this many steps.
+    """
+
+    var_freeze_step: int = 100_000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32_678
+    local_step_clipper: int = 16
+
+    def __post_init__(self) -> None:
+        owner = "ZeroOneAdamConfig"
+        _check_int(owner, "var_freeze_step", self.var_freeze_step, 0)
+        for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            _check_int(owner, name, getattr(self, name), 1)
+
+
+CONFIGS = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
+
+
+def config_from_dict(kind: str, options: dict[str, Any]) -> Any:
+    """Build a config from DeepSpeed-style keys (``{"freeze_step": 400, ...}``).
+
+    Args:
+        kind: ``"OnebitAdam"``, ``"OnebitLamb"`` or ``"ZeroOneAdam"``.
+        options: the compression settings; keys a DeepSpeed file has that plait decides itself
+            (``cuda_aware``, ``comm_backend_name``) are refused so nothing is silently ignored.
+
+    Returns:
+        The frozen config.
+
+    Raises:
+        ValueError: an unknown kind or an unknown option (the message lists the known ones).
+    """
+    if kind not in CONFIGS:
+        raise ValueError(f"kind={kind!r} is not a compressed optimizer; pass one of {sorted(CONFIGS)}.")
+    cls = CONFIGS[kind]
+    known = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__}: unknown option(s) {unknown}; the known ones are {sorted(known)} "
+            "(lr, betas, eps and weight_decay are the optimizer's own arguments; the communication "
+            "backend is always plait.kernels.collectives)."
+        )
+    return cls(**options)

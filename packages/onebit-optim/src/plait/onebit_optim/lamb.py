@@ -1,0 +1,188 @@
+"""LAMB, and 1-bit LAMB (Li et al., arXiv 2104.06069): LAMB whose momentum crosses the network in 1 bit.
+
+LAMB (without bias correction, as 1-bit LAMB defines it) scales each tensor's Adam-style update
+``u = m / (sqrt(v) + eps) + wd p`` by a trust ratio ``clamp(||p|| / ||u||, min_coeff, max_coeff)``.
+:class:`Lamb` is that optimizer, plain (use it with DDP); it is 1-bit LAMB's warm-up and the
+reference the tests compare against.
+
+:class:`OnebitLamb` runs :class:`Lamb`'s update for ``freeze_step`` steps on DDP-averaged
+gradients while keeping an exponential moving average of each tensor's trust ratio (the frozen
+coefficient). After warm-up the variance ``v`` freezes; each step exchanges the group's momentum in
+1 bit (one flat buffer, worker and server error feedback), reconstructs the averaged gradient
+from the momentum change to keep a *fresh* variance estimate, and scales the frozen coefficient
+by how far the fresh variance moved: ``factor = max(denominator / fresh denominator)``, mixed
+towards 1 by the share of the update that is weight decay, clamped to
+``[factor_min, factor_max]`` and to ``+-factor_threshold`` of the previous step's factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.config import OnebitLambConfig
+
+
+def _init_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def lamb_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], max_coeff: float,
+                 min_coeff: float) -> float:
+    """One LAMB step of ``p`` from ``p.grad``, in place; returns the trust ratio it used.
+
+    Args:
+        p: the parameter (its ``grad`` is the gradient to apply).
+        state: its state (``exp_avg``, ``exp_avg_sq``, ``step``), created when empty.
+        group: its param group (``lr``, ``betas``, ``eps``, ``weight_decay``).
+        max_coeff, min_coeff: the trust ratio's bounds.
+
+    Returns:
+        The clamped trust ratio ``||p|| / ||update||`` (1 where either norm is 0).
+    """
+    _init_state(state, p)
+    beta1, beta2 = group["betas"]
+    state["step"] += 1
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    weight_norm, update_norm = p.norm().item(), update.norm().item()
+    coeff = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
+    coeff = min(max(coeff, min_coeff), max_coeff)
+    p.add_(update, alpha=-group["lr"] * coeff)
+    return coeff
+
+
+class Lamb(torch.optim.Optimizer):
+    """Plain LAMB (1-bit LAMB's warm-up; use it with DDP). Arguments as :class:`OnebitLamb`'s.
+
+    Raises:
+        ValueError: invalid hyperparameters.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, max_coeff: float = 10.0, min_coeff: float = 0.01):
+        check_hyperparameters("Lamb", lr, betas, eps, weight_decay)
+        OnebitLambConfig(max_coeff=max_coeff, min_coeff=min_coeff)  # the same validation
+        self.max_coeff, self.min_coeff = max_coeff, min_coeff
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One LAMB step of every parameter with a gradient.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    lamb_update_(p, self.state[p], group, self.max_coeff, self.min_coeff)
+        return loss
+
+
+class OnebitLamb(CompressedOptimizer):
+    """1-bit LAMB for a model replicated on every rank (do not wrap it in DDP).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps: as LAMB's.
+        weight_decay: added to the update before the trust ratio (LAMB's decoupled decay).
+        config: the 1-bit settings (:class:`OnebitLambConfig`).
+        process_group: the data-parallel group.
+        momentum_masks: ``{parameter: 0/1 mask}`` applied to the exchanged momentum.
+
+    Raises:
+        ValueError: invalid hyperparameters, config or masks.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitLambConfig | None = None,
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
+        check_hyperparameters("OnebitLamb", lr, betas, eps, weight_decay)
+        self.config = config if config is not None else OnebitLambConfig()
+        if not isinstance(self.config, OnebitLambConfig):
+            raise ValueError(f"OnebitLamb: config must be an OnebitLambConfig, got {type(self.config).__name__}.")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step: LAMB on averaged gradients during warm-up, then the 1-bit exchange.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        if self.step_count <= self.config.freeze_step:
+            self.average_gradients_()
+            for group in self.param_groups:
+                for p in self.params_with_grad(group):
+                    self._warmup_update(p, group)
+        else:
+            for index, group in enumerate(self.param_groups):
+                self._compressed_step(index, group)
+        return loss
+
+    def _warmup_update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        cfg, state = self.config, self.state[p]
+        coeff = lamb_update_(p, state, group, cfg.max_coeff, cfg.min_coeff)
+        frozen = state.get("lamb_coeff_freeze", 0.0)
+        state["lamb_coeff_freeze"] = cfg.coeff_beta * frozen + (1 - cfg.coeff_beta) * coeff
+        state["last_factor"] = 1.0
+
+    def _compressed_step(self, index: int, group: dict[str, Any]) -> None:
+        params = self.params_with_grad(group)
+        if not params:
+            return
+        beta1 = group["betas"][0]
+        states = [_init_state(self.state[p], p) for p in params]
+        previous = [s["exp_avg"].clone() for s in states]
+        for p, state in zip(params, states):
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        self.exchange_momentum_(index, [s["exp_avg"] for s in states], params)
+        for p, state, last in zip(params, states, previous):
+            self._frozen_update(p, state, last, group)
+
+    def _frozen_update(self, p: torch.Tensor, state: dict[str, Any], last_momentum: torch.Tensor,
+                       group: dict[str, Any]) -> None:
+        cfg = self.config
+        beta1, beta2 = group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        state["step"] += 1
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        fresh = state.setdefault("exp_avg_sq_fresh", exp_avg_sq.clone())
+        # The averaged gradient this step, recovered from how the synchronised momentum moved.
+        grad = (exp_avg - last_momentum.mul_(beta1)).div_(1 - beta1)
+        fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = exp_avg_sq.sqrt().add_(eps)
+        prelim = exp_avg / denom
+        update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
+        factor = (denom / fresh.sqrt().add_(eps)).max().item()
+        if weight_decay:
+            update_norm = update.norm().item()
+            ratio = min(1.0, prelim.norm().item() / update_norm) if update_norm > 0 else 1.0
+            factor = factor * ratio + (1 - ratio)
+        factor = min(max(factor, cfg.factor_min), cfg.factor_max)
+        last = state.get("last_factor", 1.0)
+        factor = min(max(factor, last * (1 - cfg.factor_threshold)), last * (1 + cfg.factor_threshold))
+        state["last_factor"] = factor
+        p.add_(update, alpha=-group["lr"] * state.get("lamb_coeff_freeze", 1.0) * factor)

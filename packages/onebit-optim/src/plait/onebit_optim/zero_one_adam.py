@@ -1,0 +1,179 @@
+"""0/1 Adam (Lu et al., arXiv 2202.06009): adaptive variance freezing and 1-bit local steps.
+
+Adam without bias correction (as 0/1 Adam defines it): ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
+There is no full-precision warm-up; the schedule has two phases.
+
+**Variance phase** (steps ``1..var_freeze_step``). The variance is updated only on *variance
+steps*, which all-reduce the gradient in full precision; every other step exchanges the gradient
+in 1 bit (worker and server error feedback) and updates only the momentum. Variance steps start
+every step and their interval doubles after every ``var_update_scaler`` of them, so they become
+rare as the variance settles.
+
+**Local-step phase** (after ``var_freeze_step``). The variance is frozen. Each rank steps on its
+own gradient; every ``local_step_interval`` steps the ranks synchronise: the parameter change
+since the last synchronisation, rescaled by the frozen denominator into accumulated momentum
+``u``, is exchanged in 1 bit, the momentum becomes ``-u / sum(lr)`` and the parameters become
+the last synchronised ones plus the averaged change. The interval doubles every
+``local_step_scaler`` steps, up to ``local_step_clipper``. The error buffers are zeroed when
+this phase starts: they held gradient error, and now carry accumulated-momentum error.
+
+Difference from DeepSpeed's implementation, on purpose: the synchronisation restarts from a
+stored copy of the last synchronised parameters (``anchor``) instead of subtracting the
+accumulated change again, so replicas are bitwise equal after every synchronisation (subtracting
+leaves each rank its own rounding). It costs the same memory: the anchor replaces DeepSpeed's
+momentum accumulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters
+from plait.onebit_optim.config import ZeroOneAdamConfig
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    """0/1 Adam for a model replicated on every rank (do not wrap it in DDP).
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps: as Adam's.
+        weight_decay: decoupled weight decay added to the update.
+        config: the schedule (:class:`ZeroOneAdamConfig`).
+        process_group: the data-parallel group.
+        momentum_masks: ``{parameter: 0/1 mask}`` applied to everything exchanged in 1 bit.
+
+    Raises:
+        ValueError: invalid hyperparameters, config or masks.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, config: ZeroOneAdamConfig | None = None,
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
+        check_hyperparameters("ZeroOneAdam", lr, betas, eps, weight_decay)
+        self.config = config if config is not None else ZeroOneAdamConfig()
+        if not isinstance(self.config, ZeroOneAdamConfig):
+            raise ValueError(f"ZeroOneAdam: config must be a ZeroOneAdamConfig, got {type(self.config).__name__}.")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, process_group=process_group, momentum_masks=momentum_masks)
+        self.var_interval, self.var_counter = 1, 0
+        self.local_step_interval, self.local_step_counter = 1, 0
+        self.lr_sums = [0.0] * len(self.param_groups)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the local-step phase has started (the last step was past ``var_freeze_step``)."""
+        return self.step_count > self.config.var_freeze_step
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The step counter and the two schedules' counters."""
+        return {"step_count": self.step_count, "var_interval": self.var_interval, "var_counter": self.var_counter,
+                "local_step_interval": self.local_step_interval, "local_step_counter": self.local_step_counter,
+                "lr_sums": list(self.lr_sums)}
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`onebit_state`."""
+        self.step_count = state["step_count"]
+        self.var_interval, self.var_counter = state["var_interval"], state["var_counter"]
+        self.local_step_interval = state["local_step_interval"]
+        self.local_step_counter = state["local_step_counter"]
+        self.lr_sums = list(state["lr_sums"])
+
+    def is_variance_step(self, step: int) -> bool:
+        """Whether step ``step`` (1-based, in the variance phase) all-reduces and updates the variance."""
+        return step % self.var_interval == 0
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step of the current phase.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_count += 1
+        if not self.frozen:
+            self._variance_phase_step()
+        else:
+            if self.step_count == self.config.var_freeze_step + 1:
+                self._enter_local_phase()
+            for index, group in enumerate(self.param_groups):
+                self._local_step(index, group)
+            self.local_step_counter += 1
+            if self.local_step_counter == self.config.local_step_scaler:
+                self.local_step_counter = 0
+                self.local_step_interval = min(self.config.local_step_clipper, self.local_step_interval * 2)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _variance_phase_step(self) -> None:
+        variance_step = self.is_variance_step(self.step_count)
+        if variance_step:
+            self.average_gradients_()
+        for index, group in enumerate(self.param_groups):
+            params = self.params_with_grad(group)
+            if not params:
+                continue
+            if not variance_step:
+                self.exchange_momentum_(index, [p.grad for p in params], params)
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state = self._state(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                if variance_step:
+                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                p.sub_(self._update(p, state, group), alpha=group["lr"])
+        if variance_step:
+            self.var_counter += 1
+            if self.var_counter == self.config.var_update_scaler:
+                self.var_counter = 0
+                self.var_interval *= 2
+
+    def _enter_local_phase(self) -> None:
+        for index, group in enumerate(self.param_groups):
+            self.exchange(index).reset_errors()
+            for p in group["params"]:
+                self._state(p)["anchor"] = p.detach().clone()
+
+    def _local_step(self, index: int, group: dict[str, Any]) -> None:
+        params = self.params_with_grad(group)
+        if not params:
+            return
+        beta1 = group["betas"][0]
+        for p in params:
+            state = self._state(p)
+            state["step"] += 1
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            p.sub_(self._update(p, state, group), alpha=group["lr"])
+        self.lr_sums[index] += group["lr"]
+        if self.step_count % self.local_step_interval == 0:
+            self._synchronise(index, group, params)
+
+    def _synchronise(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        denoms = [s["exp_avg_sq"].sqrt().add_(group["eps"]) for s in states]
+        accumulated = [(p - s["anchor"]).mul_(d) for p, s, d in zip(params, states, denoms)]
+        self.exchange_momentum_(index, accumulated, params)
+        for p, state, denom, u in zip(params, states, denoms, accumulated):
+            state["exp_avg"].copy_(u).div_(-self.lr_sums[index])
+            p.copy_(state["anchor"].add_(u.div_(denom)))
+        self.lr_sums[index] = 0.0
+
+    @staticmethod
+    def _update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+        return update.add_(p, alpha=group["weight_decay"]) if group["weight_decay"] else update

@@ -1,0 +1,132 @@
+"""The ulysses-sp benchmark suite (``plait bench ulysses-sp [--quick]``).
+
+The longest sequence that trains (forward + backward + AdamW step) with every rank's peak resident
+memory under a fixed cap, 2 gloo ranks, the 27.8M-parameter Llama of :mod:`.workload`:
+
+* for each length of a doubling series, every variant still under the cap runs one step in fresh
+  processes (variants interleaved per length) and reports its ranks' peak RSS; a variant stops
+  at its first length over the cap;
+* rows: longest length under the cap per variant, ALST against the baseline (target >= 4x) and
+  against DeepSpeed's ALST (target >= 1x); step time of one global sequence at the baseline's
+  longest length, ALST against the baseline, alternating A B A B (target <= 1.1x);
+* a PNG of peak memory against sequence length for every variant, the cap drawn in.
+
+The cap (``CAP_GIB``) is the model states of this model (parameters, gradients, AdamW's two
+moments: 0.45 GiB) plus the process's own runtime (torch + transformers: ~0.4 GiB) plus 0.4 GiB
+for activations; the CPU machine cannot run the anchor's multi-GiB caps in minutes (attention
+is quadratic and one core per rank computes it).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from plait.kernels.bench import BenchRow
+from plait.kernels.testing.distributed import run_distributed
+from plait.ulysses_sp import settings
+from plait.ulysses_sp.benchmarks.workload import VARIANTS, run_variant
+
+CAP_GIB = 1.25
+ALST_TARGET, DEEPSPEED_TARGET, TIME_TARGET = 4.0, 1.0, 1.1
+
+
+def run(quick: bool) -> list[BenchRow]:
+    """Run the suite.
+
+    Args:
+        quick: lengths up to 8k tokens and one timing round (about 3 minutes on 2 cores) instead
+            of up to 16k and two rounds.
+
+    Returns:
+        The table's rows.
+    """
+    lengths = [1024, 2048, 4096, 8192] + ([] if quick else [16384])
+    peaks = _memory_series(lengths)
+    longest = {v: max((n for n, p in peaks[v].items() if p <= CAP_GIB), default=0) for v in VARIANTS}
+    rows = _length_rows(longest, lengths)
+    rows += _timing_rows(longest["baseline"], rounds=1 if quick else 2)
+    rows += [BenchRow(benchmark=f"peak RSS/rank, {v}, {n} tokens", figure="GiB", ours=round(p, 3),
+                      note="over the cap" if p > CAP_GIB else "") for v in VARIANTS for n, p in peaks[v].items()]
+    plot = _plot(peaks, quick)
+    if plot:
+        rows.append(BenchRow(benchmark="peak memory vs sequence length", figure="plot", ours=float(len(peaks)),
+                             note=f"PNG: {plot}"))
+    return rows
+
+
+def _memory_series(lengths: list[int]) -> dict[str, dict[int, float]]:
+    peaks: dict[str, dict[int, float]] = {v: {} for v in VARIANTS}
+    alive = set(VARIANTS)
+    for seq in lengths:
+        for variant in VARIANTS:
+            if variant not in alive:
+                continue
+            ranks = run_distributed(run_variant, 2, variant, seq, 1, timeout=600)
+            peaks[variant][seq] = max(r["peak_rss_gib"] for r in ranks)
+            print(f"ulysses-sp bench: {variant:15s} {seq:6d} tokens  peak {peaks[variant][seq]:.2f} GiB/rank",
+                  flush=True)
+            if peaks[variant][seq] > CAP_GIB:
+                alive.discard(variant)
+    return peaks
+
+
+def _length_rows(longest: dict[str, int], lengths: list[int]) -> list[BenchRow]:
+    top = lengths[-1]
+    note = f"cap {CAP_GIB} GiB peak RSS/rank; series {lengths[0]}..{top}"
+    base, alst, ds = longest["baseline"], longest["ulysses+alst"], longest["deepspeed-alst"]
+    capped = " (fits the longest length tried: a lower bound)" if alst == top else ""
+    rows = [BenchRow(benchmark=f"longest sequence, {v}", figure="tokens", ours=float(longest[v]), note=note)
+            for v in VARIANTS]
+    rows.append(BenchRow(benchmark="longest sequence, ulysses+alst vs baseline", figure="tokens", ours=float(alst),
+                         peer="baseline (no SP, no tiling)", peer_value=float(base),
+                         ratio=alst / base if base else None, target=f">= {ALST_TARGET}",
+                         passed=(alst / base >= ALST_TARGET) if base else None, note=note + capped))
+    rows.append(BenchRow(benchmark="longest sequence, ulysses+alst vs DeepSpeed ALST", figure="tokens",
+                         ours=float(alst), peer="DeepSpeed 0.19.8 UlyssesSPAttentionHF + TiledMLP + "
+                         "TiledFusedLogitsLoss", peer_value=float(ds), ratio=alst / ds if ds else None,
+                         target=f">= {DEEPSPEED_TARGET}", passed=(alst / ds >= DEEPSPEED_TARGET) if ds else None,
+                         note=note + capped))
+    return rows
+
+
+def _timing_rows(seq: int, *, rounds: int) -> list[BenchRow]:
+    """Step time of one global sequence of ``seq`` tokens: ALST on 2 sp ranks vs the baseline's step."""
+    if not seq:
+        return [BenchRow(benchmark="step time at the baseline's longest length", figure="s", ours=float("nan"),
+                         note="the baseline fits no length of the series")]
+    times: dict[str, list[float]] = {"baseline": [], "ulysses+alst": []}
+    for _ in range(rounds):  # A B A B: each call 4 steps, the first one dropped
+        for variant in times:
+            ranks = run_distributed(run_variant, 2, variant, seq, 4, timeout=600)
+            times[variant].append(max(r["step_s"] for r in ranks))
+    base, alst = statistics.median(times["baseline"]), statistics.median(times["ulysses+alst"])
+    return [BenchRow(benchmark=f"step time, {seq} tokens, ulysses+alst vs baseline", figure="s", ours=round(alst, 3),
+                     peer="baseline (no SP, no tiling)", peer_value=round(base, 3), ratio=alst / base,
+                     target=f"<= {TIME_TARGET}", passed=alst / base <= TIME_TARGET,
+                     note=f"median of {rounds} alternating runs of 3 timed steps; the baseline's ranks each "
+                          "process the whole sequence, the SP ranks share it")]
+
+
+def _plot(peaks: dict[str, dict[int, float]], quick: bool) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    out = settings.bench_plot_directory() / f"ulysses-sp-memory{'-quick' if quick else ''}.png"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, series in peaks.items():
+        ax.plot(list(series), list(series.values()), marker="o", label=variant)
+    ax.axhline(CAP_GIB, color="grey", linestyle="--", label=f"cap {CAP_GIB} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens, global)")
+    ax.set_ylabel("peak RSS per rank (GiB)")
+    ax.set_title("plait ulysses-sp: 27.8M Llama, 2 ranks, CPU")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)

@@ -1,0 +1,159 @@
+"""ALST's tiling: run a sequence-local function chunk by chunk, keep only its input, recompute in backward.
+
+An MLP or the logits + cross-entropy act on every token independently, so splitting the
+sequence changes nothing but the peak: the ``[S, intermediate]`` MLP activations and the
+``[S, vocab]`` logits (the largest tensors of a long-sequence step) exist one chunk at a time, in
+forward and in backward. :class:`_TiledRecompute` is the one mechanism: forward under
+``no_grad`` chunk by chunk, saving the input only; backward recomputes each chunk with grad and
+asks ``torch.autograd.grad`` for the input's and the parameters' gradients, summed over chunks.
+Parameter gradients are returned once per backward (not accumulated per chunk), so per-parameter
+gradient hooks (ZeRO's reduce) fire once, as they would untiled.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.ulysses_sp.sharding import IGNORE_INDEX
+
+
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """``length`` split into ``min(chunks, length)`` near-equal sizes (the first ones one larger)."""
+    chunks = max(1, min(chunks, length))
+    base, extra = divmod(length, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+class _TiledRecompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, fn: Callable, sizes: list[int], combine: str, x: torch.Tensor, *params: torch.Tensor):
+        ctx.fn, ctx.sizes, ctx.combine, ctx.params = fn, sizes, combine, params
+        ctx.save_for_backward(x)
+        outs = [fn(i, part) for i, part in enumerate(x.split(sizes, dim=1))]
+        return torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (x,) = ctx.saved_tensors
+        wanted = [p for p in ctx.params if p.requires_grad]
+        grad_x = [] if ctx.needs_input_grad[3] else None
+        grad_p: list[torch.Tensor | None] = [None] * len(wanted)
+        grads = grad.split(ctx.sizes, dim=1) if ctx.combine == "cat" else [grad] * len(ctx.sizes)
+        for i, part in enumerate(x.split(ctx.sizes, dim=1)):
+            part = part.detach().requires_grad_(grad_x is not None)
+            with torch.enable_grad():
+                out = ctx.fn(i, part)
+            inputs = ([part] if grad_x is not None else []) + wanted
+            got = torch.autograd.grad(out, inputs, grads[i], allow_unused=True)
+            if grad_x is not None:
+                grad_x.append(got[0])
+                got = got[1:]
+            grad_p = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(grad_p, got, strict=True)]
+        it = iter(grad_p)
+        param_grads = [next(it) if p.requires_grad else None for p in ctx.params]
+        return (None, None, None, torch.cat(grad_x, dim=1) if grad_x is not None else None, *param_grads)
+
+
+def tiled_apply(fn: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor], *,
+                chunks: int, combine: str = "cat") -> torch.Tensor:
+    """Apply ``fn`` to sequence chunks of ``x`` (dim 1), saving only ``x``; recompute in backward.
+
+    Args:
+        fn: ``fn(chunk_index, x_chunk) -> tensor``; must be sequence-local (a token's output
+            depends only on that token) and deterministic.
+        x: ``[B, S, ...]``.
+        params: every tensor ``fn`` reads that needs a gradient (a module's parameters).
+        chunks: how many chunks.
+        combine: ``"cat"`` (outputs along dim 1) or ``"sum"`` (e.g. a loss per chunk).
+
+    Returns:
+        The combined output, differentiable in ``x`` and ``params``.
+    """
+    if combine not in ("cat", "sum"):
+        raise ValueError(f"combine={combine!r} must be 'cat' or 'sum'.")
+    sizes = chunk_sizes(x.shape[1], chunks)
+    if not torch.is_grad_enabled():
+        outs = [fn(i, part) for i, part in enumerate(x.split(sizes, dim=1))]
+        return torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)
+    return _TiledRecompute.apply(fn, sizes, combine, x, *params)
+
+
+class TiledMLP(nn.Module):
+    """Any token-wise module (an MLP) run in sequence chunks, recomputed in backward.
+
+    Args:
+        mlp: the module; input ``[B, S, hidden]``.
+        chunks: sequence chunks (ALST uses about ``ceil(S / hidden)``).
+    """
+
+    def __init__(self, mlp: nn.Module, *, chunks: int) -> None:
+        super().__init__()
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"TiledMLP(chunks={chunks!r}) must be a positive int.")
+        self.mlp, self.chunks = mlp, chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(x)``, chunked."""
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        return tiled_apply(lambda _, part: self.mlp(part), x, params, chunks=self.chunks)
+
+
+def tile_mlp(module: nn.Module, *, chunks: int) -> None:
+    """Make ``module``'s own forward tiled in place (parameter names unchanged); :func:`untile_mlp` undoes it.
+
+    Idempotent: tiling again only changes the chunk count.
+    """
+    cls_forward = type(module).forward
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return tiled_apply(lambda _, part: cls_forward(self, part, *args, **kwargs), x, params, chunks=chunks)
+
+    module.forward = types.MethodType(forward, module)
+    module._plait_tiled_chunks = chunks
+
+
+def untile_mlp(module: nn.Module) -> None:
+    """Undo :func:`tile_mlp` (a no-op on a module that is not tiled)."""
+    if "forward" in vars(module) and hasattr(module, "_plait_tiled_chunks"):
+        del module.forward
+        del module._plait_tiled_chunks
+
+
+def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunks: int,
+                        bias: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of the cross-entropy of ``hidden @ weight.T`` against ``labels``, never holding all logits.
+
+    Logits exist one sequence chunk at a time (``[B, S/chunks, V]``, in fp32 for the softmax), in
+    forward and in the recomputing backward.
+
+    Args:
+        hidden: ``[B, S, h]`` final hidden states.
+        weight: the LM head ``[V, h]``.
+        labels: ``[B, S]`` targets already aligned with ``hidden`` (shifted), ``ignore_index`` skipped.
+        chunks: sequence chunks.
+        bias: the LM head's bias, if any.
+        ignore_index: label value that contributes nothing.
+
+    Returns:
+        The fp32 scalar sum over counted tokens (divide by the token count yourself, e.g. with
+        :func:`plait.ulysses_sp.sp_token_count`).
+    """
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(f"labels {tuple(labels.shape)} must match hidden states' [B, S] {tuple(hidden.shape[:2])}.")
+    sizes = chunk_sizes(hidden.shape[1], chunks)
+    label_parts = labels.split(sizes, dim=1)
+
+    def chunk_loss(i: int, part: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(part, weight, bias).float()
+        return F.cross_entropy(logits.flatten(0, 1), label_parts[i].flatten(), ignore_index=ignore_index,
+                               reduction="sum")
+
+    params = [t for t in (weight, bias) if t is not None and t.requires_grad]
+    return tiled_apply(chunk_loss, hidden, params, chunks=chunks, combine="sum")

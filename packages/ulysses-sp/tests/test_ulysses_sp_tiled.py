@@ -1,0 +1,143 @@
+"""Tiled MLP, tiled logits + cross-entropy and the offloaded checkpoint against their untiled torch
+references: outputs and gradients (input and parameters), on a standard torch MLP and an HF
+Llama MLP; the tiled loss never builds the full logits; gradient hooks fire once per backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.kernels.tolerances import tolerance
+from plait.ulysses_sp import TiledMLP, offloaded_checkpoint, tile_mlp, tiled_cross_entropy, untile_mlp
+from plait.ulysses_sp.tiled import chunk_sizes
+
+TOL = tolerance("tiled_recompute", torch.float32)
+
+
+def _swiglu_mlp(hidden: int = 16, inner: int = 40) -> nn.Module:
+    class SwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(hidden, inner), nn.Linear(hidden, inner), nn.Linear(inner, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    return SwiGLU()
+
+
+def _grads(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = x.clone().requires_grad_(True)
+    out = module(x)
+    (out * weight).sum().backward()
+    return (out.detach(), x.grad, *(p.grad for p in module.parameters()))
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 7, 64])
+def test_tiled_mlp_equals_untiled(chunks):
+    mlp = _swiglu_mlp()
+    x = torch.randn(2, 23, 16)  # 23 tokens: uneven chunks; 64 chunks > 23 tokens -> one token each
+    weight = torch.randn(2, 23, 16)
+    want = _grads(copy.deepcopy(mlp), x, weight)
+    got = _grads(TiledMLP(mlp, chunks=chunks), x, weight)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        TOL.assert_close(g, w, what=f"tiled mlp chunks={chunks} tensor {i}")
+
+
+def test_tile_mlp_on_hf_llama_mlp_in_place_and_reversible():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=32, intermediate_size=88, hidden_act="silu"))
+    names = [n for n, _ in mlp.named_parameters()]
+    x, weight = torch.randn(1, 17, 32), torch.randn(1, 17, 32)
+    want = _grads(copy.deepcopy(mlp), x, weight)
+    tile_mlp(mlp, chunks=4)
+    assert [n for n, _ in mlp.named_parameters()] == names  # state dict keys unchanged
+    for i, (g, w) in enumerate(zip(_grads(mlp, x, weight), want, strict=True)):
+        TOL.assert_close(g, w, what=f"llama mlp tensor {i}")
+    untile_mlp(mlp)
+    assert "forward" not in vars(mlp)
+
+
+def test_tiled_mlp_parameter_hooks_fire_once_per_backward():
+    mlp = _swiglu_mlp()
+    calls = []
+    for p in mlp.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    TiledMLP(mlp, chunks=5)(torch.randn(1, 20, 16)).sum().backward()
+    assert len(calls) == len(list(mlp.parameters()))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_cross_entropy_equals_full_logits(bias):
+    torch.manual_seed(1)
+    head = nn.Linear(16, 50, bias=bias)
+    hidden = torch.randn(2, 19, 16)
+    labels = torch.randint(0, 50, (2, 19))
+    labels[0, :5] = -100
+    labels[1, -1] = -100
+
+    h1 = hidden.clone().requires_grad_(True)
+    ref = F.cross_entropy(head(h1).float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    ref.backward()
+    want = (ref.detach(), h1.grad, head.weight.grad.clone(), *([head.bias.grad.clone()] if bias else []))
+    head.zero_grad()
+
+    h2 = hidden.clone().requires_grad_(True)
+    got_loss = tiled_cross_entropy(h2, head.weight, labels, chunks=4, bias=head.bias)
+    got_loss.backward()
+    got = (got_loss.detach(), h2.grad, head.weight.grad, *([head.bias.grad] if bias else []))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        TOL.assert_close(g, w, what=f"tiled loss tensor {i}")
+
+
+def test_tiled_cross_entropy_never_builds_full_logits(monkeypatch):
+    seen = []
+    real_linear = F.linear
+
+    def spy(x, w, b=None):
+        out = real_linear(x, w, b)
+        seen.append(out.shape[1])
+        return out
+
+    monkeypatch.setattr(F, "linear", spy)
+    head = nn.Linear(8, 30, bias=False)
+    hidden = torch.randn(1, 40, 8, requires_grad=True)
+    tiled_cross_entropy(hidden, head.weight, torch.randint(0, 30, (1, 40)), chunks=8).backward()
+    assert seen and max(seen) == 5  # 40 tokens / 8 chunks, in forward and in the recomputing backward
+
+
+def test_chunk_sizes_and_bad_input():
+    assert chunk_sizes(10, 3) == [4, 3, 3]
+    assert chunk_sizes(2, 5) == [1, 1]
+    with pytest.raises(ValueError, match="chunks"):
+        TiledMLP(nn.Identity(), chunks=0)
+    with pytest.raises(ValueError, match="labels"):
+        tiled_cross_entropy(torch.randn(1, 4, 8), torch.randn(3, 8), torch.zeros(1, 5, dtype=torch.long), chunks=2)
+
+
+def test_offloaded_checkpoint_equals_plain_backward_and_keeps_a_host_copy():
+    torch.manual_seed(2)
+    layer = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.GELU(), nn.Linear(32, 16))
+    x, weight = torch.randn(3, 9, 16), torch.randn(3, 9, 16)
+    ref_layer = copy.deepcopy(layer)
+
+    torch.manual_seed(5)
+    x1 = x.clone().requires_grad_(True)
+    (ref_layer(x1) * weight).sum().backward()
+
+    torch.manual_seed(5)  # same dropout mask, replayed by the recompute
+    x2 = x.clone().requires_grad_(True)
+    out = offloaded_checkpoint(layer, x2)
+    assert out.grad_fn is not None and out.grad_fn.host_input.data_ptr() != x2.data_ptr()
+    (out * weight).sum().backward()
+    TOL.assert_close(x2.grad, x1.grad, what="offloaded checkpoint dx")
+    for (name, p), q in zip(layer.named_parameters(), ref_layer.parameters(), strict=True):
+        TOL.assert_close(p.grad, q.grad, what=f"offloaded checkpoint d{name}")
