@@ -8,6 +8,11 @@ plait-universal-ckpt saves and reshards through this description alone, without 
 producer. Loading follows the DCP pattern: the *target* layout produces its own sharded state
 dict (local tensors that alias live storage), the consumer fills those tensors in place, then
 calls ``load_sharded_state_dict`` so the producer can refresh anything derived from them.
+
+A state dict maps a key to a :class:`ShardedTensor`; the key is the spec's ``name``, except that a
+rank holding several disjoint pieces of one tensor (a tensor-parallel shard of a fused
+``[q|k|v]`` weight is three boxes of the consolidated tensor) keys them ``piece_key(name, i)``
+with the same ``spec.name``. Consumers identify tensors by ``spec.name``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class ShardSpec:
         slices: per-dimension ``(start, stop)``; len equals ``len(global_shape)``.
         replica_ranks: global ranks holding this identical piece, this rank included; the
             lowest one is the designated writer.
+        pattern: optional JSON-able description of how the consolidated tensor maps to
+            model-parallel pieces (plait-universal-ckpt's layout language: split dimension,
+            fused parts, vocabulary padding, ...); recorded in checkpoints for people and tools,
+            never needed to read the piece back.
     """
 
     name: str
@@ -47,6 +56,7 @@ class ShardSpec:
     flat_range: tuple[int, int] | None = None
     slices: tuple[tuple[int, int], ...] | None = None
     replica_ranks: tuple[int, ...] = (0,)
+    pattern: dict | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -152,6 +162,12 @@ class ShardedStateful(Protocol):
 
     def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
         """Accept pieces filled in place by a consumer."""
+
+
+def piece_key(name: str, index: int) -> str:
+    """State-dict key of a rank's ``index``-th piece of tensor ``name`` when it holds several
+    (index 0 keeps the plain name, so a single piece is keyed as before)."""
+    return name if index == 0 else f"{name}#{index}"
 
 
 def flat_overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:

@@ -3,7 +3,8 @@
 Checkpoints are directories with a JSON manifest (names, kinds, shapes, dtypes, where every
 piece lives, its size and hashes) and per-rank data files written in parallel. Saves commit
 atomically and move a ``latest`` pointer; loads reshard to any world size or ZeRO stage, reading
-only the byte ranges each rank needs, and verify hashes by default. See the package README for
+only the byte ranges each rank needs, and verify hashes by default. Model-parallel modules
+(tensor, pipeline, expert layouts) save in consolidated form through :func:`model_parallel`. See the package README for
 the on-disk format.
 """
 
@@ -20,7 +21,9 @@ _EXPORTS = {
     **dict.fromkeys(("CheckpointError", "CheckpointExistsError", "CheckpointFormatError", "CheckpointIntegrityError",
                      "CheckpointLayoutError", "CheckpointNotFoundError", "CheckpointWriteError", "SaveInFlightError"),
                     "errors"),
+    "TensorLayout": "layouts",
     **dict.fromkeys(("FORMAT_VERSION", "Layout", "Manifest", "TensorEntry"), "manifest"),
+    **dict.fromkeys(("ModelParallelConfig", "ModelParallelState", "layer_offset", "model_parallel"), "model_parallel"),
     **dict.fromkeys(("read_full", "read_manifest", "verify_checkpoint"), "reader"),
     "SaveHandle": "saver",
 }
@@ -38,7 +41,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         CheckpointWriteError,
         SaveInFlightError,
     )
+    from plait.universal_ckpt.layouts import TensorLayout
     from plait.universal_ckpt.manifest import FORMAT_VERSION, Layout, Manifest, TensorEntry
+    from plait.universal_ckpt.model_parallel import (
+        ModelParallelConfig,
+        ModelParallelState,
+        layer_offset,
+        model_parallel,
+    )
     from plait.universal_ckpt.reader import read_full, read_manifest, verify_checkpoint
     from plait.universal_ckpt.saver import SaveHandle
 
@@ -58,6 +68,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "FORMAT_VERSION", "CheckpointConfig", "CheckpointError", "CheckpointExistsError", "CheckpointFormatError",
     "CheckpointIntegrityError", "CheckpointLayoutError", "CheckpointManager", "CheckpointNotFoundError",
-    "CheckpointWriteError", "Layout", "Manifest", "RNGState", "SaveHandle", "SaveInFlightError", "TensorEntry",
-    "latest", "load", "read_full", "read_manifest", "save", "verify_checkpoint", "wait_pending",
+    "CheckpointWriteError", "Layout", "Manifest", "ModelParallelConfig", "ModelParallelState", "RNGState",
+    "SaveHandle", "SaveInFlightError", "TensorEntry", "TensorLayout", "latest", "layer_offset", "load",
+    "model_parallel", "read_full", "read_manifest", "save", "verify_checkpoint", "wait_pending",
 ]

@@ -55,6 +55,11 @@ class ShardedAdapter(Adapter):
         return self.producer.sharded_state_dict()
 
     def tensors_for_load(self, saved: dict[str, TensorEntry]) -> dict[str, ShardedTensor]:
+        # Optional producer hook: allocate state the checkpoint holds and a fresh target lacks
+        # (a torch optimizer's lazily created moments).
+        prepare = getattr(self.producer, "prepare_load", None)
+        if prepare is not None:
+            prepare(saved)
         return self.producer.sharded_state_dict()
 
     def finish_load(self, tensors: dict[str, ShardedTensor], obj: Any) -> None:

@@ -124,7 +124,8 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
             problems.append(f"key {adapter.key!r} is not in the checkpoint (it has {manifest.keys})")
             continue
         targets = adapter.tensors_for_load(saved)
-        for name, target in targets.items():
+        for target in targets.values():
+            name = target.spec.name  # several pieces of one tensor share it (piece_key)
             entry = saved.get(name)
             if entry is None:
                 problems.append(f"{adapter.key}/{name} is not in the checkpoint")
@@ -138,7 +139,7 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
     staged, objects, error = {}, {}, None
     try:
         objects = read_objects(ckpt, manifest, g.rank, verify=verify)
-        jobs = {(adapter.key, name): (manifest.tensors[f"{adapter.key}/{name}"], target.spec)
+        jobs = {(adapter.key, name): (manifest.tensors[f"{adapter.key}/{target.spec.name}"], target.spec)
                 for adapter, targets in plans for name, target in targets.items()}
         # File reads and hashlib both release the GIL, so two threads overlap reading and hashing.
         with concurrent.futures.ThreadPoolExecutor(max_workers=READ_THREADS) as pool:

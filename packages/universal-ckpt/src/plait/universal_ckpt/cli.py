@@ -73,7 +73,7 @@ def _size(nbytes: float) -> str:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Print the layout, a table of tensors and the integrity status; 1 when a check fails."""
-    from plait.universal_ckpt import directory
+    from plait.universal_ckpt import directory, layouts
     from plait.universal_ckpt.reader import check_coverage, check_files, read_manifest, verify_checkpoint
 
     try:
@@ -89,8 +89,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     entries = sorted(manifest.tensors.values(), key=lambda e: e.full_name)
     shown = entries if args.limit == 0 else entries[:args.limit]
     rows = [(e.full_name, e.kind, e.dtype, "x".join(map(str, e.global_shape)) or "scalar", str(len(e.pieces)),
-             _size(e.nbytes)) for e in shown]
-    print(_table(rows, ("tensor", "kind", "dtype", "shape", "pieces", "size")))
+             _size(e.nbytes), layouts.describe(e.pattern)) for e in shown]
+    print(_table(rows, ("tensor", "kind", "dtype", "shape", "pieces", "size", "pattern")))
     if len(shown) < len(entries):
         print(f"... and {len(entries) - len(shown)} more (--limit 0 lists all)")
     by_kind: dict[str, int] = {}

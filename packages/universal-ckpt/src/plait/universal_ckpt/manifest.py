@@ -120,6 +120,8 @@ class TensorEntry:
         dtype: manifest dtype name.
         nbytes: bytes of the whole tensor.
         pieces: where its pieces are stored; together they cover it exactly once.
+        pattern: how the consolidated tensor maps to model-parallel pieces (the producer's
+            :class:`~plait.universal_ckpt.layouts.TensorLayout` as JSON), or None; informational.
     """
 
     key: str
@@ -129,6 +131,7 @@ class TensorEntry:
     dtype: str
     nbytes: int
     pieces: tuple[Piece, ...]
+    pattern: dict | None = None
 
     @property
     def full_name(self) -> str:
@@ -250,6 +253,13 @@ def _to_plain(manifest: Manifest) -> dict:
                 "slices": [list(s) for s in p.slices] if p.slices is not None else None,
                 "hashes": list(p.hashes)}
 
+    def entry(e: TensorEntry) -> dict:
+        body = {"key": e.key, "name": e.name, "kind": e.kind, "global_shape": list(e.global_shape),
+                "dtype": e.dtype, "nbytes": e.nbytes, "pieces": [piece(p) for p in e.pieces]}
+        if e.pattern is not None:  # written only when present: older manifests hash as before
+            body["pattern"] = e.pattern
+        return body
+
     return {
         "format_version": manifest.format_version,
         "step": manifest.step,
@@ -260,9 +270,7 @@ def _to_plain(manifest: Manifest) -> dict:
         "files": dict(sorted(manifest.files.items())),
         "objects": {str(rank): {"file": o.file, "nbytes": o.nbytes, "hash": o.hash, "keys": list(o.keys)}
                     for rank, o in sorted(manifest.objects.items())},
-        "tensors": {full: {"key": e.key, "name": e.name, "kind": e.kind, "global_shape": list(e.global_shape),
-                           "dtype": e.dtype, "nbytes": e.nbytes, "pieces": [piece(p) for p in e.pieces]}
-                    for full, e in sorted(manifest.tensors.items())},
+        "tensors": {full: entry(e) for full, e in sorted(manifest.tensors.items())},
         "user_meta": manifest.user_meta,
     }
 
@@ -276,7 +284,8 @@ def _from_plain(body: dict) -> Manifest:
 
     tensors = {
         full: TensorEntry(key=e["key"], name=e["name"], kind=e["kind"], global_shape=tuple(e["global_shape"]),
-                          dtype=e["dtype"], nbytes=int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]))
+                          dtype=e["dtype"], nbytes=int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]),
+                          pattern=e.get("pattern"))
         for full, e in body["tensors"].items()
     }
     objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=int(o["nbytes"]), hash=o["hash"],

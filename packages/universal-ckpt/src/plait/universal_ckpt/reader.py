@@ -5,7 +5,8 @@ a target rank wants (a flat range or a box of per-dimension slices), it reads on
 ranges of the stored pieces that overlap (widened to whole hash chunks when verifying) and
 places them. Flat-to-flat, the common ZeRO case, is pure interval arithmetic; any other mix
 maps the wanted elements through their global row-major index, which costs one int64 index per
-wanted element and is exact for every combination.
+wanted element and is exact for every combination; it then reads only the runs of a stored
+piece that hold wanted elements (a column block of a row-major box is read row by row).
 """
 
 from __future__ import annotations
@@ -134,6 +135,24 @@ def _read(ckpt: Path, manifest: Manifest, piece: Piece, dtype: torch.dtype, firs
     return torch.frombuffer(data, dtype=dtype)
 
 
+def _spans(pos: torch.Tensor, itemsize: int, grain: int) -> list[tuple[int, int]]:
+    """Element spans ``[first, last)`` of a stored piece that cover ``pos`` and touch no byte
+    ``grain`` block (hash chunk when verifying, one byte otherwise) outside them: a column of a
+    row-major piece is read row by row, not as one span over everything between its ends."""
+    ordered = torch.unique(pos)  # sorted
+    gaps = torch.nonzero(ordered[1:] != ordered[:-1] + 1).flatten() + 1
+    bounds = list(zip([0, *gaps.tolist()], [*gaps.tolist(), len(ordered)]))
+    spans: list[tuple[int, int]] = []
+    for lo, hi in bounds:
+        first, last = int(ordered[lo]), int(ordered[hi - 1]) + 1
+        # Runs whose blocks touch are read together (a block is read, and hashed, once).
+        if spans and (first * itemsize) // grain <= (spans[-1][1] * itemsize - 1) // grain + 1:
+            spans[-1] = (spans[-1][0], last)
+        else:
+            spans.append((first, last))
+    return spans
+
+
 def read_region(ckpt: Path, manifest: Manifest, entry: TensorEntry, target: ShardSpec, *,
                 verify: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Read the part of a saved tensor that ``target`` describes, from whatever pieces hold it.
@@ -176,8 +195,15 @@ def read_region(ckpt: Path, manifest: Manifest, entry: TensorEntry, target: Shar
             mask, pos = _positions_in_piece(piece, entry.global_shape, index)
             if not pos.numel():
                 continue
-            first, last = int(pos.min()), int(pos.max()) + 1
-            out[mask] = _read(ckpt, manifest, piece, dtype, first, last, verify)[pos - first]
+            spans = _spans(pos, dtype.itemsize, manifest.chunk_bytes if verify else 1)
+            firsts = torch.tensor([first for first, _ in spans], dtype=torch.int64)
+            lengths = torch.tensor([last - first for first, last in spans], dtype=torch.int64)
+            starts = torch.cumsum(lengths, 0) - lengths  # where each span lands in ``buffer``
+            buffer = torch.empty(int(lengths.sum()), dtype=dtype)
+            for (first, last), at in zip(spans, starts.tolist()):
+                _read(ckpt, manifest, piece, dtype, first, last, verify, into=buffer[at:at + last - first])
+            span = torch.searchsorted(firsts, pos, right=True) - 1
+            out[mask] = buffer[starts[span] + pos - firsts[span]]
             covered += pos.numel()
     if covered != target.local_numel:
         raise CheckpointFormatError(

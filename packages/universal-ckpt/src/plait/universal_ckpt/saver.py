@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import threading
 import time
@@ -75,6 +76,7 @@ class _LocalPiece:
     flat_range: tuple[int, int] | None
     slices: tuple[tuple[int, int], ...] | None
     data: torch.Tensor
+    pattern: dict | None = None
 
 
 @dataclasses.dataclass
@@ -95,15 +97,18 @@ def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool) -> tuple
                                                                                   tuple[str, ...]]:
     pieces = []
     for adapter in adapters:
-        for name, sharded in sorted(adapter.tensors_for_save().items()):
+        for _, sharded in sorted(adapter.tensors_for_save().items()):
+            # The tensor is spec.name: a rank holding several pieces of one tensor keys them
+            # piece_key(name, i) (the sharded-state protocol), so the dict key is not the name.
             spec = sharded.spec
+            name = spec.name
             if spec.writer_rank != group.rank:
                 continue
             data = sharded.local.detach()
             if snapshot or data.device.type != "cpu":
                 data = data.to("cpu", copy=True)
             pieces.append(_LocalPiece(f"{adapter.key}/{name}", adapter.key, name, spec.kind, spec.global_shape,
-                                      spec.dtype, spec.flat_range, spec.slices, data))
+                                      spec.dtype, spec.flat_range, spec.slices, data, spec.pattern))
     objects = {a.key: obj for a in adapters if (obj := a.object_for_save()) is not NO_OBJECT}
     if not objects:
         return pieces, None, ()
@@ -127,7 +132,8 @@ def _write_rank(plan: _Plan, tmp: Path) -> dict:
             record["pieces"].append((piece.full_name, piece.key, piece.name, piece.kind, piece.global_shape,
                                      dtype_name(piece.dtype), Piece(file=rel, offset=offset, nbytes=nbytes,
                                                                     flat_range=piece.flat_range,
-                                                                    slices=piece.slices, hashes=hashes)))
+                                                                    slices=piece.slices, hashes=hashes),
+                                     piece.pattern))
         record["files"][rel] = sum(n for _, n, _ in written)
     if plan.objects is not None:
         rel = _rank_file("objects", rank)
@@ -140,14 +146,17 @@ def _write_rank(plan: _Plan, tmp: Path) -> dict:
 def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
     grouped: dict[str, list] = {}
     for record in records:
-        for full, key, name, kind, shape, dtype, piece in record["pieces"]:
-            grouped.setdefault(full, []).append((key, name, kind, tuple(shape), dtype, piece))
+        for full, key, name, kind, shape, dtype, piece, pattern in record["pieces"]:
+            grouped.setdefault(full, []).append((key, name, kind, tuple(shape), dtype, piece, pattern))
     tensors = {}
     for full, items in grouped.items():
-        key, name, kind, shape, dtype, _ = items[0]
-        if any((k, s, d) != (kind, shape, dtype) for _, _, k, s, d, _ in items):
+        key, name, kind, shape, dtype = items[0][:5]
+        patterns = {json.dumps(item[6], sort_keys=True) for item in items}
+        if len(patterns) > 1:
+            raise CheckpointError(f"ranks disagree on the layout pattern of {full}: {sorted(patterns)}.")
+        if any(item[2:5] != (kind, shape, dtype) for item in items):
             raise CheckpointError(f"ranks disagree on the kind/shape/dtype of {full}: "
-                                  f"{sorted({(k, s, d) for _, _, k, s, d, _ in items})}.")
+                                  f"{sorted({item[2:5] for item in items})}.")
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         numel = 1
         for size in shape:
@@ -158,7 +167,7 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
         for item in items:
             unique.setdefault((item[5].flat_range, item[5].slices), item[5])
         entry = TensorEntry(key=key, name=name, kind=kind, global_shape=shape, dtype=dtype,
-                            nbytes=numel * itemsize, pieces=tuple(unique.values()))
+                            nbytes=numel * itemsize, pieces=tuple(unique.values()), pattern=items[0][6])
         problem = check_coverage(entry)
         if problem:
             raise CheckpointError(f"the producers' pieces do not tile the tensor: {problem}")

@@ -225,7 +225,8 @@ def load_hf_weights(target: Any, src: str | os.PathLike, *, rename: Callable[[st
         raise CheckpointLayoutError(f"load_hf_weights needs a module or ShardedStateful, got {type(target).__name__}.")
     pieces = adapter.tensors_for_load({})
     filled, problems = [], []
-    for name, piece in pieces.items():
+    for piece in pieces.values():
+        name = piece.spec.name  # several pieces of one tensor share it (piece_key)
         if piece.spec.kind not in ("parameter", "buffer"):
             continue
         entry = manifest.tensors.get(f"model/{rename(name) if rename else name}")
@@ -246,7 +247,7 @@ def load_hf_weights(target: Any, src: str | os.PathLike, *, rename: Callable[[st
                 dtype=entry.torch_dtype, flat_range=piece.spec.flat_range, slices=piece.spec.slices), verify=False)
             piece.local.copy_(values.reshape(piece.local.shape).to(piece.spec.dtype))
     adapter.finish_load(pieces, None)
-    return [name for name, _, _ in filled]
+    return sorted({name for name, _, _ in filled})
 
 
 def import_hf(src: str | os.PathLike, dst_root: str | os.PathLike, *, key: str = "model", step: int = 0,
