@@ -23,7 +23,7 @@ _EXPORTS = {
                     "errors"),
     "TensorLayout": "layouts",
     **dict.fromkeys(("FORMAT_VERSION", "Layout", "Manifest", "TensorEntry"), "manifest"),
-    **dict.fromkeys(("ModelParallelConfig", "ModelParallelState", "layer_offset", "model_parallel"), "model_parallel"),
+    **dict.fromkeys(("ModelParallelConfig", "ModelParallelState", "layer_offset", "model_parallel"), "parallel_layout"),
     **dict.fromkeys(("read_full", "read_manifest", "verify_checkpoint"), "reader"),
     "SaveHandle": "saver",
 }
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     )
     from plait.universal_ckpt.layouts import TensorLayout
     from plait.universal_ckpt.manifest import FORMAT_VERSION, Layout, Manifest, TensorEntry
-    from plait.universal_ckpt.model_parallel import (
+    from plait.universal_ckpt.parallel_layout import (
         ModelParallelConfig,
         ModelParallelState,
         layer_offset,
