@@ -31,3 +31,34 @@ def test_main_job_quick_runs_end_to_end(tmp_path: Path) -> None:
     assert any((out / "hf").glob("*.safetensors"))
     assert report["sample"].startswith(report["sample_prompt"])
     assert "bytes/rank" in result.stdout and "tokens/s" in result.stdout  # the table is the job's last output
+
+
+def _figures(**changes: float) -> dict[str, float]:
+    """The report figures the table is built from, every target met unless ``changes`` says otherwise."""
+    figures = {"loss_start": 5.0, "loss_end": 3.0, "last_step": 8, "train_world": 2, "accelerator": "cpu",
+               "tokens_per_s_train": 100.0, "step_time_train_s": 0.1, "tokens_per_s_resume": 50.0,
+               "step_time_resume_s": 0.2, "stage": 3, "state_bytes_measured": 1000.0, "state_bytes_ddp": 2000.0,
+               "state_bytes_formula": 1000.0, "comm_bytes_measured": 300.0, "comm_bytes_formula": 300.0,
+               "comm_bytes_ddp": 400.0, "checkpoint_bytes": 120.0, "raw_state_bytes": 120.0,
+               "resume_first_loss": 3.2, "last_train_loss": 3.1, "resume_first_step": 6}
+    return {**figures, **changes}
+
+
+@pytest.mark.parametrize("miss", [
+    {},
+    {"state_bytes_measured": 1100.0},  # memory 10% over the ZeRO formula
+    {"comm_bytes_measured": 400.0},  # communication over the formula
+    {"checkpoint_bytes": 200.0},  # checkpoint bigger than the raw state
+    {"resume_first_loss": 9.0},  # resume did not continue the curve
+    {"loss_end": 6.0},  # loss went up
+])
+def test_main_job_verdict_counts_every_target_row(miss: dict[str, float]) -> None:
+    import dataclasses
+
+    from plait.lightning.main_job_report import _rows, verdict
+
+    rows = [dataclasses.asdict(row) for row in _rows(_figures(**miss))]
+    assert verdict(rows) is (not miss)
+    assert not verdict(rows, finite=False)
+    memory = next(row for row in rows if row["figure"] == "bytes/rank")
+    assert memory["peer"] == "DDP (formula)"  # a formula is never shown as a measured peer

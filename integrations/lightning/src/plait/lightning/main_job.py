@@ -6,7 +6,7 @@
 3. resumes it on 1 process and continues the same loss curve;
 4. reads the consolidated weights back without any process group, exports them as HF
    safetensors, and generates a short sample with a plain (unsharded) model;
-5. prints a table (loss at start and end, tokens/s, model-state bytes per rank against DDP,
+5. prints a table (loss at start and end, tokens/s, model-state bytes per rank against DDP's formula,
    bytes communicated per step against the ZeRO formula, checkpoint size) and writes it as JSON
    with a PNG of the loss curve to ``--out`` (default ``./out/main-job/``).
 
