@@ -35,6 +35,7 @@ from plait.kernels.collectives import ByteLedger
 from plait.lightning.demo import LossRecorder, TinyLlamaModule
 from plait.lightning.main_job_cli import register
 from plait.lightning.main_job_report import build_report, plot_losses, print_report
+from plait.lightning.progress import StepProgressBar
 from plait.zero_sharding import model_state_bytes
 
 # A little smaller than the shared benchmark's tiny-llama (vocab 4096 -> 512; the byte tokenizer
@@ -139,10 +140,11 @@ class StepMeter(L.Callback):
 
 def _trainer(args: argparse.Namespace, devices: int, callbacks: list[Any], max_steps: int) -> L.Trainer:
     accelerator = "gpu" if args.accelerator == "gpu" else "cpu"
+    # The bar counts optimizer steps toward max_steps; off a terminal it prints a few plain lines.
     return L.Trainer(accelerator=accelerator, devices=devices, strategy=args.strategy, precision=args.precision,
-                     max_steps=max_steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                     enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=2,
-                     val_check_interval=max_steps, num_sanity_val_steps=0, log_every_n_steps=1)
+                     max_steps=max_steps, callbacks=[*callbacks, StepProgressBar()], logger=False,
+                     enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+                     limit_val_batches=2, val_check_interval=max_steps, num_sanity_val_steps=0, log_every_n_steps=1)
 
 
 def run_phase(args: argparse.Namespace) -> int:
