@@ -9,7 +9,7 @@ them (:mod:`.netem`; as root). Without namespaces the suite says why and runs on
 Rows, per link: seconds per step after warm-up (alternating blocks, median with p10/p90) and
 ledger volume per step, each against DDP + AdamW in the same run; the communication time
 ``step - floor`` against DDP's; and the peers that cannot run, with the reason. A PNG of loss
-against each variant's own training time is written beside the results.
+against each variant's own training time is written where the run's JSON goes (:mod:`.output`).
 
 PowerSGD runs in a launch of its own, because a PowerSGD failure inside gloo can take its
 process down with it (torch 2.13's hook aborted on gloo/CPU in an earlier probe); its ratio is
@@ -30,12 +30,13 @@ from typing import Any
 
 from plait.kernels.bench import BenchRow, TimingStats
 from plait.onebit_optim.benchmarks import netem
+from plait.onebit_optim.benchmarks.output import plot_path
 from plait.onebit_optim.benchmarks.worker import VARIANTS
 
 REFERENCE = "ddp_adamw"
 SPEEDUP_TARGET = {"onebit_adam": 1 / 3, "zero_one_adam": 1 / 3}  # >= 3x faster per step at 1 Gbit/s
 BYTES_TARGET = 1 / 20
-COMM_TARGET = 0.1  # communication time cut >= 10x (shared/benchmarks.md)
+COMM_TARGET = 0.1  # communication time (step - floor) cut >= 10x
 RATES = ("1gbit", "100mbit", None)
 
 
@@ -76,7 +77,7 @@ def run(quick: bool) -> list[BenchRow]:
     if reason is not None:
         results = {"loopback": {**_launch(None, spec, main_variants), **_launch(None, spec, ["ddp_powersgd"])}}
     rows = _rows(results, reason)
-    _plot(results)
+    _plot(results, quick=quick)
     return rows
 
 
@@ -200,8 +201,9 @@ def _deepspeed_reason() -> str:
     return "peer unavailable: this DeepSpeed no longer ships OnebitAdam (deepspeed.runtime.fp16.onebit is gone)"
 
 
-def _plot(results: dict[str, dict[str, Any]]) -> Path | None:
-    """Loss against each variant's cumulative training time, one panel per link, as a PNG."""
+def _plot(results: dict[str, dict[str, Any]], *, quick: bool) -> Path | None:
+    """Loss against each variant's cumulative training time, one panel per link, as a PNG written
+    where the run's JSON goes (:func:`.output.plot_path`: never into the checkout by default)."""
     try:
         import matplotlib
 
@@ -222,11 +224,10 @@ def _plot(results: dict[str, dict[str, Any]]) -> Path | None:
                 ax.plot(xs, ys, label=name)
         ax.set(title=f"W=2, {link}", xlabel="training time (s)", ylabel="loss (rank 0)")
         ax.legend(fontsize=7)
-    out = Path(__file__).resolve().parents[4] / "benchmarks" / "results"
-    out = out if out.parent.is_dir() and (out.parent.parent / "pyproject.toml").is_file() else Path.cwd()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "onebit-optim-loss-vs-time.png"
+    path = plot_path("onebit-optim-loss-vs-time", quick=quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    print(f"onebit-optim bench: wrote the loss-vs-time plot to {path}", flush=True)
     return path

@@ -9,7 +9,8 @@ memory under a fixed cap, 2 gloo ranks, the 27.8M-parameter Llama of :mod:`.work
 * rows: longest length under the cap per variant, ALST against the baseline (target >= 4x) and
   against DeepSpeed's ALST (target >= 1x); step time of one global sequence at the baseline's
   longest length, ALST against the baseline, alternating A B A B (target <= 1.1x);
-* a PNG of peak memory against sequence length for every variant, the cap drawn in.
+* a PNG of peak memory against sequence length for every variant, the cap drawn in, written where
+  the run's JSON goes (:mod:`.output`).
 
 The cap (``CAP_GIB``) is the model states of this model (parameters, gradients, AdamW's two
 moments: 0.45 GiB) plus the process's own runtime (torch + transformers: ~0.4 GiB) plus 0.4 GiB
@@ -23,7 +24,7 @@ import statistics
 
 from plait.kernels.bench import BenchRow
 from plait.kernels.testing.distributed import run_distributed
-from plait.ulysses_sp import settings
+from plait.ulysses_sp.benchmarks.output import plot_path
 from plait.ulysses_sp.benchmarks.workload import VARIANTS, run_variant
 
 CAP_GIB = 1.25
@@ -115,7 +116,7 @@ def _plot(peaks: dict[str, dict[int, float]], quick: bool) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    out = settings.bench_plot_directory() / f"ulysses-sp-memory{'-quick' if quick else ''}.png"
+    out = plot_path("ulysses-sp-memory", quick=quick)  # where the run's JSON goes, never the cwd
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant, series in peaks.items():
         ax.plot(list(series), list(series.values()), marker="o", label=variant)
