@@ -124,3 +124,68 @@ def test_sharded_from_pretrained_needs_a_local_safetensors_directory(tmp_path: P
     model = sharded_from_pretrained(tmp_path / "m")
     assert all(p.is_meta for p in model.parameters())
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+class _Extension:
+    """A ShardingExtension recording its ``check`` calls; ``refuse`` makes ``check`` raise,
+    ``supplies`` is what ``zero_kwargs`` returns."""
+
+    order = 40
+
+    def __init__(self, *, refuse: bool = False, supplies: dict[str, Any] | None = None) -> None:
+        self.refuse, self.supplies, self.checked = refuse, supplies or {}, []
+
+    def check(self, settings: Any, precision: str) -> None:
+        self.checked.append((settings, precision))
+        if self.refuse:
+            raise ValueError("_Extension refuses this plan")
+
+    def apply(self, module: Any, mesh: Any) -> Any:
+        return module
+
+    def zero_kwargs(self) -> dict[str, Any]:
+        return dict(self.supplies)
+
+
+def test_extensions_are_validated_and_kept_as_a_tuple() -> None:
+    ext = _Extension()
+    assert PlaitConfig(extensions=[ext]).extensions == (ext,)
+    assert PlaitConfig().extensions == ()
+    with pytest.raises(ValueError, match=r"PlaitConfig\.extensions\[1\].*ShardingExtension"):
+        PlaitConfig(extensions=(ext, object()))
+    with pytest.raises(ValueError, match=r"PlaitConfig\.extensions=.*tuple"):
+        PlaitConfig(extensions=ext)
+    bad = _Extension()
+    bad.order = "first"
+    with pytest.raises(ValueError, match=r"PlaitConfig\.extensions\[0\].*order must be an int"):
+        PlaitConfig(extensions=(bad,))
+
+
+def test_a_config_file_cannot_give_extensions(tmp_path: Path) -> None:
+    path = tmp_path / "ext.json"
+    path.write_text(json.dumps({"zero": {"stage": 2}, "extensions": ["my.Extension"]}))
+    with pytest.raises(ValueError, match=r"\['extensions'\] cannot be given in a config file.*in code") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match=r"the known keys are \['offload', 'offload_path', 'verify_on_load', "
+                                         r"'zero'\]"):
+        load_config({"zeros": {}})
+
+
+def test_extensions_are_checked_when_the_trainer_is_built(tmp_path: Path) -> None:
+    ext = _Extension()
+    config = PlaitConfig(zero=ZeroConfig(stage=2), extensions=(ext,))
+    trainer = _trainer(tmp_path, config, bf16=True)
+    assert [p for _, p in ext.checked] == ["bf16-mixed"]
+    assert ext.checked[0][0] is trainer.plait_config
+    with pytest.raises(ValueError, match="_Extension refuses"):
+        _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), extensions=(_Extension(refuse=True),)))
+
+
+def test_an_extension_placement_contradicts_offload(tmp_path: Path) -> None:
+    pytest.importorskip("plait.offload_io")
+    ext = _Extension(supplies={"placement": object()})
+    with pytest.raises(ValueError, match="'offload' and .* both supply the ZeRO placement"):
+        _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), offload="cpu", extensions=(ext,)))
+    with pytest.raises(ValueError, match=r"only \('reducer', 'gatherer', 'placement', 'param_groups'\)"):
+        _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), extensions=(_Extension(supplies={"mesh": 1}),)))

@@ -6,6 +6,11 @@ holds the one translation between the two, the checks that refuse contradictions
 together with ``deepspeed=`` or ``fsdp=``, a ZeroConfig dtype that contradicts ``bf16=``), and the
 JSON config-file reader used by scripts nobody edits (``--plait_config file.json`` or
 ``PLAIT_CONFIG=file.json``).
+
+Feature packages compose with ZeRO here exactly as under Lightning, through
+:mod:`plait.zero_sharding.composition`: :func:`check_plan` runs every extension's ``check`` when
+the Trainer is built, and the Trainer applies them right before ``zero_shard``. Offloading is the
+built-in engine-wide ``placement``, so no extension may supply another one alongside it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 
 from plait.zero_sharding import ZeroConfig
+from plait.zero_sharding.composition import ShardingExtension, check_extensions
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 OFFLOAD_INSTALL = "pip install plait-offload-io  (or: pip install 'plait-transformers[offload]')"
@@ -39,12 +45,18 @@ class PlaitConfig:
             ``offload_param`` + ``offload_optimizer``); with stage 2 the optimizer state only.
         offload_path: directory for ``offload="nvme"`` (default ``./plait-offload``).
         verify_on_load: check every hash when a checkpoint is resumed.
+        extensions: objects following :class:`plait.zero_sharding.composition.ShardingExtension`
+            (sequence parallelism, MoE expert placement, a reducer...), applied in ascending
+            ``order`` right before ZeRO shards the model; their ``check`` gets this config and the
+            precision as Lightning spells it (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, see
+            :func:`precision_name`). Python objects, so code only: a JSON config file cannot give them.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
     offload: Any = None
     offload_path: str | None = None
     verify_on_load: bool = True
+    extensions: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.zero, ZeroConfig):
@@ -63,6 +75,20 @@ class PlaitConfig:
             raise ValueError(f"PlaitConfig.offload_path={self.offload_path!r} must be a directory path or None.")
         if not isinstance(self.verify_on_load, bool):
             raise ValueError(f"PlaitConfig.verify_on_load={self.verify_on_load!r} must be True or False.")
+        if not isinstance(self.extensions, tuple | list):
+            raise ValueError(f"PlaitConfig.extensions={self.extensions!r} must be a tuple of ShardingExtension "
+                             "objects, e.g. extensions=(my_extension,).")
+        object.__setattr__(self, "extensions", tuple(self.extensions))
+        for index, ext in enumerate(self.extensions):
+            missing = [m for m in ("order", "check", "apply", "zero_kwargs") if not hasattr(ext, m)]
+            if missing or not isinstance(ext, ShardingExtension):
+                raise ValueError(f"PlaitConfig.extensions[{index}]={ext!r} lacks {missing or 'the protocol'}; give "
+                                 "objects with order, check(settings, precision), apply(module, mesh) and "
+                                 "zero_kwargs(), see plait.zero_sharding.composition.ShardingExtension.")
+            if not isinstance(ext.order, int) or isinstance(ext.order, bool):
+                raise ValueError(f"PlaitConfig.extensions[{index}]={ext!r} has order={ext.order!r}; order must be an "
+                                 "int (10 sequence parallel, 20 MoE expert placement, 30 activation "
+                                 "checkpointing/offload; ZeRO comes last).")
 
     def check_offload_installed(self) -> None:
         """Raise now, before any work, when :attr:`offload` needs plait-offload-io and it is missing.
@@ -94,7 +120,9 @@ class PlaitConfig:
         return zero_placement(offload)
 
 
-_TOP_KEYS = {f.name for f in dataclasses.fields(PlaitConfig)}
+# Python-only fields: a JSON file cannot hold them.
+_CODE_ONLY_KEYS = {"extensions"}
+_TOP_KEYS = {f.name for f in dataclasses.fields(PlaitConfig)} - _CODE_ONLY_KEYS
 _ZERO_KEYS = {f.name for f in dataclasses.fields(ZeroConfig)}
 
 
@@ -102,7 +130,8 @@ def config_from_dict(data: dict[str, Any], *, source: str = "plait config") -> P
     """Build a :class:`PlaitConfig` from plain data (a parsed JSON file).
 
     The shape is ``{"zero": {ZeroConfig fields}, "offload": "cpu", "offload_path": ..., "verify_on_load": ...}``;
-    ``offload`` may also be a dict of ``plait.offload_io.OffloadConfig`` fields.
+    ``offload`` may also be a dict of ``plait.offload_io.OffloadConfig`` fields. ``extensions`` are
+    Python objects and cannot be given this way (an error says so).
 
     Args:
         data: the parsed content.
@@ -118,6 +147,11 @@ def config_from_dict(data: dict[str, Any], *, source: str = "plait config") -> P
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a JSON object like {{\"zero\": {{\"stage\": 3}}}}, "
                          f"got {type(data).__name__}.")
+    code_only = sorted(set(data) & _CODE_ONLY_KEYS)
+    if code_only:
+        raise ValueError(f"{source}: {code_only} cannot be given in a config file (extensions are Python objects "
+                         "following plait.zero_sharding.composition.ShardingExtension); remove the key and pass them "
+                         "in code: with_plait(Trainer, PlaitConfig(extensions=(...,))).")
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {unknown}; the known keys are {sorted(_TOP_KEYS)}.")
@@ -177,6 +211,30 @@ def precision_of(args: Any) -> tuple[torch.dtype, torch.dtype]:
     if getattr(args, "fp16", False):
         return torch.float16, torch.float32
     return torch.float32, torch.float32
+
+
+def precision_name(args: Any) -> str:
+    """The Trainer's ``bf16``/``fp16`` flags as the precision string extensions' ``check`` receives
+    (Lightning's spelling, so one extension checks both integrations the same way)."""
+    if getattr(args, "bf16", False):
+        return "bf16-mixed"
+    if getattr(args, "fp16", False):
+        return "16-mixed"
+    return "32-true"
+
+
+def check_plan(config: PlaitConfig, args: Any) -> list[Any]:
+    """Every extension's ``check``, and no two supplying one engine-wide piece (offload is the
+    ``placement``); runs when the Trainer is built and again right before sharding.
+
+    Returns:
+        The extensions in composition order.
+
+    Raises:
+        ValueError: an extension refuses, or two claim the same reducer/gatherer/placement.
+    """
+    return check_extensions(config.extensions, config, precision_name(args),
+                            claimed={"placement": "offload"} if config.offload is not None else None)
 
 
 def check_training_args(config: PlaitConfig, args: Any) -> None:

@@ -6,10 +6,12 @@ collectives, and takes over what sharding changes; each override is listed, with
 
 * ``_build_accelerator_args``: no Accelerate mixed precision (plait owns dtypes and fp16 loss
   scaling) and no optimizer device placement (its state round-trip would copy every shard).
-* ``create_accelerator_and_postprocess``: the contradiction checks, before any work starts.
-* ``create_optimizer``: the Trainer's own optimizer (weight-decay groups, ``optim``,
-  ``optimizer_cls_and_kwargs``) handed to ``zero_shard`` with the model; schedulers are built
-  afterwards on the returned ``ZeroOptimizer``.
+* ``create_accelerator_and_postprocess``: the contradiction checks, the extensions' ``check``
+  (:func:`~plait.zero_sharding.composition.check_extensions`), before any work starts.
+* ``create_optimizer``: the extensions applied (:func:`~plait.zero_sharding.composition.apply_extensions`,
+  as the Lightning strategy does), then the Trainer's own optimizer (weight-decay groups, ``optim``,
+  ``optimizer_cls_and_kwargs``) handed to ``zero_shard`` with the model, the extensions' keyword
+  arguments and the offload placement; schedulers are built afterwards on the returned ``ZeroOptimizer``.
 * ``_wrap_model``: a thin :class:`PlaitModel` instead of DDP; it gives the Trainer ``no_sync``
   (gradient accumulation without communication) and a ``zero_grad`` that clears ZeRO's shards.
 * ``_clip_grad_norm`` / ``_get_grad_norm``: the global norm over every shard.
@@ -29,8 +31,9 @@ from torch import nn
 
 from plait.transformers import checkpoint as ckpt
 from plait.transformers import loading, settings
-from plait.transformers.config import PlaitConfig, check_training_args, load_config, zero_config_for
+from plait.transformers.config import PlaitConfig, check_plan, check_training_args, load_config, zero_config_for
 from plait.zero_sharding import ZeroModule, ZeroOptimizer, zero_shard
+from plait.zero_sharding.composition import apply_extensions
 
 # The transformers range these overrides were read against and tested on.
 TRANSFORMERS_RANGE = ((5, 19), (5, 24))
@@ -122,6 +125,7 @@ class PlaitTrainerMixin:
         self.plait_config = self._plait_resolve()
         check_training_args(self.plait_config, self.args)
         self.plait_config.check_offload_installed()
+        check_plan(self.plait_config, self.args)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -132,16 +136,38 @@ class PlaitTrainerMixin:
 
     # ---- sharding --------------------------------------------------------------------------------
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer, then ``zero_shard`` of the model with it (once)."""
+        """The extensions applied to the model, the Trainer's optimizer built on the result, then
+        ``zero_shard`` of the model with it (once).
+
+        Raises:
+            ValueError: an extension refuses, or supplies ``param_groups`` (the Trainer's optimizer
+                defines the groups here).
+        """
         if isinstance(self.model, ZeroModule):
             return self.optimizer
-        original = super().create_optimizer(model)  # type: ignore[misc]
         zero = zero_config_for(self.plait_config, self.args)
+        check_plan(self.plait_config, self.args)
         ensure_process_group()
         weights = loading.pending_weights(self.model)
+        # As the Lightning strategy: extensions transform the module and supply zero_shard's keyword
+        # arguments over the world group (mesh None); offload is the engine-wide placement. They run
+        # before the Trainer builds its optimizer, so its weight-decay groups hold the final parameters.
+        module, kwargs = apply_extensions(self.model, self.plait_config.extensions, None)
+        if module is not self.model:
+            if model is self.model:
+                model = module
+            self.model = self.model_wrapped = module
+        if "param_groups" in kwargs:
+            raise ValueError("PlaitConfig.extensions: an extension supplies zero_shard(param_groups=...), which the "
+                             "HF Trainer integration cannot take yet (the Trainer's optimizer defines the parameter "
+                             "groups here); supply an engine-wide reducer/gatherer instead, or call zero_shard "
+                             "directly with the extension's groups.")
+        if self.plait_config.offload is not None:
+            kwargs["placement"] = self.plait_config.placement()
+        original = super().create_optimizer(model)  # type: ignore[misc]
         # Weights come from the files right after sharding: skip initialising what they overwrite.
         init = (lambda module: None) if weights is not None else None
-        _, sharded = zero_shard(self.model, original, zero, placement=self.plait_config.placement(), init_fn=init)
+        _, sharded = zero_shard(self.model, original, zero, init_fn=init, **kwargs)
         if weights is not None:
             loading.load_into_shards(self.model, weights)
         scheduler = getattr(self, "lr_scheduler", None)
