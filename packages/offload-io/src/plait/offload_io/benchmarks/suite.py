@@ -129,10 +129,11 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
         built = workload.make_zero3_offload(workload.build_model(), "nvme", directory)
         models["infinity"], optimizers["infinity"] = built
         variants["infinity"] = directory
-    ds_offload_reason = ds_reason or infinity_reason
-    if infinity and ds_ready:
+    ds_offload_reason = ds_reason
+    if infinity:  # ours needs only plait-zero-sharding; DeepSpeed is the peer, measured when it can run
         models["zero3-cpu"], optimizers["zero3-cpu"] = workload.make_zero3_offload(workload.build_model(), "cpu")
         variants["zero3-cpu"] = None
+    if infinity and ds_ready:
         try:
             optimizers["ds-offload"] = workload.DeepSpeedOffload(workload.build_model())
             models["ds-offload"] = optimizers["ds-offload"].engine
@@ -172,28 +173,39 @@ def _step_rows(directory: str, quick: bool) -> list[BenchRow]:
             "every step reads each parameter shard twice (forward, backward) and each master and moment once, "
             "and writes them back"))
     else:
-        rows.append(BenchRow(benchmark=f"train step, {model}, ZeRO-Infinity", figure="time (ms)", ours=0.0,
-                             note=infinity_reason))
+        rows.append(not_run_row(f"train step, {model}, ZeRO-Infinity", infinity_reason))
     label = f"{model}, ZeRO-3 (1 process), parameters, masters and AdamW state in CPU memory"
-    if "ds-offload" in variants:
-        peer = "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu (DeepSpeedCPUAdam)"
-        rows.append(timing_row(f"train step, {label}", timings["zero3-cpu"], peer, timings["ds-offload"],
-                               target_ratio=1.0))
-        rows.append(timing_row(f"optimizer step alone, {label}", opt_stats["zero3-cpu"], peer,
-                               opt_stats["ds-offload"], target_ratio=1.0))
+    peer = "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu (DeepSpeedCPUAdam)"
+    if "zero3-cpu" in variants:
+        rows.append(peer_row(f"train step, {label}", timings["zero3-cpu"], peer, timings.get("ds-offload"),
+                             ds_offload_reason, target_ratio=1.0))
+        rows.append(peer_row(f"optimizer step alone, {label}", opt_stats["zero3-cpu"], peer,
+                             opt_stats.get("ds-offload"), ds_offload_reason, target_ratio=1.0))
     else:
-        rows.append(BenchRow(benchmark=f"train step, {label}", figure="time (ms)", ours=0.0,
-                             peer="DeepSpeed ZeRO-3 CPU offload", note=ds_offload_reason))
-    if ds_ready:
-        rows.append(timing_row(f"optimizer.step() alone, {model}, state in CPU memory (ours)", opt_stats["cpu"],
-                               "DeepSpeedCPUAdam", opt_stats["deepspeed"], target_ratio=1.0))
-        rows.append(timing_row(f"optimizer.step() alone, {model}, state on disk", opt_stats["nvme"],
-                               "DeepSpeedCPUAdam", opt_stats["deepspeed"]))
-    else:
-        rows.append(BenchRow(benchmark=f"optimizer.step() alone, {model}, state in CPU memory (ours)",
-                             figure="time (ms)", ours=opt_stats["cpu"].median * 1e3, peer="DeepSpeedCPUAdam",
-                             note=ds_reason))
+        rows.append(not_run_row(f"train step, {label}", infinity_reason, peer=peer))
+    rows.append(peer_row(f"optimizer.step() alone, {model}, state in CPU memory (ours)", opt_stats["cpu"],
+                         "DeepSpeedCPUAdam", opt_stats.get("deepspeed"), ds_reason, target_ratio=1.0))
+    rows.append(peer_row(f"optimizer.step() alone, {model}, state on disk", opt_stats["nvme"],
+                         "DeepSpeedCPUAdam", opt_stats.get("deepspeed"), ds_reason))
     return rows + _cpu_adamw_rows(quick)
+
+
+def peer_row(benchmark: str, ours: TimingStats, peer: str, peer_stats: TimingStats | None, reason: str | None,
+             *, target_ratio: float | None = None) -> BenchRow:
+    """Our timing against a peer's; a peer that could not run shows ``n/a`` and ``reason``, never a 0.
+
+    Our own figure is measured either way.
+    """
+    row = timing_row(benchmark, ours, peer, peer_stats, target_ratio=target_ratio)
+    if peer_stats is None:
+        row = dataclasses.replace(row, peer_value=None, ratio=None, target="", passed=None,
+                                  note=f"peer n/a: {reason or 'it could not run in this environment'}")
+    return row
+
+
+def not_run_row(benchmark: str, reason: str, *, figure: str = "time (ms)", peer: str = "") -> BenchRow:
+    """A row for a measurement of ours that could not run here: no value (NaN, never a 0) and the reason."""
+    return BenchRow(benchmark=benchmark, figure=figure, ours=float("nan"), peer=peer, note=f"not run: {reason}")
 
 
 def _cpu_adamw_rows(quick: bool) -> list[BenchRow]:
@@ -231,7 +243,7 @@ def _rss_rows(directory: str, quick: bool) -> list[BenchRow]:
     variants = ("memory", "nvme", "infinity") if workload.zero_infinity_available()[0] else ("memory", "nvme")
     found = _workers(variants, steps, directory)
     if any(v is None for v in found.values()):
-        return [BenchRow(benchmark="resident memory", figure="RSS", ours=0.0, note="a worker process failed")]
+        return [not_run_row("resident memory", "a worker process failed", figure="RSS")]
     memory, nvme = found["memory"], found["nvme"]
     rows = []
     for key, label in (("rss_after", "RSS after training above imports (MiB)"),
