@@ -116,3 +116,38 @@ def test_flat_group_of_mesh_dimensions():
     for rank, groups in enumerate(run_distributed(_flat_groups, 4, timeout=60)):
         dp, ep = divmod(rank, 2)
         assert groups == {"dp": [ep, 2 + ep], "ep": [2 * dp, 2 * dp + 1], "both": [0, 1, 2, 3]}
+
+
+def _sub_mesh_flat_groups() -> dict[str, tuple[list[int], float]]:
+    """A 3-D ``dp x sp x ep`` mesh (sp=1 so it fits 4 ranks) and sub-meshes covering half the world:
+    each rank's ``mesh.mesh`` holds only its own slice, yet the groups must be the same everywhere."""
+    import torch.distributed as dist
+
+    mesh = make_mesh(dp=2, sp=1, ep=2)
+    rank = dist.get_rank()
+    cases = {
+        "sub_dp_sp": flat_group(mesh["dp", "sp"], ("dp", "sp")),
+        "full_dp_sp": flat_group(mesh, ("dp", "sp")),
+        "sub_sp_ep": flat_group(mesh["sp", "ep"], ("sp", "ep")),
+        "sub_dp_ep_dp": flat_group(mesh["dp", "ep"], ("dp",)),
+        "full_ep_sp": flat_group(mesh, ("ep", "sp")),
+        "full_all": flat_group(mesh, ("dp", "sp", "ep")),
+        "sub_dp_ep": flat_group(mesh["dp", "ep"], ("dp", "ep")),
+    }
+    out = {}
+    for name, group in cases.items():
+        value = torch.tensor([float(1 << rank)])
+        dist.all_reduce(value, group=group)  # a bit per rank: the sum names exactly who took part
+        out[name] = (dist.get_process_group_ranks(group), value.item())
+    return out
+
+
+def test_flat_group_of_a_sub_mesh_covering_part_of_the_world():
+    for rank, groups in enumerate(run_distributed(_sub_mesh_flat_groups, 4, timeout=60)):
+        dp, ep = divmod(rank, 2)
+        same_ep, same_dp = [ep, 2 + ep], [2 * dp, 2 * dp + 1]
+        expected = {"sub_dp_sp": same_ep, "full_dp_sp": same_ep, "sub_sp_ep": same_dp, "sub_dp_ep_dp": same_ep,
+                    "full_ep_sp": same_dp, "full_all": [0, 1, 2, 3], "sub_dp_ep": [0, 1, 2, 3]}
+        assert {name: ranks for name, (ranks, _) in groups.items()} == expected, rank
+        assert {name: total for name, (_, total) in groups.items()} == {
+            name: float(sum(1 << r for r in ranks)) for name, ranks in expected.items()}, rank

@@ -53,16 +53,38 @@ def test_dimensions_not_sharded_over_are_replicated_and_averaged():
                                            msg=lambda m, s=stage, n=name: f"stage {s} {n}: {m}")
 
 
-def _sub_mesh_group_and_unknown_name() -> list[int]:
+def _sub_mesh_group_and_unknown_name() -> dict:
+    import torch.distributed as dist
+
     mesh = make_mesh(dp=2, sp=2)
     with pytest.raises(ValueError, match=r"shard_dims=\('dp', 'epp'\) names \['epp'\]"):
         zero_shard(build_model(), torch.optim.AdamW, ZeroConfig(shard_dims=("dp", "epp")), mesh=mesh, **OPT)
     model = build_model()
-    model, _ = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=2), mesh=mesh["dp"], **OPT,
-                          param_groups=[{"params": list(model.parameters()), "zero_group": mesh["dp", "sp"],
-                                         "zero_distinct": False}])
-    return sorted({u.group_size for u in model.zero_engine.units})
+    model, optimizer = zero_shard(model, torch.optim.SGD, ZeroConfig(stage=2), mesh=mesh["dp"], **OPTIMIZERS["SGD"],
+                                  param_groups=[{"params": list(model.parameters()), "zero_group": mesh["dp", "sp"],
+                                                 "zero_distinct": False}])
+    units = model.zero_engine.units
+    out = {"sizes": sorted({u.group_size for u in units}),
+           "ranks": sorted({tuple(dist.get_process_group_ranks(u.group)) for u in units}),
+           "losses": train_ranks(model, optimizer, ONE_STEP),
+           "params": {k: v for k, v in model.state_dict().items() if k in dict(model.named_parameters())}}
+    # A 2-D sub-mesh covering half the world (each rank's mesh.mesh holds only its own slice):
+    # sharded over the ranks sharing this rank's ep coordinate, on every rank alike.
+    partial = make_mesh(dp=2, sp=1, ep=2)["dp", "sp"]
+    sharded, _ = zero_shard(build_model(), torch.optim.SGD, ZeroConfig(stage=2), mesh=partial, **OPTIMIZERS["SGD"])
+    out["partial"] = sorted({tuple(dist.get_process_group_ranks(u.group)) for u in sharded.zero_engine.units})
+    return out
+
+
+ONE_STEP = Variant(steps=1, optimizer="SGD")
 
 
 def test_two_dimensional_sub_mesh_as_group_and_unknown_dimension():
-    assert run_distributed(_sub_mesh_group_and_unknown_name, 4, timeout=60) == [[4]] * 4
+    ref_losses, ref_params = reference_run(ONE_STEP)
+    for rank, result in enumerate(run_distributed(_sub_mesh_group_and_unknown_name, 4, timeout=90)):
+        assert result["sizes"] == [4] and result["ranks"] == [(0, 1, 2, 3)], rank
+        assert result["partial"] == [(rank % 2, 2 + rank % 2)], rank
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        for name, ref in ref_params.items():
+            torch.testing.assert_close(result["params"][name], ref, rtol=0, atol=1e-5,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

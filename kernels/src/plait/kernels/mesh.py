@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -70,27 +71,50 @@ def make_mesh(*, device_type: str = "cpu", **sizes: int) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(resolved.values()), mesh_dim_names=tuple(resolved))
 
 
-_flat_groups: dict[tuple[int, tuple[str, ...]], Any] = {}
+_flat_groups: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, Any]] = {}
+_groups_by_layout: dict[tuple[tuple[int, ...], ...], Any] = {}
+
+
+def _all_slices(mesh: DeviceMesh) -> list[list[int]]:
+    """The rank grids (flattened) of every slice of the world that ``mesh`` is one of: just
+    ``mesh.mesh`` when it covers the whole world; for a sub-mesh (``mesh["dp", "sp"]`` of a
+    ``dp x sp x ep`` mesh), whose ``mesh.mesh`` holds only this rank's slice, the slices of all
+    ranks, gathered over the default group and ordered by their lowest rank (identical everywhere)."""
+    grid = mesh.mesh.reshape(-1).tolist()
+    if len(grid) == dist.get_world_size():
+        return [grid]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, grid)
+    slices = sorted({tuple(g) for g in gathered}, key=min)
+    seen = [r for g in slices for r in g]
+    if len(seen) != len(set(seen)) or sorted(seen) != list(range(dist.get_world_size())):
+        raise ValueError(f"flat_group: the ranks' meshes {slices} are not slices of one mesh over the whole world; "
+                         "call it with the same (sub-)mesh of a make_mesh(...) mesh on every rank.")
+    return [list(g) for g in slices]
 
 
 def flat_group(mesh: DeviceMesh, dims: Sequence[str]) -> Any:
     """This rank's process group over the named dimensions of ``mesh``, flattened (row-major in
     the mesh's order): ``flat_group(mesh, ("dp", "sp"))`` on a ``dp x sp x ep`` mesh is the group
-    of ranks that share this rank's ``ep`` coordinate. Built from the public ``mesh.mesh`` rank
-    grid with ``torch.distributed.new_subgroups_by_enumeration``, cached per mesh and dimensions.
+    of ranks that share this rank's ``ep`` coordinate. ``mesh`` may be a sub-mesh covering only
+    part of the world (``mesh["dp", "sp"]``): every rank still creates every group of the
+    flattening, in the same order, with the same rank lists (the other ranks' slices are gathered).
+    Built with ``torch.distributed.new_subgroups_by_enumeration``, cached per mesh and dimensions
+    (and groups with the same layout are created once).
 
     Collective the first time for a given mesh and dimensions: every rank of the default group
-    must call it at the same point (it creates every group of the flattening).
+    must call it at the same point.
 
     Args:
-        mesh: a named ``DeviceMesh``.
+        mesh: a named ``DeviceMesh`` (a ``make_mesh`` mesh or a sub-mesh of one).
         dims: dimension names of ``mesh`` (one or more, each once).
 
     Returns:
         The process group of this rank.
 
     Raises:
-        ValueError: no dimension, a repeated one, or a name the mesh does not have.
+        ValueError: no dimension, a repeated one, or a name the mesh does not have; ranks whose
+            meshes are not slices of one mesh over the whole world.
     """
     names = tuple(mesh.mesh_dim_names or ())
     dims = tuple(dims)
@@ -104,9 +128,13 @@ def flat_group(mesh: DeviceMesh, dims: Sequence[str]) -> Any:
     if key not in _flat_groups:
         keep = [names.index(d) for d in key[1]]
         rest = [i for i in range(len(names)) if i not in keep]
-        grid = mesh.mesh.permute(*rest, *keep).reshape(-1, math.prod(mesh.mesh.shape[i] for i in keep))
-        mine, _ = dist.new_subgroups_by_enumeration(grid.tolist())
-        _flat_groups[key] = (mesh, mine)  # the mesh is kept alive so its id is not reused
+        shape = tuple(mesh.mesh.shape)
+        size = math.prod(shape[i] for i in keep)
+        layout = tuple(tuple(group) for part in _all_slices(mesh)
+                       for group in torch.tensor(part).reshape(shape).permute(*rest, *keep).reshape(-1, size).tolist())
+        if layout not in _groups_by_layout:  # the same on every rank, so a hit is too
+            _groups_by_layout[layout], _ = dist.new_subgroups_by_enumeration([list(g) for g in layout])
+        _flat_groups[key] = (mesh, _groups_by_layout[layout])  # the mesh is kept alive so its id is not reused
     return _flat_groups[key][1]
 
 
