@@ -4,7 +4,8 @@ With ``W`` ranks and expert-parallel size ``ep``, ranks ``[i * ep, (i + 1) * ep)
 expert-parallel group (they split the experts and exchange tokens), and ranks with the same
 position in their ep group form one expert-data-parallel (``edp``) group of ``W / ep`` ranks
 holding the same experts. The layout matches ``make_mesh(dp=W // ep, ep=ep)``: ``mesh["ep"]`` is
-the ep group and ``mesh["dp"]`` the edp group.
+the ep group and ``mesh["dp"]`` the edp group; on a mesh with more dimensions (``dp x sp x ep``)
+the edp group spans every dimension but ``ep`` (``flat_group(mesh, complement_dims(mesh, ("ep",)))``).
 
 Gradients (when no ZeRO engine does it): dense parameters are replicated on all ``W`` ranks and
 averaged over them; an expert's gradient already holds the contributions of the whole ep group
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.kernels import collectives
+from plait.kernels.mesh import complement_dims, flat_group
 from plait.moe_layers.experts import EXPERT_ATTR
 from plait.moe_layers.layer import moe_layers
 
@@ -51,8 +53,9 @@ def make_expert_parallel_groups(ep_size: int, *, mesh: Any | None = None) -> Exp
 
     Args:
         ep_size: ranks that split the experts; must divide the world size.
-        mesh: optional ``DeviceMesh`` with dimensions ``("dp", "ep")`` (``make_mesh(dp=-1, ep=...)``);
-            its ``ep`` size must equal ``ep_size``.
+        mesh: optional ``DeviceMesh`` with an ``ep`` dimension (``make_mesh(dp=-1, ep=...)``, or with
+            more dimensions such as ``sp``); its ``ep`` size must equal ``ep_size``, and the edp
+            group is flattened from all its other dimensions.
 
     Returns:
         The groups of this rank.
@@ -71,7 +74,8 @@ def make_expert_parallel_groups(ep_size: int, *, mesh: Any | None = None) -> Exp
         if mesh.mesh_dim_names is None or "ep" not in mesh.mesh_dim_names or mesh["ep"].size() != ep_size:
             raise ValueError(f"mesh {mesh} must have an 'ep' dimension of size ep_size={ep_size}; "
                              "build it with make_mesh(dp=-1, ep=ep_size).")
-        edp = mesh["dp"].get_group() if "dp" in mesh.mesh_dim_names else None
+        others = complement_dims(mesh, ("ep",))  # every non-ep dimension holds the same experts
+        edp = flat_group(mesh, others) if others else None
         return ExpertParallelGroups(mesh["ep"].get_group(), edp, ep_size, mesh["ep"].get_local_rank(), world)
     ep_group = edp_group = None
     for start in range(0, world, ep_size):  # every rank creates every group, in the same order
@@ -138,7 +142,7 @@ def average_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
         model: the expert-parallel model after ``loss.backward()``.
         groups: its groups.
     """
-    # Dense over the world; experts over edp (None: a mesh without "dp", i.e. ep spans the world).
+    # Dense over the world; experts over edp (None: a mesh with only "ep", i.e. ep spans the world).
     plan = ((dense_parameters(model), groups.world_size > 1, None),
             (expert_parameters(model), groups.edp_group is not None, groups.edp_group))
     for params, reduce, group in plan:
