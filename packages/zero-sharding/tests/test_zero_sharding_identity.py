@@ -34,6 +34,26 @@ def _expert_parallel(stage: int) -> tuple:
                                     {"params": experts, "zero_group": singles[rank], "zero_global": global_of}])
 
 
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The file read by the format's published layout (8-byte header length, JSON header, raw data),
+    not by plait's writer: plait-zero-sharding alone does not install the safetensors package."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    header.pop("__metadata__", None)
+    data = bytearray(raw[8 + length:])
+    return {name: torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]], offset=entry["data_offsets"][0],
+                                   count=(entry["data_offsets"][1] - entry["data_offsets"][0])
+                                   // _DTYPES[entry["dtype"]].itemsize).reshape(entry["shape"]).clone()
+            for name, entry in header.items()}
+
+
 def _export_and_reload(tmp: str, stage: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = _expert_parallel(stage)
@@ -45,9 +65,7 @@ def _export_and_reload(tmp: str, stage: int) -> dict:
     path = Path(tmp) / f"stage{stage}.safetensors"
     model.export_full_weights(path)
     dist.barrier()
-    from safetensors.torch import load_file
-
-    whole = load_file(str(path))
+    whole = _read_safetensors(path)
     fresh, _ = _expert_parallel(stage)  # untrained: loading the export must bring every rank's own expert
     fresh.load_state_dict(whole)
     mine, theirs = model.state_dict(), fresh.state_dict()
