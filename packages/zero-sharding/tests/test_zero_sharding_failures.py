@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from zero_test_support import BATCH, MODEL, OPT, SEQ, build_model
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, state_digest, tiny_llama
-from plait.zero_sharding import ReplicaMismatchError, ZeroConfig, sharded_init, zero_shard
+from plait.zero_sharding import ConstructedParameter, ReplicaMismatchError, ZeroConfig, sharded_init, zero_shard
 
 
 def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -182,13 +182,17 @@ def test_unsupported_optimizer_is_refused_before_allocation() -> None:
     for optimizer in (torch.optim.LBFGS, torch.optim.SparseAdam):
         with pytest.raises(ValueError, match="not known to be elementwise.*elementwise_optimizer=True"):
             zero_shard(model, optimizer, ZeroConfig(stage=3), lr=1.0)
-    assert all(p.is_meta for p in model.parameters())  # nothing was allocated
+    assert all(isinstance(p, ConstructedParameter) for p in model.parameters())  # nothing was gathered
 
 
-def test_using_the_model_before_sharding_is_refused() -> None:
-    with sharded_init():
+@pytest.mark.parametrize("init", ["construct", "meta"])
+def test_using_the_model_before_sharding_is_refused(init: str) -> None:
+    with sharded_init(init=init):
         model = tiny_llama(**MODEL)
-    assert all(p.is_meta for p in model.parameters())
+    if init == "meta":
+        assert all(p.is_meta for p in model.parameters())
+    else:
+        assert all(isinstance(p, ConstructedParameter) for p in model.parameters())
     assert not model.rope_cos.is_meta  # buffers stay real
     with pytest.raises(RuntimeError, match=r"call zero_shard\(model, optimizer, config\)"):
         model(torch.zeros(1, 4, dtype=torch.long))

@@ -51,7 +51,7 @@ def _global_from_pieces(pieces: dict) -> dict[str, torch.Tensor]:
 
 def check_meta_init_and_full_state() -> None:
     reference = build_model().state_dict()
-    with sharded_init():
+    with sharded_init(init="meta"):
         model = tiny_llama(**MODEL)
     model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3, param_persistence_threshold=0), **OPT)
     held = sum(u.full.untyped_storage().nbytes() for u in model.zero_engine.units)

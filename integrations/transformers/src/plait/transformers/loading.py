@@ -41,7 +41,7 @@ def sharded_from_pretrained(path: str | os.PathLike, model_cls: Any = None, **co
                          "*.safetensors (save_pretrained output); download hub models first.")
     config = transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
     cls = model_cls or transformers.AutoModelForCausalLM
-    with sharded_init():
+    with sharded_init(init="meta"):  # weights come from the checkpoint: no initialisation to keep
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
     setattr(model, WEIGHTS_ATTRIBUTE, str(folder))
     return model

@@ -13,6 +13,7 @@ from plait.zero_sharding.api import gathered_parameters, resolve_group, resolve_
 from plait.zero_sharding.checkpoint import export_full_weights, iter_full_parameters
 from plait.zero_sharding.composition import ShardingExtension, apply_extensions, check_extensions
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.construction import ConstructedParameter
 from plait.zero_sharding.extension import (
     DefaultGatherer,
     DefaultReducer,
@@ -29,7 +30,7 @@ from plait.zero_sharding.profiling import StepBreakdown
 from plait.zero_sharding.replicas import ReplicaMismatchError, check_replicas
 
 __all__ = [
-    "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement", "ParamGatherer",
+    "ConstructedParameter", "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement", "ParamGatherer",
     "ReplicaMismatchError", "ShardingExtension", "ShardStorage", "StatePlacement", "StepBreakdown",
     "ZeroConfig", "ZeroModule", "ZeroOptimizer", "apply_extensions", "check_extensions", "check_replicas",
     "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes", "resolve_group",

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.kernels.mesh import complement_dims, flat_group
 from plait.zero_sharding.composition import notify
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.construction import ConstructedParameter, ConstructionGroup, slice_parameter
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
 from plait.zero_sharding.loss_scaler import LossScaler
@@ -293,21 +294,50 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
 
 
 @contextlib.contextmanager
-def sharded_init(mesh: Any = None) -> Iterator[None]:
-    """Build a model without allocating its parameters: every parameter registered inside goes to
-    the meta device (buffers stay real, so computed tables such as RoPE survive). ``zero_shard``
-    then allocates and initialises one module at a time and keeps only this rank's shard, so no
-    rank ever holds the whole model. Using the model before ``zero_shard`` raises an error.
+def sharded_init(mesh: Any = None, *, init: str = "construct") -> Iterator[None]:
+    """Build a model so that no rank ever holds all of it; ``zero_shard`` then shards it.
+
+    ``init="construct"`` (default) runs the modules' own constructors, so the weights are bitwise
+    those of the same model built without plait from the same seed; each parameter keeps only
+    this rank's slice of its value as soon as the next module starts registering parameters (see
+    :mod:`plait.zero_sharding.construction`). Every rank must build the same model with the same
+    seed; ``zero_shard`` checks it. ``init="meta"`` puts every parameter on the meta device
+    instead (buffers stay real, so computed tables such as RoPE survive), and ``zero_shard``
+    initialises one module at a time with ``reset_parameters()`` or its ``init_fn``: for models
+    whose weights are loaded right after (no initialisation is wasted).
+
+    Using the model before ``zero_shard`` raises an error either way.
 
     Args:
-        mesh: the mesh ``zero_shard`` should use when it is not given one.
+        mesh: the mesh ``zero_shard`` should use when it is not given one; its ranks (the world
+            when ``None``) build the model together.
+        init: ``"construct"`` or ``"meta"``.
+
+    Raises:
+        ValueError: ``init`` is neither.
     """
+    if init not in ("construct", "meta"):
+        raise ValueError(f"sharded_init(init={init!r}): use 'construct' (the model's own initialisation, sliced as "
+                         "it is built) or 'meta' (no values until zero_shard's reset_parameters/init_fn).")
     original = nn.Module.register_parameter
     created: list[nn.Module] = []
+    group = ConstructionGroup(_construction_group(mesh)) if init == "construct" else None
+    pending: list[nn.Parameter] = []
+
+    def slice_pending() -> None:
+        for param in pending:
+            if not isinstance(param, ConstructedParameter):
+                slice_parameter(param, group)
+        pending.clear()
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        if param is not None and not param.is_meta and not isinstance(param, ConstructedParameter):
+            if group is None:
+                param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            else:  # the previous module's constructor is done with its parameters: keep slices only
+                if not created or created[-1] is not self:
+                    slice_pending()
+                pending.append(param)
             created.append(self)
         original(self, name, param)
 
@@ -315,11 +345,22 @@ def sharded_init(mesh: Any = None) -> Iterator[None]:
     _init_mesh.append(mesh)
     try:
         yield
+        if group is not None:
+            slice_pending()
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
         _init_mesh.pop()
         for module in {id(m): m for m in created}.values():
             _before_sharding[module] = module.register_forward_pre_hook(_refuse_unsharded)
+
+
+def _construction_group(mesh: Any) -> Any:
+    """The ranks that build the model together: all of ``mesh``'s, else the world."""
+    if not dist.is_initialized():
+        return None
+    if isinstance(mesh, DeviceMesh):
+        return mesh.get_group() if mesh.ndim == 1 else flat_group(mesh, mesh.mesh_dim_names)
+    return mesh if mesh is not None else dist.group.WORLD
 
 
 def _refuse_unsharded(module: nn.Module, args: Any) -> None:

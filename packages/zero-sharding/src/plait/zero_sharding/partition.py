@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.construction import ConstructedParameter, check_consistent, release
 from plait.zero_sharding.units import FlatUnit, ParamSlot
 
 
@@ -157,6 +158,7 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
                     plans.append((members, og, index, False, module))
             for bucket in _buckets(list(reversed(small)), config.reduce_bucket_elements):
                 plans.append((bucket, og, index, True, None))
+    check_consistent(model)  # before any slice is gathered: every rank built the same values
     materializer = _Materializer(model, init_fn, device)
     units, module_units, root_units, unit_of = [], {}, [], {}
     for params, og, index, resident, module in plans:
@@ -194,10 +196,13 @@ class _Materializer:
         self.pending: dict[str, torch.Tensor] = {}
 
     def values_for(self, unit: FlatUnit) -> dict[str, torch.Tensor] | None:
-        if not any(slot.param.is_meta for slot in unit.slots):
+        if not any(slot.param.is_meta or isinstance(slot.param, ConstructedParameter) for slot in unit.slots):
             return None
         values = {}
         for slot in unit.slots:
+            if isinstance(slot.param, ConstructedParameter):  # built under sharded_init: gather its slices
+                values[slot.name] = release(slot.param)
+                continue
             if slot.param.is_meta:
                 self._materialize(self.owner_of[id(slot.param)])
                 new = self._current(slot)
