@@ -16,6 +16,7 @@ import torch
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
 from plait.lightning.demo import TEST_MODEL, TinyLlamaModule
+from plait.zero_sharding import ConstructedParameter
 
 STEPS = 4
 RESUME_TOTAL = 6
@@ -40,16 +41,16 @@ def _trainer_kwargs(**extra: Any) -> dict[str, Any]:
 
 
 class ProbedModule(TinyLlamaModule):
-    """Records whether the network configure_model built had only meta parameters (so no rank
-    ever allocated the whole model)."""
+    """Records whether every parameter of the network configure_model built kept only this rank's
+    slice (so no rank ever held the whole model)."""
 
-    built_on_meta: bool | None = None
+    built_sliced: bool | None = None
 
-    def configure_model(self) -> None:
-        fresh = self.model is None
-        super().configure_model()
-        if fresh:
-            ProbedModule.built_on_meta = all(p.is_meta for p in self.model.parameters())
+    def configure_optimizers(self) -> Any:
+        # After configure_model's context closed and before ZeRO shards: every parameter sliced.
+        if ProbedModule.built_sliced is None:
+            ProbedModule.built_sliced = all(isinstance(p, ConstructedParameter) for p in self.model.parameters())
+        return super().configure_optimizers()
 
 
 def _fit(strategy: Any, *, devices: int, steps: int, ckpt_path: str | None = None, callbacks: tuple = (),
@@ -179,7 +180,7 @@ def two_rank_session(root: str) -> dict[str, Any]:
                           limit_val_batches=2, enable_checkpointing=True,
                           val_check_interval=RESUME_TOTAL)
     out["straight"] = losses
-    out["built_on_meta"] = ProbedModule.built_on_meta
+    out["built_sliced"] = ProbedModule.built_sliced
     out["val_loss"] = float(module.trainer.callback_metrics["val_loss"])
     full = sum(p.numel() for p in tiny_llama(**TEST_MODEL).parameters())
     out["params_bytes_ratio"] = model_state_bytes(module)["params"] / (4 * full)
@@ -242,7 +243,7 @@ def test_low_precision_trains(runs: dict[str, Any]) -> None:
 @pytest.mark.timeout(420)
 def test_configure_model_shards_and_validation_syncs(runs: dict[str, Any]) -> None:
     two = runs["two"]
-    assert two["built_on_meta"] is True
+    assert two["built_sliced"] is True
     assert two["params_bytes_ratio"] < 0.75  # about half, plus the small resident parameters
     assert math.isfinite(two["val_loss"])
     # evaluation-only sharding (trainer.validate before any fit) gives DDP's numbers

@@ -84,8 +84,11 @@ class PlaitConfig:
             ``./plait-offload``).
         extensions: objects following :class:`plait.zero_sharding.composition.ShardingExtension`, applied in
             ascending ``order``.
-        init_fn: initialises a module whose meta parameters ZeRO just allocated (models built in
-            ``configure_model`` / ``fabric.init_module()``); default ``module.reset_parameters()``.
+        init_fn: ``None`` (default): models built in ``configure_model`` /
+            ``fabric.init_module(empty_init=True)`` run their own constructors, sliced as they are
+            built, and start from exactly the weights a plain build with the same seed has. A
+            callable: parameters go to the meta device instead and ZeRO initialises each module
+            with ``init_fn(module)`` (for models whose weights are loaded right after, say).
         verify_on_load: check every hash when a checkpoint is loaded.
     """
 

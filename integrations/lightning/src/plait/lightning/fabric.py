@@ -109,13 +109,14 @@ class PlaitFabricStrategy(DDPStrategy):
 
     # ---- setup ----------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """``empty_init=True``: parameters on the meta device, materialised shard by shard by ZeRO."""
+        """``empty_init=True``: the modules' own constructors run and each rank keeps a slice of every
+        parameter as it is built (see ``plait.zero_sharding.sharded_init``); ZeRO shards them."""
         if empty_init:
-            return sharded_init()
+            return sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct")
         return super().module_init_context(empty_init=empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
-        """Move the module (only its buffers while parameters are on meta)."""
+        """Move the module (only its buffers while its parameters are sliced or on meta)."""
         move_module(module, self.root_device)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Any],

@@ -39,7 +39,7 @@ from plait.lightning import checkpoint as ckpt
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
-from plait.zero_sharding import ZeroConfig, ZeroModule, sharded_init
+from plait.zero_sharding import ConstructedParameter, ZeroConfig, ZeroModule, sharded_init
 
 _FROM_DIRECTORY = "plait_directory_checkpoint"
 
@@ -117,9 +117,10 @@ def rebind_schedulers(schedulers: list[Any], old: Any, new: Any) -> None:
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
-    """Move a module to ``device``; with meta parameters (built under ``sharded_init``) only its
-    buffers move, and ZeRO allocates the parameters on ``device`` when it shards."""
-    if any(p.is_meta for p in module.parameters()):
+    """Move a module to ``device``; with parameters built under ``sharded_init`` (sliced as they
+    were constructed, or on the meta device) only its buffers move, and ZeRO puts the parameters on
+    ``device`` when it shards."""
+    if any(p.is_meta or isinstance(p, ConstructedParameter) for p in module.parameters()):
         for sub in module.modules():
             for name, buf in sub._buffers.items():
                 if buf is not None and not buf.is_meta:
@@ -211,8 +212,11 @@ class PlaitStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds parameters on the meta device; ZeRO materialises shards."""
-        with sharded_init():
+        """``configure_model`` runs the modules' own constructors, each rank keeping a slice of
+        every parameter as it is built (bitwise the weights of a plain build with the same seed);
+        ZeRO then shards them. With ``init_fn`` set, parameters go to the meta device instead and
+        ZeRO initialises each module with it."""
+        with sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct"):
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
