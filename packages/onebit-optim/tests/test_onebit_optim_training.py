@@ -7,6 +7,7 @@ bit for bit, error feedback included.
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -156,4 +157,8 @@ def _save_resume(kind: str, save_at: int, more: int) -> dict:
 def test_resume_after_warmup_continues_bit_for_bit(world, kind):
     for out in run_distributed(_save_resume, world, kind, 8, 6, timeout=120):
         assert out["error_saved"]  # the state really carried non-zero error feedback
+        # Equal NaNs would compare unequal and hide the real failure: training diverged.
+        assert all(math.isfinite(x) for x in out["uninterrupted"] + out["resumed"]), (
+            f"{kind} at W={world}: non-finite loss (training diverged): "
+            f"uninterrupted {out['uninterrupted']}, resumed {out['resumed']}")
         assert out["resumed"] == out["uninterrupted"]

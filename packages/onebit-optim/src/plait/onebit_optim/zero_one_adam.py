@@ -11,17 +11,26 @@ rare as the variance settles.
 
 **Local-step phase** (after ``var_freeze_step``). The variance is frozen. Each rank steps on its
 own gradient; every ``local_step_interval`` steps the ranks synchronise: the parameter change
-since the last synchronisation, rescaled by the frozen denominator into accumulated momentum
-``u``, is exchanged in 1 bit, the momentum becomes ``-u / sum(lr)`` and the parameters become
-the last synchronised ones plus the averaged change. The interval doubles every
-``local_step_scaler`` steps, up to ``local_step_clipper``. The error buffers are zeroed when
-this phase starts: they held gradient error, and now carry accumulated-momentum error.
+since the last synchronisation is exchanged in 1 bit, the parameters become the last
+synchronised ones plus the averaged change, and the momentum becomes the averaged accumulated
+momentum ``-u / sum(lr)`` with ``u = change x denom`` (the frozen denominator ``sqrt(v) + eps``).
+The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipper``. The error
+buffers are zeroed when this phase starts: they held gradient error, and now carry the error of
+the exchanged parameter change.
 
-Difference from DeepSpeed's implementation, on purpose: the synchronisation restarts from a
-stored copy of the last synchronised parameters (``anchor``) instead of subtracting the
-accumulated change again, so replicas are bitwise equal after every synchronisation (subtracting
-leaves each rank its own rounding). It costs the same memory: the anchor replaces DeepSpeed's
-momentum accumulator.
+Differences from DeepSpeed's implementation, on purpose:
+
+* The synchronisation restarts from a stored copy of the last synchronised parameters
+  (``anchor``) instead of subtracting the accumulated change again, so replicas are bitwise
+  equal after every synchronisation (subtracting leaves each rank its own rounding). It costs
+  the same memory: the anchor replaces DeepSpeed's momentum accumulator.
+* DeepSpeed exchanges ``u`` and divides the result by the denominator. The denominator is equal
+  on every rank, so with exact communication both give the same average; but 1 bit gives every
+  element of a chunk the same magnitude, and where the frozen variance is ~0 (embedding rows of
+  tokens the variance phase never saw, an attention key bias, whose gradient is ~0) the
+  denominator is ~eps, so that error divided by it moved parameters by up to ``1/eps`` times it
+  and the local steps diverged to inf/NaN. Exchanging the change keeps the error on the scale of
+  the changes; in the momentum it is multiplied by the denominator, which is small exactly there.
 """
 
 from __future__ import annotations
@@ -159,13 +168,16 @@ class ZeroOneAdam(CompressedOptimizer):
             self._synchronise(index, group, params)
 
     def _synchronise(self, index: int, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        # The change, not u = change x denom, goes through the 1-bit exchange: the 1-bit error of
+        # u divided by a denominator near eps would move a parameter by up to 1/eps times it
+        # (module docstring). Here the error stays on the scale of the changes.
         states = [self.state[p] for p in params]
-        denoms = [s["exp_avg_sq"].sqrt().add_(group["eps"]) for s in states]
-        accumulated = [(p - s["anchor"]).mul_(d) for p, s, d in zip(params, states, denoms)]
-        self.exchange_momentum_(index, accumulated, params)
-        for p, state, denom, u in zip(params, states, denoms, accumulated):
-            state["exp_avg"].copy_(u).div_(-self.lr_sums[index])
-            p.copy_(state["anchor"].add_(u.div_(denom)))
+        changes = [p - s["anchor"] for p, s in zip(params, states)]
+        self.exchange_momentum_(index, changes, params)
+        for p, state, change in zip(params, states, changes):
+            denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
+            state["exp_avg"].copy_(change.mul(denom)).div_(-self.lr_sums[index])
+            p.copy_(state["anchor"].add_(change))
         self.lr_sums[index] = 0.0
 
     @staticmethod
