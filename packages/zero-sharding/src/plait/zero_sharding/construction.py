@@ -111,9 +111,19 @@ def _store_slice(param: ConstructedParameter, value: torch.Tensor) -> None:
     piece[:hi - lo].copy_(flat[lo:hi])
     param._plait_slice = piece
     param._plait_generation += 1
-    # Every rank computed the whole value: equal fingerprints mean the ranks built the same thing.
-    whole = flat.double()
-    param._plait_fingerprint = (whole.sum().item(), whole.square().sum().item())
+    param._plait_fingerprint = _fingerprint(flat)
+
+
+def _fingerprint(flat: torch.Tensor, block: int = 1 << 20) -> tuple[float, float]:
+    """Sum and sum of squares in float64, a block at a time (a float64 copy of a whole embedding
+    would cost twice its own memory). Every rank computed the whole value, so equal fingerprints
+    mean the ranks built the same thing."""
+    total = squares = 0.0
+    for start in range(0, flat.numel(), block):
+        part = flat[start:start + block].double()
+        total += part.sum().item()
+        squares += part.square().sum().item()
+    return total, squares
 
 
 def whole_value(param: ConstructedParameter, *, gather: bool = True) -> torch.Tensor:
