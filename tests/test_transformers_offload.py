@@ -5,6 +5,8 @@ Trainer, 2 gloo processes, a tiny random Llama."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,3 +39,15 @@ def test_offloaded_trainer_equals_ddp(runs: dict[str, Any], name: str) -> None:
     assert len(ours.losses) == len(ddp.losses) == 4
     for a, e in zip(ours.losses + ours.grad_norms, ddp.losses + ddp.grad_norms):
         assert math.isclose(a, e, rel_tol=RTOL_FP32), (ours, ddp)
+
+
+def test_an_extension_placement_contradicts_offload(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "transformers" / "tests"))
+    from test_transformers_config import _Extension, _trainer
+
+    from plait.transformers import PlaitConfig
+    from plait.zero_sharding import ZeroConfig
+
+    ext = _Extension(supplies={"placement": object()})
+    with pytest.raises(ValueError, match="'offload' and .* both supply the ZeRO placement"):
+        _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), offload="cpu", extensions=(ext,)))

@@ -182,10 +182,8 @@ def test_extensions_are_checked_when_the_trainer_is_built(tmp_path: Path) -> Non
         _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), extensions=(_Extension(refuse=True),)))
 
 
-def test_an_extension_placement_contradicts_offload(tmp_path: Path) -> None:
-    pytest.importorskip("plait.offload_io")
-    ext = _Extension(supplies={"placement": object()})
-    with pytest.raises(ValueError, match="'offload' and .* both supply the ZeRO placement"):
-        _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), offload="cpu", extensions=(ext,)))
+def test_an_extension_supplying_an_unknown_keyword_is_refused(tmp_path: Path) -> None:
+    # (an extension's placement against offload="cpu" is tested with plait-offload-io, in the
+    # repository's tests/test_transformers_offload.py)
     with pytest.raises(ValueError, match=r"only \('reducer', 'gatherer', 'placement', 'param_groups'\)"):
         _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), extensions=(_Extension(supplies={"mesh": 1}),)))

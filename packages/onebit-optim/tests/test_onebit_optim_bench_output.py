@@ -7,25 +7,27 @@ from pathlib import Path
 
 import pytest
 
-from plait.onebit_optim.benchmarks.output import plot_path
+from plait.kernels.cli.bench import plot_path
 
 
 def test_default_is_the_bench_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLAIT_BENCH_DIR", str(tmp_path / "bench"))
-    path = plot_path("onebit-optim-loss-vs-time", quick=True, argv=["plait", "bench", "onebit-optim", "--quick"])
+    path = plot_path("onebit-optim", "onebit-optim-loss-vs-time", quick=True,
+                     argv=["plait", "bench", "onebit-optim", "--quick"])
     assert path.parent == tmp_path / "bench" and path.name.startswith("onebit-optim-loss-vs-time-quick-")
-    assert plot_path("x", quick=False, argv=["pytest"]).parent == tmp_path / "bench"  # not a bench command line
+    # not a bench command line
+    assert plot_path("onebit-optim", "x", quick=False, argv=["pytest"]).parent == tmp_path / "bench"
 
 
 def test_out_and_update_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLAIT_BENCH_DIR", str(tmp_path / "bench"))
-    out = plot_path("onebit-optim-loss-vs-time", quick=False,
+    out = plot_path("onebit-optim", "onebit-optim-loss-vs-time", quick=False,
                     argv=["plait", "bench", "onebit-optim", "--out", str(tmp_path / "run.json")])
     assert out == tmp_path / "run-onebit-optim-loss-vs-time.png"
     from plait.kernels.cli.bench import committed_results
 
     committed = committed_results("onebit-optim", "onebit-optim")
-    updated = plot_path("onebit-optim-loss-vs-time", quick=False,
+    updated = plot_path("onebit-optim", "onebit-optim-loss-vs-time", quick=False,
                         argv=["plait", "bench", "onebit-optim", "--update-results"])
     if committed is None:  # not an editable install: no committed folder to update
         assert updated.parent == tmp_path / "bench"

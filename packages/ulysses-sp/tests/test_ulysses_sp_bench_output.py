@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from plait.ulysses_sp.benchmarks.output import plot_path
+from plait.kernels.cli.bench import plot_path
 
 
 def test_default_is_the_bench_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLAIT_BENCH_DIR", str(tmp_path / "bench"))
-    path = plot_path("ulysses-sp-memory", quick=False, argv=["plait", "bench", "ulysses-sp"])
+    path = plot_path("ulysses-sp", "ulysses-sp-memory", quick=False, argv=["plait", "bench", "ulysses-sp"])
     assert path.parent == tmp_path / "bench" and path.name.startswith("ulysses-sp-memory-")
-    out = plot_path("ulysses-sp-memory", quick=True,
+    out = plot_path("ulysses-sp", "ulysses-sp-memory", quick=True,
                     argv=["plait", "bench", "ulysses-sp", "--quick", "--out", str(tmp_path / "r.json")])
     assert out == tmp_path / "r-ulysses-sp-memory.png"
 
@@ -24,7 +24,7 @@ def test_update_results_writes_the_committed_folder(tmp_path: Path, monkeypatch:
 
     monkeypatch.setenv("PLAIT_BENCH_DIR", str(tmp_path / "bench"))
     committed = committed_results("ulysses-sp", "ulysses-sp-quick")
-    path = plot_path("ulysses-sp-memory", quick=True, argv=["plait", "bench", "ulysses-sp", "--quick",
+    path = plot_path("ulysses-sp", "ulysses-sp-memory", quick=True, argv=["plait", "bench", "ulysses-sp", "--quick",
                                                             "--update-results"])
     expected = tmp_path / "bench" if committed is None else committed.parent
     assert path.parent == expected and path.name.startswith("ulysses-sp-memory-quick")

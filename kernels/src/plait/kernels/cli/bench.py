@@ -20,7 +20,9 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 import urllib.parse
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -133,3 +135,44 @@ def _print_table(path: Path | None) -> int:
     print(f"\n{meta.get('date', 'date unknown')}, {meta.get('machine', 'machine unknown')}, "
           f"`{meta.get('command', 'command unknown')}` ({path.name})")
     return 0
+
+
+def _bench_options(suite: str, argv: Sequence[str]) -> argparse.Namespace | None:
+    """``--out`` and ``--update-results`` of a ``plait bench <suite>`` command line, else None."""
+    if "bench" not in argv or suite not in argv:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--update-results", action="store_true")
+    return parser.parse_known_args(list(argv))[0]
+
+
+def plot_path(suite: str, name: str, *, quick: bool, argv: Sequence[str] | None = None) -> Path:
+    """Where a suite's side output (its PNG ``name``) goes: where ``plait bench`` puts the run's
+    JSON, so running a benchmark never writes into the checkout or the current directory unless
+    the committed results are being updated.
+
+    Args:
+        suite: the suite's name, e.g. ``"ulysses-sp"``.
+        name: the PNG's name without suffix, e.g. ``"ulysses-sp-memory"``.
+        quick: a ``--quick`` run (its files carry ``-quick``, as its JSON does).
+        argv: the command line (default ``sys.argv``); only a ``plait bench <suite>`` command
+            line's ``--out`` / ``--update-results`` count.
+
+    Returns:
+        ``--update-results``: ``<checkout>/benchmarks/results/<name>[-quick].png`` (an editable
+        install; otherwise as by default); ``--out PATH``: ``PATH``'s folder, named after it;
+        by default a new timestamped file under ``bench_dir()``.
+    """
+    from plait.kernels.settings import bench_dir
+
+    stem = name + ("-quick" if quick else "")
+    options = _bench_options(suite, sys.argv if argv is None else argv)
+    if options is not None and options.update_results:
+        results = committed_results(suite, suite + ("-quick" if quick else ""))
+        if results is not None:
+            return results.parent / f"{stem}.png"
+    if options is not None and options.out is not None:
+        return options.out.with_name(f"{options.out.stem}-{name}.png")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    return bench_dir() / f"{stem}-{stamp}.png"

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from plait.kernels.bench import BenchRow, TimingStats
+from plait.kernels.cli.bench import plot_path
 from plait.onebit_optim.benchmarks import netem
-from plait.onebit_optim.benchmarks.output import plot_path
 from plait.onebit_optim.benchmarks.worker import VARIANTS
 
 REFERENCE = "ddp_adamw"
@@ -203,7 +203,7 @@ def _deepspeed_reason() -> str:
 
 def _plot(results: dict[str, dict[str, Any]], *, quick: bool) -> Path | None:
     """Loss against each variant's cumulative training time, one panel per link, as a PNG written
-    where the run's JSON goes (:func:`.output.plot_path`: never into the checkout by default)."""
+    where the run's JSON goes (:func:`plait.kernels.cli.bench.plot_path`: never into the checkout by default)."""
     try:
         import matplotlib
 
@@ -224,7 +224,7 @@ def _plot(results: dict[str, dict[str, Any]], *, quick: bool) -> Path | None:
                 ax.plot(xs, ys, label=name)
         ax.set(title=f"W=2, {link}", xlabel="training time (s)", ylabel="loss (rank 0)")
         ax.legend(fontsize=7)
-    path = plot_path("onebit-optim-loss-vs-time", quick=quick)
+    path = plot_path("onebit-optim", "onebit-optim-loss-vs-time", quick=quick)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import statistics
 
 from plait.kernels.bench import BenchRow
+from plait.kernels.cli.bench import plot_path
 from plait.kernels.testing.distributed import run_distributed
-from plait.ulysses_sp.benchmarks.output import plot_path
 from plait.ulysses_sp.benchmarks.workload import VARIANTS, run_variant
 
 CAP_GIB = 1.25
@@ -116,7 +116,7 @@ def _plot(peaks: dict[str, dict[int, float]], quick: bool) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    out = plot_path("ulysses-sp-memory", quick=quick)  # where the run's JSON goes, never the cwd
+    out = plot_path("ulysses-sp", "ulysses-sp-memory", quick=quick)  # where the run's JSON goes, never the cwd
     fig, ax = plt.subplots(figsize=(6, 4))
     for variant, series in peaks.items():
         ax.plot(list(series), list(series.values()), marker="o", label=variant)
