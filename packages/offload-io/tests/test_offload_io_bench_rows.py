@@ -42,7 +42,9 @@ def test_step_rows_without_deepspeed_cpu_adam(tmp_path: Path, monkeypatch: pytes
     rows = suite._step_rows(str(tmp_path), quick=True)
     assert all(row.ours != 0 for row in rows), [r for r in rows if r.ours == 0]
     peerless = [row for row in rows if "DeepSpeed" in row.peer]
-    assert peerless and all(row.peer_value is None and REASON in row.note for row in peerless)
+    # a row whose own side needs a package this environment lacks says that instead (installed alone)
+    assert peerless and all(row.peer_value is None and (REASON in row.note or row.note.startswith("not run: needs"))
+                            for row in peerless), [r.note for r in peerless]
     measured = [row for row in peerless if not row.note.startswith("not run")]
     assert any("CPU memory (ours)" in row.benchmark for row in measured)
     assert all(row.ours > 0 for row in measured)  # ours measured although the peer could not run
