@@ -45,3 +45,20 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> str:
         pytest.fail("triton was imported in compiled mode before the root conftest.py ran; "
                     "set TRITON_INTERPRET=1 in the environment before anything imports triton.")
     return "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that initialises ``torch.distributed`` in the pytest process must tear it down: a
+    group left behind makes later tests ("refused before any process group exists") fail far from
+    the cause. Reported as an error of the test that leaked it, and destroyed for the ones after."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        yield
+        return
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group initialised; destroy it before it returns")

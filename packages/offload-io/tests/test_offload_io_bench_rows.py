@@ -39,7 +39,13 @@ def test_step_rows_without_deepspeed_cpu_adam(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(workload, "build_model", small_model)
     monkeypatch.setattr(workload, "deepspeed_cpu_adam_ready", lambda: (False, REASON))
-    rows = suite._step_rows(str(tmp_path), quick=True)
+    import torch.distributed as dist
+
+    try:
+        rows = suite._step_rows(str(tmp_path), quick=True)  # the ZeRO-3 rows start a one-process group
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert all(row.ours != 0 for row in rows), [r for r in rows if r.ours == 0]
     peerless = [row for row in rows if "DeepSpeed" in row.peer]
     # a row whose own side needs a package this environment lacks says that instead (installed alone)
