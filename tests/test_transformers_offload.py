@@ -36,6 +36,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("name", ["zero3_offload", "zero2_offload"])
 def test_offloaded_trainer_equals_ddp(runs: dict[str, Any], name: str) -> None:
     ours, ddp = runs[name], runs["ddp"]
+    assert ours.placement == "ZeroOffloadPlacement" and ddp.placement is None  # the offload really ran
     assert len(ours.losses) == len(ddp.losses) == 4
     for a, e in zip(ours.losses + ours.grad_norms, ddp.losses + ddp.grad_norms):
         assert math.isclose(a, e, rel_tol=RTOL_FP32), (ours, ddp)

@@ -36,6 +36,8 @@ class RunResult:
         eval_loss: ``trainer.evaluate()``'s loss after training (``evaluate=True``), else ``None``.
         built_on_meta: with ``pretrained``: whether every parameter was on the meta device when
             the Trainer got the model (no rank held the whole model).
+        placement: the class name of the ZeRO engine's state placement under plait (which
+            offload, if any, actually ran), else ``None``.
     """
 
     losses: tuple[float, ...]
@@ -45,6 +47,7 @@ class RunResult:
     probe_logits: torch.Tensor | None = None
     eval_loss: float | None = None
     built_on_meta: bool | None = None
+    placement: str | None = None
 
 
 def probe_ids() -> torch.Tensor:
@@ -206,7 +209,9 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
             logits = trainer.model(input_ids=probe_ids()).logits.float()
     history = trainer.state.log_history
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine = getattr(trainer.model, "zero_engine", None)
     return RunResult(losses=tuple(float(h["loss"]) for h in history if "loss" in h),
                      grad_norms=tuple(float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None),
                      step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits,
-                     eval_loss=eval_loss, built_on_meta=on_meta)
+                     eval_loss=eval_loss, built_on_meta=on_meta,
+                     placement=type(engine.placement).__name__ if engine is not None else None)
