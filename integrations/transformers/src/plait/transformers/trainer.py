@@ -20,6 +20,7 @@ collectives, and takes over what sharding changes; each override is listed, with
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -94,9 +95,17 @@ def check_transformers_version() -> None:
 
 def ensure_process_group() -> None:
     """A one-process group when the script runs without a launcher (``python train.py``): ZeRO
-    always shards over a process group, and the Trainer creates one only under torchrun."""
+    always shards over a process group, and the Trainer creates one only under torchrun. plait
+    made it, so plait destroys it at exit: a gloo group left to the interpreter's teardown can
+    abort the process ("terminate called without an active exception") after training succeeded."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy_own_group)
+
+
+def _destroy_own_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class PlaitTrainerMixin:
