@@ -37,7 +37,12 @@ class ZeroConfig:
             parameters and gathers them just in time around each module group.
         reduce_bucket_elements: stages 1/2: parameters are packed into flat buckets of about this
             many elements (a larger parameter gets a bucket of its own); a bucket is the unit
-            of reduce-scatter and of the post-step all-gather.
+            of reduce-scatter and of the post-step all-gather. Stage 2 launches a bucket's
+            reduce-scatter as soon as its gradients are all there, so buckets much smaller
+            than the model are what lets communication overlap backward: with one bucket for
+            the whole model (the former 25M default on a 25M model) stage 2 waited for the
+            whole backward and stepped slower than stage 3. 5M elements is the bucket
+            DeepSpeed's benchmarks here use (20 MB fp32, near DDP's 25 MiB).
         prefetch: stage 3: how many module groups ahead (forward order, reversed in backward)
             to start gathering while the current one computes. 0 disables prefetch.
         param_persistence_threshold: stage 3: parameters with fewer elements than this stay
@@ -76,7 +81,7 @@ class ZeroConfig:
     """
 
     stage: int = 3
-    reduce_bucket_elements: int = 25_000_000
+    reduce_bucket_elements: int = 5_000_000
     prefetch: int = 1
     param_persistence_threshold: int = 1024
     unit_classes: tuple[str, ...] = ()
@@ -99,7 +104,7 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"ZeroConfig.stage={self.stage!r} is unknown; use 1, 2 or 3.")
-        self._positive_int("reduce_bucket_elements", minimum=1, hint="e.g. 25_000_000 elements")
+        self._positive_int("reduce_bucket_elements", minimum=1, hint="e.g. 5_000_000 elements")
         self._positive_int("prefetch", minimum=0, hint="0 disables prefetch, 1 is typical")
         self._positive_int("param_persistence_threshold", minimum=0, hint="0 shards every parameter")
         self._positive_int("initial_scale_power", minimum=0, hint="16 is typical")

@@ -1,0 +1,1 @@
+"""Benchmark suites of plait-lightning (``plait bench lightning``)."""
