@@ -64,6 +64,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     """
 
     CONFIG: type = object
+    # Read by plait-zero-sharding (by name, no import): this optimizer all-reduces (compressed)
+    # momentum over the whole model itself, so ZeRO must not shard or reduce for it.
+    owns_gradient_exchange = True
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  *, config: Any | None, process_group: Any | None = None,

@@ -28,6 +28,14 @@ def check_optimizer(cls: Any, config: ZeroConfig) -> None:
         raise ValueError(f"optimizer={cls!r} is neither an optimizer class nor an instance; pass e.g. "
                          "torch.optim.AdamW.")
     name = getattr(cls, "__name__", type(cls).__name__)
+    if getattr(cls, "owns_gradient_exchange", False):
+        # plait-onebit-optim's optimizers. Checked first: elementwise_optimizer=True must not let them
+        # through either.
+        raise ValueError(
+            f"optimizer {name} exchanges its own compressed momentum over the whole model on every rank; it does "
+            "not compose with ZeRO sharding yet (any stage). Use it on the plain, unwrapped model (no zero_shard, "
+            "no DDP), or use ZeRO with torch.optim.AdamW."
+        )
     if name in ELEMENTWISE_OPTIMIZERS or config.elementwise_optimizer:
         return
     raise ValueError(
