@@ -60,6 +60,9 @@ def _two_ranks(tmp: str) -> dict[str, Any]:
     for stage in (1, 3):
         out[f"zero{stage}_fp16"] = train("plait", f"{tmp}/zero{stage}_fp16", plait={"zero": {"stage": stage}},
                                          fp16=True, **common)
+    # Every step overflows at a loss scale of 2^100: ZeRO skips them all, and the LR schedule must not move.
+    out["zero1_fp16_overflow"] = train("plait", f"{tmp}/zero1_fp16_overflow",
+                                       plait={"zero": {"stage": 1, "initial_scale_power": 100}}, fp16=True, **common)
     # Big-model loading: plait builds on meta and fills each rank's shards from the files.
     out["pretrained_ddp"] = train("ddp", f"{tmp}/pretrained_ddp", pretrained=f"{tmp}/src", **common)
     out["pretrained_zero3"] = train("plait", f"{tmp}/pretrained_zero3", plait={"zero": {"stage": 3}},
@@ -189,3 +192,10 @@ def test_save_model_loads_with_from_pretrained(runs: dict[str, Any]) -> None:
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert runs["loaded_class"] == "LlamaForCausalLM"
     torch.testing.assert_close(runs["loaded_logits"], runs["full"].probe_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_overflow_skips_do_not_advance_the_lr_schedule(runs: dict[str, Any]) -> None:
+    skipped, ran = runs["zero1_fp16_overflow"], runs["zero1_fp16"]
+    assert skipped.skipped_steps == len(skipped.losses) == 4
+    assert len(set(skipped.learning_rates)) == 1, skipped.learning_rates  # the scheduler never stepped
+    assert len(set(ran.learning_rates)) > 1 and ran.skipped_steps < 4  # it does when steps are taken

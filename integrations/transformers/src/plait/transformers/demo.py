@@ -38,6 +38,8 @@ class RunResult:
             the Trainer got the model (no rank held the whole model).
         placement: the class name of the ZeRO engine's state placement under plait (which
             offload, if any, actually ran), else ``None``.
+        learning_rates: the learning rate logged at every optimizer step.
+        skipped_steps: steps ZeRO's fp16 loss scaler skipped (overflow) under plait, else ``None``.
     """
 
     losses: tuple[float, ...]
@@ -48,6 +50,8 @@ class RunResult:
     eval_loss: float | None = None
     built_on_meta: bool | None = None
     placement: str | None = None
+    learning_rates: tuple[float, ...] = ()
+    skipped_steps: int | None = None
 
 
 def probe_ids() -> torch.Tensor:
@@ -214,4 +218,6 @@ def train(route: str, output_dir: str, *, plait: Any = None, deepspeed: dict | N
                      grad_norms=tuple(float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None),
                      step_seconds=tuple(timer.seconds), peak_rss_bytes=int(peak), probe_logits=logits,
                      eval_loss=eval_loss, built_on_meta=on_meta,
-                     placement=type(engine.placement).__name__ if engine is not None else None)
+                     placement=type(engine.placement).__name__ if engine is not None else None,
+                     learning_rates=tuple(float(h["learning_rate"]) for h in history if "loss" in h),
+                     skipped_steps=trainer.model.zero_optimizer.skipped_steps if engine is not None else None)

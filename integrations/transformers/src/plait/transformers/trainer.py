@@ -183,7 +183,19 @@ class PlaitTrainerMixin:
         if scheduler is not None and getattr(scheduler, "optimizer", None) is original:
             scheduler.optimizer = sharded  # a scheduler passed in optimizers=(opt, sched)
         self.optimizer = sharded
+        self._plait_skips_seen = 0
+        sharded.register_step_post_hook(self._plait_report_skip)
         return sharded
+
+    def _plait_report_skip(self, optimizer: ZeroOptimizer, args: Any, kwargs: Any) -> None:
+        """The Trainer steps the LR scheduler unless ``accelerator.optimizer_step_was_skipped``,
+        which knows only Accelerate's own loss scaler; tell it when ZeRO's fp16 scaler skipped the
+        step (an overflow), so the schedule does not advance over a step that did not happen."""
+        skipped = optimizer.skipped_steps != self._plait_skips_seen
+        self._plait_skips_seen = optimizer.skipped_steps
+        wrapper = self.optimizer  # Accelerate's AcceleratedOptimizer around ``optimizer`` once prepared
+        if wrapper is not optimizer and hasattr(wrapper, "_is_overflow"):
+            wrapper._is_overflow = skipped
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if loading.pending_weights(model) is not None:
