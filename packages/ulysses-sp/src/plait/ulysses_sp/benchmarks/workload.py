@@ -3,7 +3,8 @@
 Variants (shared/benchmarks.md's Llama shape, widened to a 48k vocabulary so the model has
 27.8M parameters, most of them in the embedding and the untied head, as in real LLMs):
 
-* ``baseline``: plain HF model (sdpa), every rank the whole sequence, gradients all-reduced;
+* ``baseline``: plain HF model (sdpa), data parallel: every rank a whole sequence of its own
+  (2 sequences per step on 2 ranks), gradients all-reduced;
 * ``ulysses``: plait Ulysses at sp=2, full logits, ``sp_cross_entropy``;
 * ``ulysses+alst``: plait Ulysses + tiled MLP + tiled logits/loss + checkpointed decoder layers
   (``enable_offloaded_checkpointing``; on this CPU-only machine the host copy is a second CPU
@@ -38,8 +39,8 @@ def build_model():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _batch(seq: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seq)
+def _batch(seq: int, sample: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seq + 1_000_003 * sample)
     ids = torch.randint(0, VOCAB, (1, seq), generator=gen)
     return {"input_ids": ids, "labels": ids}
 
@@ -88,7 +89,7 @@ def _baseline_step():
     model.train()
 
     def step(seq: int) -> float:
-        loss = model(**_batch(seq)).loss
+        loss = model(**_batch(seq, dist.get_rank())).loss  # data parallel: a sequence per rank
         loss.backward()
         return loss.item()
 
