@@ -69,7 +69,7 @@ def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_train_offloaded_resume_export_serve(tmp_path):
-    from plait.inference_kernels.patching import apply, revert
+    from plait.inference_kernels.patching import PatchConfig, apply, revert
     from plait.universal_ckpt.interop.hf import export_hf
 
     first = run_distributed(train_offloaded, 2, str(tmp_path / "train"), timeout=240)
@@ -95,7 +95,9 @@ def test_train_offloaded_resume_export_serve(tmp_path):
 
     prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
     unpatched = _greedy(model, prompt)
-    report = apply(model)
+    # policy="always": on CPU plait's ops run their torch reference and the default keeps the model's
+    # own code; the user's path on a GPU patches by default. Here the patched path itself is checked.
+    report = apply(model, PatchConfig(policy="always"))
     assert sum(report.patched.values()) > 0, report
     try:
         patched = _greedy(model, prompt)

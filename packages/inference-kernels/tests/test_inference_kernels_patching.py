@@ -56,6 +56,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3
 # The plait ops a forward of every patched family must reach. On the CPU reference backend the
 # patch calls the ops' references directly (the HF modules guarantee what the public ops validate),
 # and in fp32 rotary takes the reference's in-place NeoX rotation (rotate_neox_in_place).
+# plait patches on any device here: these tests exercise the patching and its reference path
+ALWAYS = PatchConfig(policy="always")
 EXPECTED_CALLS = ("rms_norm_reference", "gated_activation_reference", "rotate_neox_in_place")
 
 
@@ -102,7 +104,7 @@ def test_greedy_generation_identical_fp32(family, op_calls):
     with torch.no_grad():
         logits_before = model(ids).logits
     tokens_before = _generate(model, ids)
-    report = apply(model)
+    report = apply(model, ALWAYS)
     op_calls.clear()
     tokens_after = _generate(model, ids)
     assert torch.equal(tokens_after, tokens_before)
@@ -125,7 +127,7 @@ def test_bf16_logits_within_tolerance(family, op_calls):
     with torch.no_grad():
         exact = reference(ids).logits
         hf_bf16 = model(ids).logits.float()
-        with patched(model):
+        with patched(model, ALWAYS):
             plait_bf16 = model(ids).logits.float()
     # bf16 inference takes the public in-place op (fp32 compute, one rounding per element).
     assert op_calls.get("apply_rotary", 0) > 0 and op_calls.get("rms_norm_reference", 0) > 0, op_calls
@@ -146,9 +148,9 @@ def test_apply_is_idempotent_and_revert_is_exact(family):
     with torch.no_grad():
         before = model(ids).logits
 
-    first = apply(model)
+    first = apply(model, ALWAYS)
     bound = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
-    assert apply(model) is first  # second apply: no-op returning the same report
+    assert apply(model, ALWAYS) is first  # second apply: no-op returning the same report
     assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == bound
     assert is_patched(model) and patch_report(model) is first
     assert forwards.rotary_hook_installed(hf_module)
@@ -166,11 +168,11 @@ def test_apply_is_idempotent_and_revert_is_exact(family):
 
 def test_patched_context_manager_and_config_conflict():
     model = build("qwen2")
-    with patched(model, PatchConfig(mlp=False)) as report:
+    with patched(model, PatchConfig(mlp=False, policy="always")) as report:
         assert report.patched["mlp"] == 0 and report.patched["rms_norm"] > 0
         with pytest.raises(ValueError, match="revert"):
-            apply(model)  # default config differs from the one applied
-        with patched(model, PatchConfig(mlp=False)):  # nested, same config: leaves it patched
+            apply(model, ALWAYS)  # default config differs from the one applied
+        with patched(model, PatchConfig(mlp=False, policy="always")):  # nested, same config: leaves it patched
             pass
         assert is_patched(model)
     assert not is_patched(model)
@@ -182,7 +184,7 @@ def test_unknown_family_is_refused_before_any_change():
     config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama.*qwen3_moe"):
-        apply(model)
+        apply(model, ALWAYS)
     assert not is_patched(model)
     with pytest.raises(UnsupportedModelError, match="model_type"):
         apply(torch.nn.Linear(2, 2))
@@ -197,7 +199,7 @@ def test_transformers_version_range(monkeypatch):
     model = build("llama")
     monkeypatch.setattr(registry, "installed_transformers_version", lambda: "4.57.0")
     with pytest.raises(UnsupportedTransformersError, match=r"transformers>=5.0,<6.0.*4.57.0"):
-        apply(model)
+        apply(model, ALWAYS)
     assert not is_patched(model) and not any(forwards.is_installed(m) for m in model.modules())
 
 
@@ -207,7 +209,7 @@ def test_training_gradients_match(family, op_calls):
     model.train()
     reference = copy.deepcopy(model)
     ids = _prompt(3)
-    apply(model)
+    apply(model, ALWAYS)
     loss = model(ids, labels=ids).loss
     loss.backward()
     ref_loss = reference(ids, labels=ids).loss
@@ -222,7 +224,7 @@ def test_training_gradients_match(family, op_calls):
 
 def test_unpatched_model_of_same_family_is_untouched(op_calls):
     patched_model, plain_model = build("llama"), build("llama", seed=5)
-    apply(patched_model)
+    apply(patched_model, ALWAYS)
     op_calls.clear()
     with torch.no_grad():
         plain_model(_prompt())
@@ -233,7 +235,7 @@ def test_unpatched_model_of_same_family_is_untouched(op_calls):
 def test_fused_weight_cache_follows_in_place_updates():
     model = build("llama")
     ids = _prompt()
-    apply(model)
+    apply(model, ALWAYS)
     with torch.no_grad():
         model(ids)
         for module in model.modules():
@@ -248,7 +250,7 @@ def test_fused_weight_cache_follows_in_place_updates():
 def test_eager_experts_are_reported_as_skipped():
     model = build("mixtral")
     model.set_experts_implementation("eager")
-    report = apply(model)
+    report = apply(model, ALWAYS)
     assert report.patched["experts_gate"] == 0
     assert any("experts_implementation='eager'" in reason for reason in report.skipped)
     revert(model)
@@ -257,7 +259,7 @@ def test_eager_experts_are_reported_as_skipped():
 def test_mixed_dtype_norm_falls_back_to_hf():
     model = build("llama")
     norm = model.model.norm
-    apply(model)
+    apply(model, ALWAYS)
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
     out = norm(x)  # fp32 weight, bf16 input: HF promotes to fp32; the patch must keep that
     revert(model)
@@ -268,8 +270,8 @@ def test_rotary_hook_is_shared_and_removed_with_the_last_patched_model():
     hf_module = __import__("transformers.models.llama.modeling_llama", fromlist=["x"])
     original = hf_module.apply_rotary_pos_emb
     first, second = build("llama"), build("llama", seed=3)
-    apply(first)
-    apply(second)
+    apply(first, ALWAYS)
+    apply(second, ALWAYS)
     revert(first)
     assert forwards.rotary_hook_installed(hf_module)  # second still needs it
     revert(second)
@@ -280,7 +282,7 @@ def test_deepcopy_of_a_patched_model_is_patched_and_independent(op_calls):
     hf_module = __import__("transformers.models.llama.modeling_llama", fromlist=["x"])
     model = build("llama")
     ids = _prompt()
-    apply(model)
+    apply(model, ALWAYS)
     clone = copy.deepcopy(model)
     assert is_patched(clone)
     assert clone.model.norm.forward.__self__ is clone.model.norm  # rebound to the copy
@@ -302,7 +304,7 @@ def test_mlp_activation_mapping(act, op_calls):
     ids = _prompt()
     with torch.no_grad():
         before = model(ids).logits
-        report = apply(model)
+        report = apply(model, ALWAYS)
         op_calls.clear()
         after = model(ids).logits
     revert(model)
@@ -325,7 +327,7 @@ def test_rotary_with_an_unexpected_cos_layout_is_left_unpatched():
         return torch.cat((cos[..., :half], 0.5 * cos[..., half:]), -1), sin
 
     rotary.forward = shifted
-    report = apply(model)
+    report = apply(model, ALWAYS)
     assert report.patched["attention_rotary"] == 0
     assert any("cat(freqs, freqs)" in reason for reason in report.skipped)
     revert(model)
@@ -333,7 +335,7 @@ def test_rotary_with_an_unexpected_cos_layout_is_left_unpatched():
 
 def test_forced_triton_without_interpreter_fails_clearly_on_cpu(monkeypatch):
     model = build("llama")
-    apply(model)
+    apply(model, ALWAYS)
     monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with torch.no_grad(), pytest.raises(ValueError, match="TRITON_INTERPRET"):
@@ -349,7 +351,7 @@ def test_rotary_with_an_unknown_function_signature_is_left_unpatched(monkeypatch
 
     monkeypatch.setattr(hf_module, "apply_rotary_pos_emb", old_style)
     model = build("llama")
-    report = apply(model)
+    report = apply(model, ALWAYS)
     assert report.patched["attention_rotary"] == 0 and report.patched["rms_norm"] > 0
     assert any("position_ids" in reason for reason in report.skipped)
     revert(model)
@@ -361,7 +363,24 @@ def test_float64_model_keeps_working_through_fallbacks():
     ids = _prompt()
     with torch.no_grad():
         before = model(ids).logits
-        with patched(model):
+        with patched(model, ALWAYS):
             after = model(ids).logits
     assert after.dtype == torch.float64
     torch.testing.assert_close(after, before, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_moe"))
+def test_default_policy_keeps_the_models_own_code_where_plait_runs_its_reference(family, op_calls, monkeypatch):
+    monkeypatch.setenv("PLAIT_KERNEL_BACKEND", "auto")  # CPU tensors: plait's ops would run their reference
+    model = build(family)
+    ids = _prompt()
+    tokens_before = _generate(model, ids)
+    with patched(model) as report:
+        assert report.config.policy == "auto" and sum(report.patched.values()) == 0
+        assert report.kept and all("kept the model's own code" in line and "on cpu" in line for line in report.kept)
+        assert any(line.startswith("rms_norm:") for line in report.kept)
+        op_calls.clear()
+        assert torch.equal(_generate(model, ids), tokens_before)
+        assert not any(op_calls.get(op, 0) for op in EXPECTED_CALLS), op_calls  # the model's own code ran
+    with pytest.raises(ValueError, match="PatchConfig.policy='sometimes'"):
+        PatchConfig(policy="sometimes")

@@ -35,6 +35,7 @@ from plait.inference_kernels.patching.registry import (
     family_of,
     resolve,
 )
+from plait.kernels.dispatch import select_backend
 
 _STATE = "_plait_patch_state"
 
@@ -49,17 +50,28 @@ class PatchConfig:
             Costs one extra copy of ``W_gate`` and ``W_up`` per layer while patched (freed by revert).
         rotary: route the attention's rotary embedding to plait's rotary.
         experts: route MoE experts' gate activation to ``silu_and_mul``.
+        policy: ``"auto"`` (default): patch only where plait's Triton kernels run (the model's
+            parameters on CUDA with Triton installed); where plait's ops would run their torch
+            reference (CPU), which is not faster than the model's own code (see the package
+            README's patched-model table), keep the model's code and say so in
+            :attr:`PatchReport.kept`. ``"always"``: patch what the other fields select
+            on any device (tests of the patching itself, the reference path on purpose).
     """
 
     rms_norm: bool = True
     mlp: bool = True
     rotary: bool = True
     experts: bool = True
+    policy: str = "auto"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, bool):
+            if field.name == "policy":
+                if value not in ("auto", "always"):
+                    raise ValueError(f"PatchConfig.policy={value!r}: use 'auto' (only where plait's kernels are "
+                                     "faster, i.e. Triton on CUDA) or 'always'.")
+            elif not isinstance(value, bool):
                 raise ValueError(f"PatchConfig.{field.name}={value!r} must be True or False.")
 
 
@@ -72,7 +84,9 @@ class PatchReport:
         transformers_version: the transformers version checked.
         config: the :class:`PatchConfig` applied.
         patched: ``{"rms_norm": n, "mlp": n, "attention_rotary": n, "experts_gate": n}``, module counts.
-        skipped: reasons for each part that was asked for but not patched.
+        skipped: reasons for each part that was asked for but could not be patched.
+        kept: parts left to the model's own code because plait's op would not be faster on the
+            model's device (``policy="auto"``), with the reason.
     """
 
     family: str
@@ -80,6 +94,7 @@ class PatchReport:
     config: PatchConfig
     patched: dict[str, int]
     skipped: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)  # identity hash: states are members of the rotary hook's WeakSet
@@ -189,6 +204,18 @@ def _plan(model: torch.nn.Module, config: PatchConfig, family: ResolvedFamily):
     return norm_targets, mlp_targets, attn_targets, gate_targets, kind, tuple(skipped)
 
 
+def _kept_for_speed(model: torch.nn.Module, config: PatchConfig, targets: dict[str, list]) -> tuple[str, ...]:
+    """Under ``policy="auto"``, the parts to leave to the model's code on this device, with why."""
+    if config.policy != "auto" or not any(targets.values()):
+        return ()
+    probe = next(model.parameters(), None)
+    if probe is None or select_backend(probe) == "triton":
+        return ()
+    return tuple(f"{part}: kept the model's own code for {len(modules)} module(s): on {probe.device.type} plait's "
+                 "op runs its torch reference, which is not faster (PatchConfig(policy='always') patches anyway)"
+                 for part, modules in targets.items() if modules)
+
+
 def apply(model: torch.nn.Module, config: PatchConfig | None = None) -> PatchReport:
     """Patch ``model`` in place with plait's kernels.
 
@@ -218,12 +245,16 @@ def apply(model: torch.nn.Module, config: PatchConfig | None = None) -> PatchRep
     version = check_transformers_version()
     family = resolve(family_of(model))
     norms, mlps, attns, gates, kind, skipped = _plan(model, config, family)
+    kept = _kept_for_speed(model, config, {"rms_norm": norms, "mlp": mlps, "attention_rotary": attns,
+                                            "experts_gate": gates})
+    if kept:
+        norms, mlps, attns, gates = [], [], [], []
     state = _State(
         report=PatchReport(
             family=family.spec.model_type, transformers_version=version, config=config,
             patched={"rms_norm": len(norms), "mlp": len(mlps), "attention_rotary": len(attns),
                      "experts_gate": len(gates)},
-            skipped=skipped,
+            skipped=skipped, kept=kept,
         ),
         family=family, forwards=[], gates=[], rotary_hooked=False,
     )
