@@ -253,6 +253,10 @@ def check_training_args(config: PlaitConfig, args: Any) -> None:
         raise ValueError("TrainingArguments.load_best_model_at_end=True is not supported with plait yet: its "
                          "checkpoints hold universal checkpoints, not the weight files the Trainer reloads; set it to "
                          "False and export the chosen checkpoint-N with trainer.save_model after resuming from it.")
+    if getattr(args, "push_to_hub", False):
+        raise ValueError("TrainingArguments.push_to_hub=True is not supported with plait yet: the Trainer pushes "
+                         "what its checkpoints hold, universal checkpoints rather than weight files; set it to False "
+                         "and push the folder trainer.save_model(dir) writes (model.safetensors + config.json).")
     compute, _ = precision_of(args)
     zero = config.zero
     if zero.compute_dtype != torch.float32 and zero.compute_dtype != compute:
