@@ -73,7 +73,8 @@ def test_precision_and_clipping_translate_from_training_args(tmp_path: Path) -> 
     (ZeroConfig(stage=3, loss_scale=128.0), {}, "ZeroConfig.loss_scale"),
     (ZeroConfig(stage=3), {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
      "TrainingArguments.load_best_model_at_end"),
-    (ZeroConfig(stage=3), {"push_to_hub": True, "hub_model_id": "plait-test/never-pushed"}, "TrainingArguments.push_to_hub"),
+    (ZeroConfig(stage=3), {"push_to_hub": True, "hub_model_id": "plait-test/never-pushed"},
+     "TrainingArguments.push_to_hub"),
 ])
 def test_contradictions_fail_when_the_trainer_is_built(tmp_path: Path, config: ZeroConfig, args: dict,
                                                       named: str) -> None:
