@@ -36,9 +36,9 @@ CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64)
 
 
-def _model():
+def _model(family: str = "llama"):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**CONFIG)
+    config = (transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig)(**CONFIG)
     config._attn_implementation = "sdpa"
     return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -69,9 +69,10 @@ def _placement(offload: bool):
     return zero_placement(OffloadConfig(device="cpu"))
 
 
-def _ulysses_zero(stage: int, tiled: bool, offload: bool) -> tuple[list[list[float]], list[float], int]:
+def _ulysses_zero(stage: int, tiled: bool, offload: bool,
+                  family: str = "llama") -> tuple[list[list[float]], list[float], int]:
     mesh = make_mesh(dp=2, sp=2)
-    base = _model()
+    base = _model(family)
     reference = _ddp_reference(copy.deepcopy(base), dp=2)
     model = apply_ulysses(base, mesh, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None))
     if tiled:  # ALST's checkpoint offload under ZeRO: the recompute must regather stage-3 parameters
@@ -95,13 +96,17 @@ def _ulysses_zero(stage: int, tiled: bool, offload: bool) -> tuple[list[list[flo
     return reference, curve, dp_rank
 
 
-@pytest.mark.parametrize(("stage", "tiled", "offload"), [(3, True, False), (2, False, False), (3, False, True)])
-def test_ulysses_with_zero_over_dp2_sp2_follows_the_ddp_loss_curve(stage, tiled, offload):
+@pytest.mark.parametrize(("stage", "tiled", "offload", "family"), [
+    (3, True, False, "llama"), (2, False, False, "llama"), (3, False, True, "llama"), (1, False, False, "llama"),
+    (3, False, False, "qwen3"),
+])
+def test_ulysses_with_zero_over_dp2_sp2_follows_the_ddp_loss_curve(stage, tiled, offload, family):
     if offload:
         pytest.importorskip("plait.offload_io")
-    results = run_distributed(_ulysses_zero, 4, stage, tiled, offload, timeout=240)
+    results = run_distributed(_ulysses_zero, 4, stage, tiled, offload, family, timeout=240)
     tol = tolerance("ulysses_model_grad", torch.float32)
     for reference, curve, dp_rank in results:
         got = torch.tensor(curve)
         want = torch.tensor([r[dp_rank] for r in reference])
-        tol.assert_close(got, want, what=f"ZeRO-{stage} (offload={offload}) x Ulysses loss curve, dp rank {dp_rank}")
+        what = f"{family} ZeRO-{stage} (offload={offload}) x Ulysses loss curve, dp rank {dp_rank}"
+        tol.assert_close(got, want, what=what)
