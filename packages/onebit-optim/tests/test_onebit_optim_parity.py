@@ -216,3 +216,30 @@ def test_bf16_parameters_train_with_fp32_exchange(kind):
     # bf16 parameters and state (as torch's Adam keeps them); the exchange runs in fp32.
     losses = run_distributed(_bf16, 2, kind, timeout=60)[0]
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def _two_pairs() -> dict:
+    """W=4 as two independent data-parallel pairs ({0, 1} and {2, 3}): each pair's optimizer
+    exchanges over its own process group only."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    model = mlp()
+    opt = OnebitAdam(model.parameters(), **HYPER, config=OnebitAdamConfig(freeze_step=FREEZE), process_group=group)
+    with C.ByteLedger() as ledger:
+        for step in range(STEPS):
+            local_loss(model, step, dist.get_rank(group), 2).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()], "bytes": ledger.total()}
+
+
+def test_process_group_pairs_each_equal_a_two_rank_run():
+    outs = run_distributed(_two_pairs, 4, timeout=90)
+    with one_thread():
+        expected = reference_onebit_adam(2)
+    for rank, out in enumerate(outs):
+        assert all(torch.equal(got, want) for got, want in zip(out["params"], expected)), f"rank {rank}"
+        assert out["bytes"] == outs[0]["bytes"] > 0
+    two = run_distributed(_onebit_adam_run, 2, timeout=90)[0]
+    assert outs[0]["bytes"] == two["bytes"]  # a pair moves what a two-rank world moves, nothing across pairs
