@@ -89,6 +89,25 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def rss_bytes() -> tuple[int, int]:
+    """(current resident set, peak resident set) of this process in bytes, from ``/proc`` (Linux)."""
+    text = Path("/proc/self/status").read_text()
+
+    def field(name: str) -> int:
+        line = next((x for x in text.splitlines() if x.startswith(name + ":")), None)
+        return int(line.split()[1]) * 1024 if line else 0
+
+    return field("VmRSS"), field("VmHWM")
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set to its current one (``/proc/self/clear_refs``) and
+    return that level in bytes: ``rss_bytes()[1] - reset_peak_rss()`` afterwards is how far the
+    peak rose in between, whatever ran before."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_bytes()[0]
+
+
 def interleaved_timing(
     candidates: dict[str, Callable[[], object]],
     *,

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from plait.kernels.bench import BenchRow, TimingStats, timing_row
+from plait.kernels.bench import BenchRow, TimingStats, reset_peak_rss, rss_bytes, timing_row
 from plait.kernels.testing import run_distributed
 
 STRATEGIES = ("plait_zero2", "plait_zero3", "ddp", "fsdp2")
@@ -133,11 +132,6 @@ def timing_worker(setup: tuple) -> dict[str, Any]:
     return {"seconds": seconds, "losses": losses, "errors": errors}
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def memory_worker(setup: tuple, name: str) -> int:
@@ -147,10 +141,9 @@ def memory_worker(setup: tuple, name: str) -> int:
 
     import plait.lightning  # noqa: F401
 
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
-    base = _status("VmRSS")
+    base = reset_peak_rss()
     _fit(name, setup, setup[3])
-    return _status("VmHWM") - base
+    return rss_bytes()[1] - base
 
 
 def _params(setup: tuple) -> int:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-from plait.kernels.bench import BenchRow, TimingStats, timing_row
+from plait.kernels.bench import BenchRow, TimingStats, reset_peak_rss, rss_bytes, timing_row
 from plait.kernels.testing import run_distributed
 
 ROUTES = ("plait", "deepspeed", "ddp")
@@ -44,11 +43,6 @@ def _deepspeed_ready() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _run_route(route: str, tmp: str, setup: tuple, *, steps: int) -> Any:
@@ -90,10 +84,9 @@ def memory_worker(tmp: str, setup: tuple, route: str) -> int:
 
     import plait.transformers  # noqa: F401
 
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
-    base = _status("VmRSS")
+    base = reset_peak_rss()
     _run_route(route, tmp, setup, steps=setup[3])
-    return _status("VmHWM") - base
+    return rss_bytes()[1] - base
 
 
 def _loss_note(losses: dict[str, tuple[float, ...]], route: str) -> str:

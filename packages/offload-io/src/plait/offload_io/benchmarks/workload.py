@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 
 import torch
 
+from plait.kernels.bench import rss_bytes
 from plait.offload_io.optimizer import OffloadedOptimizer
 
 LR = 1e-3
@@ -158,16 +158,6 @@ def train_step(model: torch.nn.Module, optimizer, step: int) -> tuple[float, flo
     return end - start, end - mid
 
 
-def rss_bytes() -> tuple[int, int]:
-    """(current resident set, peak resident set) of this process in bytes, from /proc."""
-    with open(f"/proc/{os.getpid()}/status") as handle:
-        text = handle.read()
-    def field(name: str) -> int:
-        match = re.search(rf"^{name}:\s+(\d+) kB", text, re.MULTILINE)
-        return int(match.group(1)) * 1024 if match else 0
-    return field("VmRSS"), field("VmHWM")
-
-
 def deepspeed_cpu_adam_ready() -> tuple[bool, str]:
     """Whether DeepSpeedCPUAdam can run here without a long JIT build (its op already built).
 
@@ -185,8 +175,8 @@ def deepspeed_cpu_adam_ready() -> tuple[bool, str]:
 
     built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
     if not os.path.exists(built):
-        return False, (f"DeepSpeed's cpu_adam op is not built (JIT build takes minutes; run "
-                       f"`python -c 'from deepspeed.ops.adam import DeepSpeedCPUAdam'` once to build it at {built})")
+        return False, ("DeepSpeed's cpu_adam op is not built (a C++ build of minutes; "
+                       f"`PLAIT_BUILD_DEEPSPEED_OPS=1 bash ci/setup.sh` builds it once, at {built})")
     return True, ""
 
 
