@@ -29,6 +29,21 @@ pipq() {
   return "${PIPESTATUS[0]}"
 }
 
+# On request (PLAIT_BUILD_DEEPSPEED_OPS=1): build DeepSpeed's CPU Adam op once, a C++ JIT build of a
+# few minutes, so the offload benchmarks can show their DeepSpeedCPUAdam rows (without it they say n/a).
+build_deepspeed_ops() {
+  [ "${PLAIT_BUILD_DEEPSPEED_OPS:-0}" = "1" ] || return 0
+  echo "setup: building DeepSpeed's cpu_adam op (a C++ build of a few minutes, once per machine) ..."
+  local start
+  start=$(date +%s)
+  if DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" \
+      >/dev/null 2>&1; then
+    echo "setup: DeepSpeed cpu_adam op built in $(( $(date +%s) - start ))s"
+  else
+    echo "setup: WARNING DeepSpeed's cpu_adam op did not build (a C++ compiler and python headers are needed); its rows will say n/a"
+  fi
+}
+
 DISTS=("$ROOT/kernels")
 for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" ] && DISTS+=("$d"); done
 
@@ -36,6 +51,7 @@ for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" 
 STAMP="$VENV/.plait-setup-stamp"
 WANT="$(cat "${BASH_SOURCE[0]}" "$ROOT/ci/requirements-test.txt" "${DISTS[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  build_deepspeed_ops
   return 0 2>/dev/null || exit 0
 fi
 
@@ -58,3 +74,4 @@ for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
 pipq install -q --no-build-isolation -c "$CONSTRAINTS" "${EDITABLE[@]}"
 echo "$WANT" > "$STAMP"
 echo "setup: installed ${#DISTS[@]} plait distributions editable into $VENV"
+build_deepspeed_ops
