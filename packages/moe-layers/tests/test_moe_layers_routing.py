@@ -91,7 +91,9 @@ def test_gradients_equal_dense_reference() -> None:
     x = torch.randn(10, H, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(10, H, dtype=torch.float64)
     grads = torch.autograd.grad((layer(x) * probe).sum(), [x, *layer.parameters()])
-    ref_grads = torch.autograd.grad((dense_reference(layer, x)[0] * probe).sum(), [x, *layer.parameters()])
+    reference, kept = dense_reference(layer, x)
+    assert not kept.all(), "capacity 1.0 on 10 tokens must drop some choices: the dropped path's gradient is tested"
+    ref_grads = torch.autograd.grad((reference * probe).sum(), [x, *layer.parameters()])
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want)
 
