@@ -183,3 +183,48 @@ def refuse_stage2_session(root: str) -> str:
 def test_parameter_offload_needs_stage_3(tmp_path) -> None:
     message = run_distributed(refuse_stage2_session, 1, str(tmp_path), timeout=45)[0]
     assert "stage=3" in message and "stage=2" in message
+
+
+def split_master_session(root: str) -> dict:
+    """A root unit (embedding + head) several times ``sub_group_size``: its master is stepped in
+    pieces, and the store's slots are bounded by the setting, not by that unit."""
+    from plait.offload_io import IOConfig, OffloadConfig, zero_placement
+    from plait.offload_io.subgroups import MasterPiece
+
+    sub_group = 4096
+    model, optimizer = _build()
+    ref_losses, ref_params = _train(model, optimizer, STEPS), _params(model)
+    ref_state = copy.deepcopy(optimizer.state_dict()["inner"]["state"])
+    io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
+    path = os.path.join(root, f"rank{torch.distributed.get_rank()}")
+    placement = zero_placement(OffloadConfig(device="nvme", path=path, sub_group_size=sub_group,
+                                             param_device="nvme", io=io))
+    model, optimizer = _build(placement)
+    losses = _train(model, optimizer, STEPS)
+    store = placement.store
+    largest_master = max(m.numel() for m in placement._masters.values())
+    largest_group = max(store.layout(gid).nbytes for gid in store.group_ids())
+    slot_bytes = sum(s.buffer.numel() for s in store._slots)
+    state = optimizer.state_dict()["inner"]["state"]
+    out = {"losses": losses == ref_losses, "params": _equal(_params(model), ref_params),
+           "state": len(state) == len(ref_state) and all(
+               torch.equal(torch.as_tensor(v), torch.as_tensor(ref_state[i][k]))
+               for i, s in state.items() for k, v in s.items()),
+           "pieces": sum(isinstance(sg, MasterPiece) for sg in placement._subgroups),
+           "largest_master": largest_master, "largest_group": largest_group, "slot_bytes": slot_bytes,
+           "slots": len(store._slots), "alignment": io.alignment, "sub_group": sub_group}
+    placement.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+def test_split_masters_step_bitwise_and_bound_the_slots(world: int, tmp_path) -> None:
+    for rank, r in enumerate(run_distributed(split_master_session, world, str(tmp_path), timeout=150)):
+        assert r["largest_master"] > 2 * r["sub_group"] and r["pieces"] >= 3, (rank, r)
+        assert r["losses"] and r["params"] and r["state"], (rank, r)
+        # A group holds at most sub_group elements of master + two moments (12 bytes each), each
+        # tensor padded to the alignment, plus the step counters (one aligned block each).
+        bound = r["sub_group"] * 12 + 8 * r["alignment"]
+        assert r["largest_group"] <= bound < r["largest_master"] * 12, (rank, r)
+        assert r["slots"] == 3 and r["slot_bytes"] <= 3 * bound, (rank, r)

@@ -125,7 +125,10 @@ class OffloadConfig:
         path: directory for ``device="nvme"``; ignored for ``"cpu"``.
         sub_group_size: most parameter elements stepped as one group. Smaller groups mean less
             memory for the in-flight slots of the NVMe store and finer overlap; larger ones fewer
-            I/O requests. Every parameter lands whole in one group.
+            I/O requests. With :class:`OffloadedOptimizer` every parameter lands whole in one
+            group; the ZeRO placement on NVMe splits a master shard larger than this into
+            pieces of at most this many elements, so the store's memory is about
+            ``slots x sub_group_size x 12`` bytes for AdamW whatever the largest unit.
         master_weights: ``"auto"`` keeps a separate fp32 CPU copy of a parameter only when the
             parameter is not already fp32 on the CPU; ``"on"`` always does (grads are then copied
             by hooks during backward and parameters copied back after the step); ``"off"`` never

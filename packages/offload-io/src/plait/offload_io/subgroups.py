@@ -196,8 +196,112 @@ class SubGroup:
         return {}
 
 
+class MasterPiece(SubGroup):
+    """Elements ``[start, end)`` of one flat fp32 master that is larger than ``sub_group_size``:
+    a sub-group of its own, so the NVMe store's slots are bounded by the setting, not by the
+    largest master (a ZeRO rank's embedding or output-head shard).
+
+    The optimizer keys its state by the master tensor, so only one piece of a master can be
+    installed at a time: during its step the master's ``.data`` and its state entries are the
+    piece's slot views (shape ``(end - start,)``; the update is elementwise, so stepping the
+    pieces one after another equals stepping the whole master). Between steps the master holds
+    the placeholder of its full shape. State the store could not take (disk full) is kept in
+    :attr:`own`, not in the optimizer, where the next piece would overwrite it.
+
+    Args:
+        sub_id: the store's group id.
+        group_index: index of the parameter group.
+        master: the whole master (the optimizer's parameter; nothing else references it).
+        inner: the optimizer over it.
+        start: first element of the piece.
+        end: one past its last element.
+    """
+
+    def __init__(self, sub_id: int, group_index: int, master: torch.Tensor, inner: torch.optim.Optimizer,
+                 start: int, end: int) -> None:
+        super().__init__(sub_id, group_index, [master], [master], inner)
+        self.start, self.end = start, end
+        self.full_shape = master.shape
+        self.full_numel = master.numel()
+        self.installed = False
+        self.own: dict[str, torch.Tensor] | None = None
+        self.store_all_masters()
+
+    @property
+    def numel(self) -> int:
+        """Elements of the piece."""
+        return self.end - self.start
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the master's last piece (the master is fully updated after its step)."""
+        return self.end == self.full_numel
+
+    def install_state(self, views: dict[str, torch.Tensor]) -> None:
+        """Make the master and its state entries the piece's tensors (slot views or :attr:`own`)."""
+        master = self.masters[0]
+        entry = self.inner.state[master]
+        for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
+            del entry[key]
+        for name, tensor in views.items():
+            key = name.split(".", 1)[1]
+            if key == MASTER_KEY:
+                master.data = tensor
+            else:
+                entry[key] = tensor
+        self.installed, self.masters_out = True, False
+
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """The piece's state under store names: the installed tensors, :attr:`own`, or slices of
+        the whole master and its state while those are in memory (:meth:`whole_in_memory`)."""
+        if self.own is not None:
+            return dict(self.own)
+        if self.installed:
+            return super().tensor_state()
+        if not self.whole_in_memory():
+            return {}
+        master = self.masters[0]
+        out = {f"0.{MASTER_KEY}": master.data.view(-1)[self.start:self.end]}
+        for key, value in self.inner.state.get(master, {}).items():
+            if torch.is_tensor(value):
+                out[f"0.{key}"] = self._slice(value)
+        return out
+
+    def whole_in_memory(self) -> bool:
+        """Whether the master holds its full value (assembled for a reader, or never stored)."""
+        master = self.masters[0]
+        return not self.installed and master.numel() == self.full_numel and master.stride() != (0,) * master.dim()
+
+    def _slice(self, value: torch.Tensor) -> torch.Tensor:
+        # Elementwise state has the master's shape; anything else (a step counter) is per piece.
+        return value.view(-1)[self.start:self.end] if value.numel() == self.full_numel else value
+
+    def drop_tensor_state(self) -> None:
+        """Forget the piece's tensors (the store holds them): the master gets its placeholder back."""
+        master = self.masters[0]
+        entry = self.inner.state.get(master)
+        if entry:
+            for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
+                del entry[key]
+        master.data = torch.zeros((), dtype=master.dtype).expand(self.full_shape)
+        self.installed, self.own, self.masters_out = False, None, True
+
+    def take_ownership(self) -> None:
+        """Keep the installed state in :attr:`own` (clones, off the slot), out of the optimizer."""
+        own = {name: tensor.clone() for name, tensor in self.tensor_state().items()}
+        self.drop_tensor_state()
+        self.own = own
+
+    def copy_back(self) -> None:
+        """Nothing to copy: a piece's master is the optimizer's own parameter."""
+
+    def load_master(self, j: int, saved: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Not used: pieces exist only in the ZeRO placement, which loads whole masters."""
+        raise NotImplementedError("MasterPiece masters are loaded whole by ZeroOffloadPlacement")
+
+
 def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int, config: OffloadConfig,
-                    optimizer_cls: type, optim_kwargs: dict) -> list[SubGroup]:
+                    optimizer_cls: type, optim_kwargs: dict, *, split: bool = False) -> list[SubGroup]:
     """Cut one parameter group into sub-groups of at most ``config.sub_group_size`` elements.
 
     Args:
@@ -207,6 +311,10 @@ def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int,
         config: the offload settings (``sub_group_size``, ``master_weights``).
         optimizer_cls: the optimizer to instantiate per sub-group.
         optim_kwargs: its keyword arguments.
+        split: a parameter larger than ``sub_group_size`` becomes several :class:`MasterPiece`
+            sub-groups of at most that size (the ZeRO placement on NVMe, whose parameters are
+            flat fp32 master shards that only the optimizer references); otherwise it gets a
+            sub-group of its own, whatever its size.
 
     Returns:
         The sub-groups.
@@ -214,24 +322,51 @@ def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int,
     Raises:
         ValueError: ``master_weights="off"`` with a parameter that is not fp32 on the CPU.
     """
-    chunks: list[list[torch.Tensor]] = []
+    limit = config.sub_group_size
+    chunks: list[list[torch.Tensor] | tuple[torch.Tensor, int, int]] = []
     size = 0
     for param in params:
-        if not chunks or size + param.numel() > config.sub_group_size:
+        if split and param.numel() > limit:
+            chunks += [(param, start, min(start + limit, param.numel())) for start in range(0, param.numel(), limit)]
+            size = limit  # the next parameter starts a new sub-group
+            continue
+        if not chunks or isinstance(chunks[-1], tuple) or size + param.numel() > limit:
             chunks.append([])
             size = 0
         chunks[-1].append(param)
         size += param.numel()
     total = sum(p.numel() for p in params)
     subgroups, offloaded = [], 0
+    kept_piece: dict[int, bool] = {}  # every piece of one parameter is kept, or none is
     for i, chunk in enumerate(chunks):
+        if isinstance(chunk, tuple):
+            param, start, end = chunk
+            # Twin-Flow: whole sub-groups from the front are offloaded up to the ratio; the first
+            # one always is, so a ratio below one sub-group still offloads something.
+            kept = kept_piece.setdefault(id(param), i > 0 and offloaded + param.numel() > config.offload_ratio * total)
+            offloaded += 0 if kept else end - start
+            if kept and start == 0:
+                subgroups.append(_make_subgroup(start_id + len(subgroups), group_index, [param], config,
+                                                optimizer_cls, optim_kwargs, True))
+            elif not kept:
+                subgroups.append(_make_piece(start_id + len(subgroups), group_index, param, start, end, config,
+                                             optimizer_cls, optim_kwargs))
+            continue
         elements = sum(p.numel() for p in chunk)
-        # Twin-Flow: whole sub-groups from the front are offloaded up to the ratio; the first one
-        # always is, so a ratio below one sub-group still offloads something.
         kept = i > 0 and offloaded + elements > config.offload_ratio * total
         offloaded += 0 if kept else elements
-        subgroups.append(_make_subgroup(start_id + i, group_index, chunk, config, optimizer_cls, optim_kwargs, kept))
+        subgroups.append(_make_subgroup(start_id + len(subgroups), group_index, chunk, config, optimizer_cls,
+                                        optim_kwargs, kept))
     return subgroups
+
+
+def _make_piece(sub_id: int, group_index: int, param: torch.Tensor, start: int, end: int, config: OffloadConfig,
+                optimizer_cls: type, optim_kwargs: dict) -> MasterPiece:
+    if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
+        raise ValueError(f"OffloadConfig.sub_group_size={config.sub_group_size} splits a parameter of "
+                         f"{param.numel()} elements, which needs a contiguous fp32 CPU master (got {param.dtype} "
+                         f"on {param.device}); raise sub_group_size above {param.numel()}.")
+    return MasterPiece(sub_id, group_index, param, optimizer_cls([param], **optim_kwargs), start, end)
 
 
 def _make_subgroup(sub_id: int, group_index: int, params: list[torch.Tensor], config: OffloadConfig,

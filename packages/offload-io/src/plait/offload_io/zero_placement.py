@@ -44,11 +44,12 @@ from plait.offload_io.agreement import raise_together
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
-from plait.offload_io.errors import OffloadIOError
+from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
 from plait.offload_io.file_store import FileStateStore
 from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
 from plait.offload_io.subgroups import (
     MASTER_KEY,
+    MasterPiece,
     SubGroup,
     build_subgroups,
     read_ahead,
@@ -89,7 +90,8 @@ class ZeroOffloadPlacement:
         # Sub-groups whose state is in the optimizer's memory, not (only) in the store: after a failed
         # write (disk full), or swapped in for a reader of optimizer.state; the next step stores them.
         self._held: set[int] = set()
-        self._subgroup_of: dict[int, SubGroup] = {}
+        self._subgroup_of: dict[int, SubGroup] = {}  # id(master) -> its sub-group (masters not split)
+        self._pieces: dict[int, list[MasterPiece]] = {}  # id(master) -> its pieces (masters split)
         self._depth = 0
         self._stepping: SubGroup | None = None  # the sub-group whose store slot is installed
         self._shard_storage: CpuShardStorage | FileShardStorage | None = None
@@ -153,15 +155,22 @@ class ZeroOffloadPlacement:
         # Sub-groups reuse the single-process optimizer's chunking and Twin-Flow split; every
         # sub-group shares the one inner optimizer (its param_groups are what schedulers see).
         chunking = dataclasses.replace(self.config, master_weights="auto")
+        # On NVMe a master larger than sub_group_size is split into pieces, so the store's slots are
+        # bounded by the setting and not by the largest unit (the embedding or head shard).
+        split = self.config.device == "nvme"
         for index, group in enumerate(inner.param_groups):
             self._subgroups += build_subgroups(group["params"], index, len(self._subgroups), chunking,
-                                               lambda _masters, **_kw: inner, {})
+                                               lambda _masters, **_kw: inner, {}, split=split)
         for sg in self._subgroups:
             if sg.kept:
                 for master in sg.masters:  # Twin-Flow: back onto ZeRO's own (compute device) master
                     master.data = self._origin[self._key_of[id(master)]].detach()
         self._origin.clear()
-        self._subgroup_of = {id(m): sg for sg in self._subgroups if not sg.kept for m in sg.masters}
+        self._subgroup_of = {id(m): sg for sg in self._subgroups
+                             if not sg.kept and not isinstance(sg, MasterPiece) for m in sg.masters}
+        for sg in self._subgroups:
+            if isinstance(sg, MasterPiece):
+                self._pieces.setdefault(id(sg.masters[0]), []).append(sg)
         if self.config.device == "nvme":
             for sg in self._subgroups:
                 if not sg.kept:
@@ -193,6 +202,11 @@ class ZeroOffloadPlacement:
         """
         errors: list[OffloadIOError] = []
         with torch.no_grad(), self._internal():
+            # Split masters a reader brought into memory whole go back into their pieces first:
+            # a piece steps from its own slot.
+            for pieces in self._pieces.values():
+                if pieces[0].whole_in_memory():
+                    self._store_whole(pieces, errors)
             # Kept sub-groups first: on a GPU their step is queued and runs while the CPU steps.
             todo = sorted((sg for sg in self._subgroups if any(self._key_of[id(m)] in grads for m in sg.masters)),
                           key=lambda sg: not sg.kept)
@@ -221,6 +235,11 @@ class ZeroOffloadPlacement:
         """Copy (casting, host to device) the master of ``key`` into ``out``; an NVMe master not
         in memory is read from its sub-group's file (without holding the sub-group)."""
         master = self._masters[key]
+        pieces = self._pieces.get(id(master))
+        if pieces is not None and not pieces[0].whole_in_memory():
+            with self._internal():
+                self._read_pieces(pieces, out)
+            return
         sg = self._subgroup_of.get(id(master))
         if sg is not None and sg is not self._stepping and sg.masters_out and self._from_store(sg):
             with self._internal():
@@ -279,6 +298,9 @@ class ZeroOffloadPlacement:
             OffloadDiskFullError: still no space; the state stays in memory.
         """
         with self._internal():
+            for pieces in self._pieces.values():
+                if pieces[0].whole_in_memory():
+                    self._store_whole(pieces, None)
             for sg in self._subgroups:
                 if sg.id in self._held:
                     self.store.register(sg.id, sg.tensor_state())
@@ -290,7 +312,8 @@ class ZeroOffloadPlacement:
     @property
     def offloaded_elements(self) -> int:
         """Master elements whose state is offloaded (the rest are Twin-Flow kept)."""
-        return sum(m.numel() for sg in self._subgroups if not sg.kept for m in sg.masters)
+        return sum(sg.numel if isinstance(sg, MasterPiece) else sum(m.numel() for m in sg.masters)
+                   for sg in self._subgroups if not sg.kept)
 
     def close(self) -> None:
         """Close the NVMe store and the parameter storage (deletes their files). Idempotent."""
@@ -312,7 +335,7 @@ class ZeroOffloadPlacement:
     def _make_store(self, inner: torch.optim.Optimizer) -> FileStateStore:
         config = self.config
         store = FileStateStore(config.path, engine=self._io_engine(), slots=config.slots, close_engine=False)
-        offloaded = [m for sg in self._subgroups if not sg.kept for m in sg.masters]
+        offloaded = list({id(m): m for sg in self._subgroups if not sg.kept for m in sg.masters}.values())
         elements = sum(m.numel() for m in offloaded)
         planned = state_bytes_estimate(type(inner), inner.defaults, elements, len(offloaded), config.io.alignment)
         planned += elements * 4 + len(offloaded) * config.io.alignment  # the fp32 masters
@@ -327,10 +350,11 @@ class ZeroOffloadPlacement:
     def _store_masters(self) -> None:
         """Move every offloaded sub-group's masters into the store (they have no state yet)."""
         with self._internal():
-            for sg in self._subgroups:
-                if not sg.kept:
-                    self.store.register(sg.id, sg.tensor_state())
-                    sg.drop_tensor_state()
+            offloaded = [sg for sg in self._subgroups if not sg.kept]
+            for sg in offloaded:
+                self.store.register(sg.id, sg.tensor_state())
+            for sg in offloaded:  # after every piece of a split master took its slice
+                sg.drop_tensor_state()
             self.store.flush()
 
     def _from_store(self, sg: SubGroup) -> bool:
@@ -338,24 +362,102 @@ class ZeroOffloadPlacement:
 
     def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: Mapping[str, Tensor],
                        errors: list[OffloadIOError], ready: Callable[[str], None] | None) -> None:
+        piece = isinstance(sg, MasterPiece)
         views = self.store.get(sg.id) if self._from_store(sg) else None
         if views is not None:
             sg.install_state(views)
+        elif piece:
+            sg.install_state(sg.own)  # held in memory after a failed write
         for master in sg.masters:
             grad = grads.get(self._key_of[id(master)])
+            if grad is not None and piece:
+                grad = grad.reshape(-1)[sg.start:sg.end]
             master.grad = None if grad is None else grad.to(master.device)
         optimizer.step()  # parameters without .grad (other sub-groups) are skipped
         self._stepping = sg
         try:
             for master in sg.masters:
                 master.grad = None
-                if ready is not None:
+                if ready is not None and (not piece or sg.last):
                     ready(self._key_of[id(master)])  # the master is in memory now: refresh the shard
         finally:
             self._stepping = None
         if self.store is None or sg.kept:
             return
         write_back_state(self.store, sg, views, self._held, errors)
+
+    # -- split masters (MasterPiece) ------------------------------------------------------------
+    def _piece_views(self, piece: MasterPiece) -> tuple[dict[str, Tensor], bool]:
+        """A piece's tensors, from :attr:`MasterPiece.own` or borrowed from the store (then the
+        second value is True and the caller puts it back)."""
+        if piece.own is not None:
+            return piece.own, False
+        return self.store.get(piece.id), True
+
+    def _read_pieces(self, pieces: list[MasterPiece], out: Tensor) -> None:
+        """Copy a split master into ``out`` piece by piece (the installed piece from memory)."""
+        flat = out.view(-1)
+        for piece in pieces:
+            if piece is self._stepping:
+                flat[piece.start:piece.end].copy_(piece.masters[0].data)
+                continue
+            views, borrowed = self._piece_views(piece)
+            flat[piece.start:piece.end].copy_(views[f"0.{MASTER_KEY}"])
+            if borrowed:
+                self.store.put(piece.id, dirty=False)
+
+    def _assemble(self, pieces: list[MasterPiece], *, with_state: bool = True) -> None:
+        """Bring a split master (and with ``with_state`` its optimizer state) into memory whole,
+        in tensors of its own; its pieces then slice it (:meth:`MasterPiece.tensor_state`)."""
+        first = pieces[0]
+        master = first.masters[0]
+        whole = aligned_like(torch.empty(first.full_shape, dtype=torch.float32))
+        state: dict[str, Tensor] = {}
+        for piece in pieces:
+            views, borrowed = self._piece_views(piece)
+            for name, tensor in views.items():
+                key = name.split(".", 1)[1]
+                if key == MASTER_KEY:
+                    whole.view(-1)[piece.start:piece.end].copy_(tensor)
+                elif not with_state:
+                    continue
+                elif tensor.shape == (piece.numel,):  # elementwise state, a slice of the whole
+                    if key not in state:
+                        state[key] = torch.empty(first.full_shape, dtype=tensor.dtype)
+                    state[key].view(-1)[piece.start:piece.end].copy_(tensor)
+                else:  # a per-piece scalar (the step counter): equal in every piece
+                    state.setdefault(key, tensor.clone())
+            if borrowed:
+                self.store.put(piece.id, dirty=False)
+        master.data = whole
+        if with_state:
+            self.optimizer.state[master].update(state)
+        for piece in pieces:
+            piece.installed, piece.own, piece.masters_out = False, None, False
+
+    def _store_whole(self, pieces: list[MasterPiece], errors: list[OffloadIOError] | None) -> None:
+        """Register every piece of a split master held whole in memory, then drop the whole.
+
+        A piece the store cannot take (disk full) keeps clones of its slice in
+        :attr:`MasterPiece.own` and stays held; the error is appended to ``errors``, or raised
+        after the other pieces were handled when ``errors`` is None.
+        """
+        failure: OffloadDiskFullError | None = None
+        for piece in pieces:
+            current = piece.tensor_state()
+            try:
+                self.store.register(piece.id, current)
+            except OffloadDiskFullError as exc:
+                piece.own = {name: tensor.clone() for name, tensor in current.items()}
+                self._held.add(piece.id)
+                failure = failure or exc
+                continue
+            self._held.discard(piece.id)
+        _drop_whole(pieces)
+        if failure is not None:
+            if errors is None:
+                raise failure
+            errors.append(failure)
 
     def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         # torch's state_dict shares the per-parameter dicts with optimizer.state; copy them before
@@ -370,7 +472,12 @@ class ZeroOffloadPlacement:
         # part of that dict: ones still in the files come back into memory first, so registering
         # the loaded state does not write placeholders over them.
         with self._internal():
+            for pieces in self._pieces.values():
+                if not pieces[0].whole_in_memory():
+                    self._assemble(pieces, with_state=False)
             for sg in self._subgroups:
+                if isinstance(sg, MasterPiece):
+                    continue
                 if sg.masters_out and self._from_store(sg):
                     views = self.store.get(sg.id)
                     sg.install_state({name: tensor.clone() for name, tensor in views.items()
@@ -393,6 +500,13 @@ class ZeroOffloadPlacement:
         """Bring the sub-group of ``master`` into the optimizer's memory for outside readers."""
         if self._depth:
             return
+        pieces = self._pieces.get(id(master))
+        if pieces is not None:
+            if not pieces[0].whole_in_memory():
+                with self._internal():
+                    self._assemble(pieces)
+                self._held.update(p.id for p in pieces)  # the next step stores it again
+            return
         sg = self._subgroup_of.get(id(master))
         if sg is None or not self._from_store(sg):
             return
@@ -407,7 +521,14 @@ class ZeroOffloadPlacement:
     def _swap_in(self) -> None:
         """Give every stored sub-group's state memory of its own inside the optimizer."""
         with self._internal():
+            for pieces in self._pieces.values():
+                if not pieces[0].whole_in_memory():
+                    if any(p.own is not None for p in pieces):
+                        self._held.update(p.id for p in pieces)  # its only copy is the memory one
+                    self._assemble(pieces)
             for sg in self._subgroups:
+                if isinstance(sg, MasterPiece):
+                    continue
                 if self._from_store(sg):
                     views = self.store.get(sg.id)
                     sg.install_state({name: tensor.clone() for name, tensor in views.items()})
@@ -418,8 +539,15 @@ class ZeroOffloadPlacement:
         if self.store is None:
             return
         with self._internal():
+            for pieces in self._pieces.values():
+                if not pieces[0].whole_in_memory() or pieces[0].id in self._held:
+                    continue
+                if write:
+                    self._store_whole(pieces, None)
+                else:
+                    _drop_whole(pieces)
             for sg in self._subgroups:
-                if sg.kept or sg.id in self._held:
+                if sg.kept or sg.id in self._held or isinstance(sg, MasterPiece):
                     continue
                 current = sg.tensor_state()
                 if write and current:
@@ -471,6 +599,19 @@ class _SwappingState(collections.defaultdict):
 
     def __reduce__(self) -> Any:  # deep copies and pickles are plain state dicts
         return (collections.defaultdict, (dict, dict(self)))
+
+
+def _drop_whole(pieces: list[MasterPiece]) -> None:
+    """Forget a split master's whole value and state (its pieces hold them): the placeholder
+    again, without touching a piece's :attr:`MasterPiece.own`."""
+    master = pieces[0].masters[0]
+    entry = pieces[0].inner.state.get(master)
+    if entry:
+        for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
+            del entry[key]
+    master.data = torch.zeros((), dtype=master.dtype).expand(pieces[0].full_shape)
+    for piece in pieces:
+        piece.installed, piece.masters_out = False, True
 
 
 def _prefer_fused(inner: torch.optim.Optimizer) -> None:
