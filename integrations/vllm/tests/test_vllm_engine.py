@@ -1,0 +1,114 @@
+"""End to end on vLLM's CPU platform: greedy tokens equal HF ``generate`` for a tiny random Llama
+(head_dim 64), with the plugin on (plait's layers, weights from a universal checkpoint through
+``load_format="plait_universal"``) and off (vLLM's layers, the same weights as safetensors); a flipped
+byte in the checkpoint stops start-up with an error naming the file.
+
+Two engine processes in all (each ``LLM()`` start-up costs ~40 s here), shared by every assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from plait.universal_ckpt import save  # noqa: E402
+from plait.universal_ckpt.reader import read_manifest  # noqa: E402
+
+RUNNER = Path(__file__).with_name("vllm_engine_run.py")
+PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]  # as in vllm_engine_run.py
+NEW_TOKENS = 12
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a wrong or skipped norm weight shows in the tokens
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def _hf_tokens(model) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False)
+            out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def _run_engine(tmp: Path, name: str, env: dict, *args: str) -> dict:
+    out = tmp / f"{name}.json"
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
+    result = subprocess.run([sys.executable, str(RUNNER), *args, "--out", str(out)], capture_output=True,
+                            text=True, env=full_env, timeout=400, cwd=tmp)
+    if result.returncode or not out.is_file():
+        pytest.fail(f"engine run {name} failed (rc {result.returncode}):\n{(result.stdout + result.stderr)[-5000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_e2e")
+    model = _tiny_llama()
+    hf_dir = tmp / "hf"
+    model.save_pretrained(hf_dir)
+    universal = tmp / "universal"
+    save({"model": model}, universal, step=1)
+    model.config.save_pretrained(universal)  # vLLM reads config.json beside the checkpoint
+    corrupt = tmp / "corrupt"
+    shutil.copytree(universal, corrupt)
+    step = corrupt / "step-0000000001"
+    piece = read_manifest(step).tensors["model/lm_head.weight"].pieces[0]
+    raw = bytearray((step / piece.file).read_bytes())
+    raw[piece.offset + 5] ^= 0x01
+    (step / piece.file).write_bytes(bytes(raw))
+    on = _run_engine(tmp, "plugin_on", {"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"},
+                     "--model", str(universal), "--load-format", "plait_universal", "--corrupt", str(corrupt))
+    off = _run_engine(tmp, "plugin_off", {"PLAIT_VLLM": "0"}, "--model", str(hf_dir), "--load-format", "safetensors")
+    return {"hf": _hf_tokens(model), "on": on, "off": off, "corrupt_file": piece.file}
+
+
+@pytest.mark.timeout(900)
+def test_vllm_plugin_on_universal_checkpoint_tokens_equal_hf(runs):
+    assert runs["on"]["tokens"] == runs["hf"]
+
+
+@pytest.mark.timeout(900)
+def test_vllm_plugin_on_builds_plaits_layers(runs):
+    layers = set(runs["on"]["layers"])
+    assert {"PlaitRMSNorm", "PlaitSiluAndMul", "PlaitRotaryEmbedding"} <= layers, sorted(layers)
+    assert "RMSNorm" not in layers
+
+
+@pytest.mark.timeout(900)
+def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs):
+    assert runs["off"]["tokens"] == runs["hf"]
+    layers = set(runs["off"]["layers"])
+    assert {"RMSNorm", "SiluAndMul", "RotaryEmbedding"} <= layers and not any(n.startswith("Plait") for n in layers)
+
+
+@pytest.mark.timeout(900)
+def test_vllm_flipped_byte_fails_startup_naming_the_file(runs):
+    error = runs["on"]["corrupt_error"]
+    assert error is not None, "the engine started on a corrupted checkpoint"
+    assert "CheckpointIntegrityError" in error and runs["corrupt_file"] in error, error[-3000:]

@@ -1,0 +1,140 @@
+"""Discovery and registration without an engine: the entry point, the out-of-tree registry, re-entry,
+the version gate, and each registered op against vLLM's own path (runs where vLLM is installed:
+ci/test.sh runs it in .venv-vllm)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.custom_op import op_registry_oot
+
+from plait.vllm import ops, plugin
+
+PLAIT_KEYS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """vLLM's own plugin loading, as an engine process does it."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return plugin.registration_report()
+
+
+def test_vllm_entry_point_is_declared():
+    found = {ep.name: ep for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert "plait" in found, sorted(found)
+    assert found["plait"].value == "plait.vllm:register"
+    assert found["plait"].load() is plugin.register
+
+
+@pytest.mark.timeout(120)
+def test_vllm_general_plugins_register_ops_and_loader(loaded):
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from plait.vllm.loader import PlaitUniversalLoader
+
+    assert loaded is not None and loaded.registered, loaded
+    assert set(loaded.ops) == set(PLAIT_KEYS) and loaded.loaders == ("plait_universal",)
+    for key in PLAIT_KEYS:
+        assert op_registry_oot[key] is ops.PLAIT_OPS[key]
+    assert ops.PlaitRMSNorm.name == "rms_norm"  # the in-tree name, so custom_ops flags still apply
+    assert isinstance(get_model_loader(LoadConfig(load_format="plait_universal")), PlaitUniversalLoader)
+
+
+@pytest.mark.timeout(120)
+def test_vllm_second_load_is_a_no_op(loaded):
+    before = dict(op_registry_oot)
+    assert plugin.register() is loaded
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert ops.register_ops() == loaded.ops
+    assert dict(op_registry_oot) == before
+
+
+_UNSUPPORTED = """
+import vllm
+vllm.__version__ = "0.99.0"
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.custom_op import op_registry_oot
+import plait.vllm as pv
+load_general_plugins()
+pv.register()
+from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+print("REPORT", pv.registration_report().registered, sorted(op_registry_oot),
+      "plait_universal" in _LOAD_FORMAT_TO_MODEL_LOADER)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_vllm_unsupported_version_registers_nothing_with_one_warning():
+    result = subprocess.run([sys.executable, "-c", _UNSUPPORTED], capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REPORT False [] False" in result.stdout, result.stdout[-2000:]
+    output = result.stdout + result.stderr
+    assert output.count("outside the tested range") == 1, output[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_vllm_switched_off_by_env_registers_nothing():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.model_executor.custom_op import op_registry_oot; import plait.vllm as pv; "
+            "print('REPORT', pv.registration_report(), sorted(op_registry_oot))")
+    env = {**__import__("os").environ, "PLAIT_VLLM": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reason='PLAIT_VLLM=0'" in result.stdout and result.stdout.rstrip().endswith("[]"), result.stdout[-2000:]
+
+
+def _both_paths(monkeypatch, fn):
+    monkeypatch.setenv("PLAIT_VLLM_CPU_PATH", "vllm")
+    theirs = fn()
+    monkeypatch.setenv("PLAIT_VLLM_CPU_PATH", "plait")
+    ours = fn()
+    return theirs, ours
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_ops_match_vllms_cpu_path(loaded, monkeypatch, dtype):
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    tol = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    if dtype == torch.float32:
+        tol = {"rtol": 1e-5, "atol": 1e-5}  # vLLM's native norm multiplies after the cast, plait before
+    torch.manual_seed(0)
+    with set_current_vllm_config(VllmConfig()):
+        norm = RMSNorm(96, eps=1e-5, dtype=dtype)
+        assert type(norm) is ops.PlaitRMSNorm
+        norm.weight.data.uniform_(0.5, 1.5)
+        x, res = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+        a, b = _both_paths(monkeypatch, lambda: norm.forward_cpu(x.clone()))
+        torch.testing.assert_close(b, a, **tol)
+        (ya, ha), (yb, hb) = _both_paths(monkeypatch, lambda: norm.forward_cpu(x.clone(), res.clone()))
+        torch.testing.assert_close(yb, ya, **tol)
+        torch.testing.assert_close(hb, ha, rtol=0, atol=0)
+        gate_up = torch.randn(3, 2, 40, dtype=dtype)
+        for layer, cls in ((SiluAndMul(), ops.PlaitSiluAndMul), (GeluAndMul("tanh"), ops.PlaitGeluAndMul)):
+            assert type(layer) is cls
+            a, b = _both_paths(monkeypatch, lambda layer=layer: layer.forward_cpu(gate_up))
+            torch.testing.assert_close(b, a, **tol)
+        rope = get_rope(64, max_position=256, is_neox_style=True, dtype=dtype)
+        assert type(rope) is ops.PlaitRotaryEmbedding
+        q, k = torch.randn(7, 4 * 64, dtype=dtype), torch.randn(7, 2 * 64, dtype=dtype)
+        pos = torch.tensor([0, 1, 2, 9, 100, 255, 3])
+        (qa, ka), (qb, kb) = _both_paths(monkeypatch, lambda: rope.forward_cpu(pos, q.clone(), k.clone()))
+        torch.testing.assert_close(qb, qa, **tol)
+        torch.testing.assert_close(kb, ka, **tol)
