@@ -65,3 +65,35 @@ def bench_dir() -> Path:
         return Path(raw).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "plait" / "bench"
+
+
+def _positive_number(name: str, default: str, *, allow_zero: bool = False) -> float:
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number; set it to e.g. {default} or unset it.") from exc
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "zero or more" if allow_zero else "positive"
+        raise ValueError(f"{name}={raw!r} must be {bound}; set it to e.g. {default} or unset it.")
+    return value
+
+
+def collective_history() -> int:
+    """How many collectives each rank's flight log keeps (``PLAIT_COLLECTIVE_HISTORY``, default 1024).
+
+    Raises:
+        ValueError: not a positive number; the message names the value and the fix.
+    """
+    return max(1, int(_positive_number("PLAIT_COLLECTIVE_HISTORY", "1024")))
+
+
+def collective_publish_interval() -> float:
+    """Seconds between a rank's reports of its last collective to the c10d store
+    (``PLAIT_COLLECTIVE_PUBLISH_S``, default 0.5; 0 turns the reports off, and with them the
+    naming of a missing rank in a collective's error).
+
+    Raises:
+        ValueError: not a number, or negative; the message names the value and the fix.
+    """
+    return _positive_number("PLAIT_COLLECTIVE_PUBLISH_S", "0.5", allow_zero=True)

@@ -1,7 +1,11 @@
-"""Collectives with byte accounting: thin ``torch.distributed`` wrappers and the ledger.
+"""Collectives with byte accounting and names: thin ``torch.distributed`` wrappers and the ledger.
 
 Every plait package communicates through these functions so that one :class:`ByteLedger`
 sees every byte; :func:`count_torch_distributed` and :func:`count_ddp` count peers the same way.
+Every call is also entered in this rank's flight log under a plait-level name (``name=`` or a
+:func:`named` block, plus :func:`set_step`), so a collective that fails because a rank never
+entered it raises a :class:`CollectiveError` naming that rank, the collective and what the rank
+last did; :func:`wait_summary` names the rank the others wait on.
 """
 
 from plait.kernels.collectives.compressed import (
@@ -10,6 +14,15 @@ from plait.kernels.collectives.compressed import (
     compressed_allreduce_reference,
     compressed_numel,
 )
+from plait.kernels.collectives.flight import (
+    CollectiveEvent,
+    clear_history,
+    history,
+    named,
+    set_step,
+    wait_seconds,
+)
+from plait.kernels.collectives.hangs import CollectiveError
 from plait.kernels.collectives.ledger import ByteLedger, CommRecord, group_name, tensor_nbytes
 from plait.kernels.collectives.ops import (
     ReduceOp,
@@ -26,9 +39,12 @@ from plait.kernels.collectives.ops import (
     send,
 )
 from plait.kernels.collectives.peers import count_ddp, count_torch_distributed
+from plait.kernels.collectives.stragglers import WaitSummary, wait_summary
 
 __all__ = [
-    "ByteLedger", "CommRecord", "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
+    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history", "history",
+    "named", "set_step", "wait_seconds", "wait_summary",
+    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
     "all_to_all_single", "barrier", "broadcast", "compressed_allreduce", "compressed_allreduce_nbytes",
     "compressed_allreduce_reference", "compressed_numel", "count_ddp", "count_torch_distributed", "group_name",
     "irecv", "isend", "recv", "reduce_scatter_tensor", "send", "tensor_nbytes",

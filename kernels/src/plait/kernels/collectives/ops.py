@@ -1,9 +1,12 @@
 """Thin wrappers over ``torch.distributed`` that every plait package uses.
 
 Same semantics and argument order as torch's functions, keyword-only ``group``/``async_op``,
-plus one line each: record the op's logical bytes in the active :class:`ByteLedger`. The
-wrappers add nothing else on purpose, so a reader of a plait engine sees exactly which
-collectives it issues, and the ledger is the only accounting there is.
+plus two things: record the op's logical bytes in the active :class:`ByteLedger`, and enter it
+in the flight log (:mod:`plait.kernels.collectives.flight`) under the plait-level name the
+caller gives (``name=``, or a :func:`~plait.kernels.collectives.named` block), so a failure names
+the collective and the ranks that never entered it (:mod:`plait.kernels.collectives.hangs`).
+An async op's handle comes back wrapped (:class:`~plait.kernels.collectives.hangs.TrackedWork`)
+so its ``wait()`` is timed and named too. The wrappers add nothing else on purpose.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.kernels.collectives.ledger import record, tensor_nbytes
+from plait.kernels.collectives import flight, hangs
+from plait.kernels.collectives.ledger import group_name, record, tensor_nbytes
 
 ReduceOp = dist.ReduceOp
 
@@ -25,28 +29,49 @@ _torch = {name: getattr(dist, name) for name in (
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); use whichever this torch has.
 _torch["all_gather_into_tensor"] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _torch["reduce_scatter_tensor"] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The flight log names ops as the ledger does.
+_FLIGHT_OP = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}
+
+
+def _issue(fn: str, name: str | None, /, *args: Any, **kwargs: Any) -> Any:
+    """Call torch's ``fn`` through the flight log (numbered per group, named, timed, failures named)."""
+    group = kwargs.get("group")
+    return hangs.run(_FLIGHT_OP.get(fn, fn), group, group_name(group), flight.current_label(name), None,
+                     _torch[fn], *args, **kwargs)
+
+
+def _issue_p2p(fn: str, name: str | None, peer: int, /, *args: Any, **kwargs: Any) -> Any:
+    """Like :func:`_issue` for a send or receive: numbered per (sender, receiver) pair, since the
+    other ranks of the group take no part in it."""
+    group, me = kwargs.get("group"), dist.get_rank()
+    pair = f"p2p {me}->{peer}" if fn in ("send", "isend") else f"p2p {peer}->{me}"
+    return hangs.run(_FLIGHT_OP.get(fn, fn), group, pair, flight.current_label(name), [peer],
+                     _torch[fn], *args, **kwargs)
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, input: torch.Tensor, *, group: Any | None = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, *, group: Any | None = None, async_op: bool = False,
+    name: str | None = None,
 ) -> Any:
     """Gather equal-sized ``input`` from every rank into ``output`` (``world x input``).
 
     Counted bytes: ``output`` (the full gathered tensor).
     """
     record("all_gather", group, tensor_nbytes(output), output.dtype)
-    return _torch["all_gather_into_tensor"](output, input, group=group, async_op=async_op)
+    return _issue("all_gather_into_tensor", name, output, input, group=group, async_op=async_op)
 
 
 def all_gather(
-    tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group: Any | None = None, async_op: bool = False
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, group: Any | None = None, async_op: bool = False,
+    name: str | None = None,
 ) -> Any:
     """Gather possibly differently-shaped tensors from every rank into ``tensor_list``.
 
     Counted bytes: the sum over ``tensor_list`` (everything this rank ends up holding).
     """
     record("all_gather", group, sum(tensor_nbytes(t) for t in tensor_list), tensor.dtype)
-    return _torch["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
+    return _issue("all_gather", name, tensor_list, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -56,21 +81,23 @@ def reduce_scatter_tensor(
     op: Any = ReduceOp.SUM,
     group: Any | None = None,
     async_op: bool = False,
+    name: str | None = None,
 ) -> Any:
     """Reduce ``input`` (``world x output``) across ranks; each rank keeps its slice in ``output``.
 
     Counted bytes: ``input`` (the full tensor being reduced).
     """
     record("reduce_scatter", group, tensor_nbytes(input), input.dtype)
-    return _torch["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
+    return _issue("reduce_scatter_tensor", name, output, input, op=op, group=group, async_op=async_op)
 
 
 def all_reduce(
-    tensor: torch.Tensor, *, op: Any = ReduceOp.SUM, group: Any | None = None, async_op: bool = False
+    tensor: torch.Tensor, *, op: Any = ReduceOp.SUM, group: Any | None = None, async_op: bool = False,
+    name: str | None = None,
 ) -> Any:
     """Reduce ``tensor`` in place across ranks. Counted bytes: ``tensor``."""
     record("all_reduce", group, tensor_nbytes(tensor), tensor.dtype)
-    return _torch["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", name, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(
@@ -81,47 +108,49 @@ def all_to_all_single(
     input_split_sizes: list[int] | None = None,
     group: Any | None = None,
     async_op: bool = False,
+    name: str | None = None,
 ) -> Any:
     """Exchange slices of dim 0 between all ranks, with optional uneven splits.
 
     Counted bytes: ``input`` (what this rank sends, its own slice included, as torch counts it).
     """
     record("all_to_all", group, tensor_nbytes(input), input.dtype)
-    return _torch["all_to_all_single"](
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-    )
+    return _issue("all_to_all_single", name, output, input, output_split_sizes, input_split_sizes,
+                  group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, *, src: int, group: Any | None = None, async_op: bool = False) -> Any:
+def broadcast(
+    tensor: torch.Tensor, *, src: int, group: Any | None = None, async_op: bool = False, name: str | None = None
+) -> Any:
     """Broadcast ``tensor`` from global rank ``src``. Counted bytes: ``tensor`` (on every rank)."""
     record("broadcast", group, tensor_nbytes(tensor), tensor.dtype)
-    return _torch["broadcast"](tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", name, tensor, src=src, group=group, async_op=async_op)
 
 
-def send(tensor: torch.Tensor, *, dst: int, group: Any | None = None) -> None:
+def send(tensor: torch.Tensor, *, dst: int, group: Any | None = None, name: str | None = None) -> None:
     """Blocking point-to-point send to global rank ``dst``. Counted bytes: ``tensor``."""
     record("send", group, tensor_nbytes(tensor), tensor.dtype)
-    _torch["send"](tensor, dst=dst, group=group)
+    _issue_p2p("send", name, dst, tensor, dst=dst, group=group)
 
 
-def recv(tensor: torch.Tensor, *, src: int, group: Any | None = None) -> None:
+def recv(tensor: torch.Tensor, *, src: int, group: Any | None = None, name: str | None = None) -> None:
     """Blocking receive from global rank ``src`` into ``tensor``. Counted bytes: ``tensor``."""
     record("recv", group, tensor_nbytes(tensor), tensor.dtype)
-    _torch["recv"](tensor, src=src, group=group)
+    _issue_p2p("recv", name, src, tensor, src=src, group=group)
 
 
-def isend(tensor: torch.Tensor, *, dst: int, group: Any | None = None) -> Any:
+def isend(tensor: torch.Tensor, *, dst: int, group: Any | None = None, name: str | None = None) -> Any:
     """Asynchronous :func:`send`; returns the work handle to ``wait()`` on."""
     record("send", group, tensor_nbytes(tensor), tensor.dtype)
-    return _torch["isend"](tensor, dst=dst, group=group)
+    return _issue_p2p("isend", name, dst, tensor, dst=dst, group=group)
 
 
-def irecv(tensor: torch.Tensor, *, src: int, group: Any | None = None) -> Any:
+def irecv(tensor: torch.Tensor, *, src: int, group: Any | None = None, name: str | None = None) -> Any:
     """Asynchronous :func:`recv`; returns the work handle to ``wait()`` on."""
     record("recv", group, tensor_nbytes(tensor), tensor.dtype)
-    return _torch["irecv"](tensor, src=src, group=group)
+    return _issue_p2p("irecv", name, src, tensor, src=src, group=group)
 
 
-def barrier(*, group: Any | None = None) -> None:
+def barrier(*, group: Any | None = None, name: str | None = None) -> None:
     """Synchronise the group (moves no logical bytes, so nothing is recorded)."""
-    _torch["barrier"](group=group)
+    _issue("barrier", name, group=group)

@@ -1,4 +1,5 @@
-"""Testing tools shared by every plait package: the gloo harness, parity helpers, tiny-llama and data."""
+"""Testing tools shared by every plait package: the gloo harness, fault injection, parity helpers,
+tiny-llama and data."""
 
 from plait.kernels.testing.data import (
     ByteTokenizer,
@@ -14,12 +15,14 @@ from plait.kernels.testing.distributed import (
     free_port,
     run_distributed,
 )
+from plait.kernels.testing.faults import Fault, InjectedFaultError
 from plait.kernels.testing.parity import assert_close_maps, assert_replicas_equal, state_digest, tensor_digest
 from plait.kernels.testing.tiny_llama import CausalLMOutput, TinyLlama, TinyLlamaConfig, tiny_llama, tiny_llama_moe
 from plait.kernels.testing.train import train_losses
 
 __all__ = [
-    "ByteTokenizer", "CausalLMOutput", "CorpusDataset", "DistributedTestError", "DistributedTimeoutError",
+    "ByteTokenizer", "CausalLMOutput", "CorpusDataset", "DistributedTestError", "DistributedTimeoutError", "Fault",
+    "InjectedFaultError",
     "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "corpus_text", "corpus_tokens",
     "free_port", "global_batch", "rank_slice", "run_distributed", "state_digest", "tensor_digest", "tiny_llama",
     "tiny_llama_moe", "train_losses",

@@ -1,0 +1,116 @@
+"""Fault injection for failure tests: hang, kill, SIGTERM, raise or slow down one rank at one step.
+
+The failure tests (docs/reliability.md, R8 and R9) all need the same thing: at step ``k`` on rank
+``r``, something goes wrong, and every other rank must end with a clear error. One small helper,
+called once per step from a test's training loop, keeps those tests short and alike::
+
+    fault = Fault("hang", rank=1, step=5)
+    for step in range(10):
+        fault.maybe_inject(step)
+        ...
+
+A fault can also travel as text (a script's argument, an environment variable of a launched job):
+``Fault.parse("hang:rank=1:step=5:seconds=60")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+KINDS = ("hang", "kill", "sigterm", "raise", "slow")
+
+
+class InjectedFaultError(RuntimeError):
+    """The error a ``raise`` fault raises (so a test can tell it from a real failure)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault at one rank and step.
+
+    Attributes:
+        kind: ``hang`` (sleep ``seconds``, never entering the next collective), ``kill`` (SIGKILL
+            itself: a dead rank), ``sigterm`` (SIGTERM itself, as a scheduler's preemption does),
+            ``raise`` (raise :class:`InjectedFaultError`), ``slow`` (sleep ``seconds`` at this step and
+            every later one: a straggler).
+        rank: the global rank that misbehaves.
+        step: the first step at which it does.
+        seconds: how long a ``hang`` lasts or how much a ``slow`` rank is late each step.
+    """
+
+    kind: str
+    rank: int
+    step: int
+    seconds: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Fault.kind={self.kind!r} is unknown; use one of {', '.join(KINDS)}.")
+        if self.rank < 0 or self.step < 0:
+            raise ValueError(f"Fault rank={self.rank} and step={self.step} must be >= 0.")
+        if self.seconds < 0:
+            raise ValueError(f"Fault.seconds={self.seconds} must be >= 0.")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """A fault from ``kind:rank=R:step=S[:seconds=T]`` (as :meth:`__str__` writes it).
+
+        Raises:
+            ValueError: the text is not in that form; the message shows the form.
+        """
+        kind, *fields = text.strip().split(":")
+        try:
+            values = dict(field.split("=", 1) for field in fields)
+            return cls(kind=kind, rank=int(values.pop("rank")), step=int(values.pop("step")),
+                       **{key: float(value) for key, value in values.items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"fault {text!r} is not of the form kind:rank=R:step=S[:seconds=T] "
+                             f"(e.g. hang:rank=1:step=5:seconds=60): {exc}") from exc
+
+    def __str__(self) -> str:
+        return f"{self.kind}:rank={self.rank}:step={self.step}:seconds={self.seconds:g}"
+
+    def fires(self, step: int, rank: int) -> bool:
+        """Whether this fault acts on ``rank`` at ``step``."""
+        if rank != self.rank:
+            return False
+        return step >= self.step if self.kind == "slow" else step == self.step
+
+    def maybe_inject(self, step: int, rank: int | None = None) -> None:
+        """Call once per step on every rank; acts when this is the fault's rank and step.
+
+        Args:
+            step: the current step.
+            rank: this process's rank (default: ``torch.distributed``'s, or ``RANK``).
+
+        Raises:
+            InjectedFaultError: for a ``raise`` fault.
+        """
+        if not self.fires(step, _rank() if rank is None else rank):
+            return
+        if self.kind in ("hang", "slow"):
+            _sleep(self.seconds)
+        elif self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            raise InjectedFaultError(f"injected fault on rank {self.rank} at step {step}")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep in short slices, so signal handlers (SIGTERM, SIGUSR1 stack dumps) run promptly."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))

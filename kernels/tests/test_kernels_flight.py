@@ -1,0 +1,125 @@
+"""R8: named collectives; a rank that never enters one is named, with the collective, in the others' error.
+
+Also: the flight log's numbering and labels, the straggler summary, and the fault-injection helper.
+"""
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.kernels import collectives
+from plait.kernels.collectives import flight, hangs, stragglers
+from plait.kernels.testing import Fault, InjectedFaultError, run_distributed
+
+SHORT = datetime.timedelta(seconds=4)  # the collective timeout under test; the harness allows more
+
+
+# ---- in one process ---------------------------------------------------------------------------
+def test_labels_nest_and_steps_are_recorded():
+    collectives.set_step(7)
+    try:
+        with collectives.named("checkpoint save"), collectives.named("ZeRO all-gather of unit `w`"):
+            label = flight.current_label(None)
+        assert label == "checkpoint save: ZeRO all-gather of unit `w`"
+        assert flight.current_label("broadcast of the step") == "broadcast of the step"
+        log = flight.FlightLog(4)
+        for _ in range(6):
+            event = log.enter("all_gather", "world", "a")
+        assert [e.seq for e in log.events] == [3, 4, 5, 6]  # a ring: the oldest fall off
+        assert event.describe() == "a (step 7; all_gather #6 on world)"
+    finally:
+        collectives.set_step(None)
+
+
+def test_missing_ranks_reads_reports():
+    event = flight.CollectiveEvent(5, "all_gather", "ZeRO-3 all-gather of unit `layers.3`", "world", 5, 100.0)
+    reports = {
+        1: {"time": 120.0, "groups": {"world": [4, "all_gather", "ZeRO-3 all-gather of unit `layers.2`", 4, 99.0]}},
+        2: {"time": 120.0, "groups": {"world": [5, "all_gather", "ZeRO-3 all-gather of unit `layers.3`", 5, 100.0]}},
+        3: {"time": 120.0, "groups": {"world": [5, "all_reduce", "grad norm", 5, 100.0]}},
+        4: "the c10d store could not be read",
+    }
+    missing = hangs.missing_ranks(event, reports, 120.0)
+    assert sorted(missing) == [1, 3, 4]
+    assert "its last collective was ZeRO-3 all-gather of unit `layers.2` (step 4; all_gather #4" in missing[1]
+    assert "different collective" in missing[3] and "grad norm" in missing[3]
+
+
+def test_summary_charges_the_last_arrival():
+    arrivals = [{1: (10.0, 0.5), 2: (20.0, 0.5)}, {1: (10.5, 0.0), 2: (20.5, 0.0), 3: (30.0, 0.0)}]
+    summary = stragglers.summarize(arrivals, [0, 1])
+    assert summary.collectives == 2 and summary.slowest_rank == 1
+    assert summary.waited_on_s == [0.0, 1.0] and summary.wait_s == [1.0, 0.0]
+    assert str(summary).startswith("rank 1 is the one the others wait on most")
+
+
+def test_fault_parse_and_fire():
+    fault = Fault.parse("slow:rank=1:step=3:seconds=0.01")
+    assert fault == Fault(kind="slow", rank=1, step=3, seconds=0.01) and Fault.parse(str(fault)) == fault
+    assert not fault.fires(2, 1) and fault.fires(3, 1) and fault.fires(9, 1) and not fault.fires(9, 0)
+    with pytest.raises(InjectedFaultError):
+        Fault(kind="raise", rank=0, step=2).maybe_inject(2, rank=0)
+    with pytest.raises(ValueError, match="kind:rank=R:step=S"):
+        Fault.parse("hang:rank=1")
+    with pytest.raises(ValueError, match="unknown"):
+        Fault(kind="explode", rank=0, step=0)
+
+
+# ---- on two gloo ranks ------------------------------------------------------------------------
+def _skip_one_labelled_gather(fault_text: str) -> str:
+    """Every rank all-gathers once per step, alternating blocking and async; the fault's rank
+    skips the one at the fault's step (and waits there, as a stuck rank would)."""
+    fault = Fault.parse(fault_text)
+    group = dist.new_group([0, 1], timeout=SHORT)
+    shard, full = torch.ones(4), torch.empty(8)
+    try:
+        for step in range(6):
+            collectives.set_step(step)
+            if fault.fires(step, dist.get_rank()):
+                fault.maybe_inject(step)
+                return "skipped"
+            with collectives.named(f"ZeRO-3 all-gather of unit `layers.{step}`"):
+                work = collectives.all_gather_into_tensor(full, shard, group=group, async_op=step % 2 == 1)
+            if work is not None:
+                work.wait()
+    except collectives.CollectiveError as exc:
+        assert exc.event.label == "ZeRO-3 all-gather of unit `layers.3`" and sorted(exc.missing) == [1]
+        return str(exc)
+    finally:
+        collectives.set_step(None)
+    return "finished"
+
+
+@pytest.mark.parametrize("step", [3])
+def test_a_rank_that_skips_a_labelled_collective_is_named(step):
+    # Rank 1 skips step 3's gather and stays away longer than the 4 s collective timeout plus
+    # the diagnosis (at most two 0.5 s report intervals).
+    started = time.monotonic()
+    message, skipped = run_distributed(_skip_one_labelled_gather, 2, f"hang:rank=1:step={step}:seconds=7",
+                                       timeout=40)
+    assert skipped == "skipped"
+    assert message.startswith("rank 1 did not enter ZeRO-3 all-gather of unit `layers.3` (step 3; all_gather #4 on ")
+    assert "its last collective was ZeRO-3 all-gather of unit `layers.2` (step 2;" in message
+    assert "torch reported:" in message  # gloo's own words are kept, on one line
+    assert time.monotonic() - started < 30
+
+
+def _gathers_with_a_slow_rank() -> tuple[int | None, str, float]:
+    fault = Fault(kind="slow", rank=1, step=2, seconds=0.05)
+    collectives.clear_history()
+    value = torch.ones(16)
+    for step in range(12):
+        fault.maybe_inject(step)
+        collectives.all_reduce(value, name=f"loss all-reduce, step {step}")
+    summary = collectives.wait_summary()
+    return summary.slowest_rank, str(summary), collectives.wait_seconds()
+
+
+def test_the_slow_rank_is_named_by_the_summary():
+    (slowest0, text0, wait0), (slowest1, _, wait1) = run_distributed(_gathers_with_a_slow_rank, 2, timeout=40)
+    assert slowest0 == slowest1 == 1
+    assert text0.startswith("rank 1 is the one the others wait on most")
+    assert wait0 > 0.3 > wait1  # 10 late steps x 50 ms kept rank 0 waiting; rank 1 hardly waited
