@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from plait.kernels.collectives import named
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.extension import wait
@@ -245,7 +246,7 @@ class ZeroEngine:
         if flat is None:
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
-        with profiling.comm_range("reduce_scatter", block=False):
+        with profiling.comm_range("reduce_scatter", block=False), named(f"ZeRO reduce-scatter of unit `{unit.key}`"):
             handle = (unit.reducer or self.reducer).reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
         # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
@@ -320,7 +321,7 @@ class ZeroEngine:
         not sharded over), once per step, in unit order on every rank."""
         for unit in self.units:
             if unit.replicate_group is not None and unit.grad_shard is not None and not unit.replicated:
-                with profiling.comm_range("replicate_all_reduce"):
+                with profiling.comm_range("replicate_all_reduce"), named(f"HSDP all-reduce of `{unit.key}`"):
                     reducer = unit.reducer or self.reducer
                     wait(reducer.all_reduce(unit.grad_shard, group=unit.replicate_group, key=unit.key))
                 unit.replicated = True

@@ -143,7 +143,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 local[0] += sq / unit.replicas
         if dist.is_initialized() and dist.get_world_size() > 1:
             with profiling.comm_range("grad_norm_all_reduce"):
-                collectives.all_reduce(local)
+                collectives.all_reduce(local, name="ZeRO gradient-norm all-reduce")
         local = local.cpu()
         return grads, float(local[0]), bool(local[1] > 0)
 

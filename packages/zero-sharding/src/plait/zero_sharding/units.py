@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.kernels.collectives import named
 from plait.kernels.sharded_state import flat_overlap
 from plait.zero_sharding import profiling
 from plait.zero_sharding.extension import wait
@@ -194,7 +195,7 @@ class FlatUnit:
         if not self.gathered:
             self.load_shard()
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-            with profiling.comm_range("all_gather", block=False):
+            with profiling.comm_range("all_gather", block=False), named(f"ZeRO-3 {phase} all-gather `{self.key}`"):
                 self.pending_gather = gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key,
                                                           phase=phase)
             self.gathered = True
@@ -238,12 +239,12 @@ class FlatUnit:
         gatherer = self.gatherer or gatherer
         if self.resident:
             shard = self.shard.clone()  # the gather input must not alias its output for every gatherer
-            with profiling.comm_range("all_gather"):
+            with profiling.comm_range("all_gather"), named(f"ZeRO post-step all-gather of unit `{self.key}`"):
                 wait(gatherer.all_gather(shard, self.full, group=self.group, key=self.key, phase="step"))
         elif self.gathered:
             self._wait_pending_gather()
             self.load_shard()
-            with profiling.comm_range("all_gather"):
+            with profiling.comm_range("all_gather"), named(f"ZeRO post-step all-gather of unit `{self.key}`"):
                 wait(gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key, phase="step"))
 
     # ---- shard storage (stage 3, ZeRO-Infinity) -----------------------------------------------
