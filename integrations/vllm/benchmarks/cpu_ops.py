@@ -29,6 +29,7 @@ def _median_us(fn, repeat: int) -> float:
 
 
 def _cases(dtype: torch.dtype, tokens: int, hidden: int, inter: int, head: int, heads: int):
+    """(op, vLLM's forward_cpu, plait's) closures; plait's layers are built with PLAIT_VLLM_CPU_PATH=plait."""
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -42,6 +43,7 @@ def _cases(dtype: torch.dtype, tokens: int, hidden: int, inter: int, head: int, 
     q = torch.randn(tokens, heads * head, dtype=dtype)
     k = torch.randn(tokens, heads * head, dtype=dtype)
     pos = torch.randint(0, 2048, (tokens,))
+    os.environ["PLAIT_VLLM_CPU_PATH"] = "plait"  # read by plait's layers when they are built
     norm = RMSNorm(hidden, 1e-6, dtype=dtype)
     ours_norm = ops.PlaitRMSNorm(hidden, 1e-6, dtype=dtype)
     rope = RotaryEmbedding(head, head, 4096, 10000.0, True, dtype)
@@ -72,9 +74,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for tokens in (1, 16, 512):
                 for name, vllm_fn, plait_fn in _cases(dtype, tokens, hidden=1024, inter=2816, head=64, heads=16):
-                    os.environ["PLAIT_VLLM_CPU_PATH"] = "vllm"
                     t_vllm = _median_us(vllm_fn, args.repeat)
-                    os.environ["PLAIT_VLLM_CPU_PATH"] = "plait"
                     t_plait = _median_us(plait_fn, args.repeat)
                     print(f"{name:18} {str(dtype).removeprefix('torch.'):9} {tokens:>6} {t_vllm:>9.1f} "
                           f"{t_plait:>9.1f} {t_plait / t_vllm:>10.2f}", flush=True)

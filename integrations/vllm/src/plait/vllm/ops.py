@@ -48,7 +48,10 @@ README): ``"vllm"`` (vLLM's own CPU path) or ``"plait"`` (plait's torch referenc
 
 
 def use_plait_on_cpu(op: str) -> bool:
-    """Whether ``op``'s ``forward_cpu`` runs plait's reference (``PLAIT_VLLM_CPU_PATH``, else :data:`CPU_PATH`)."""
+    """Whether ``op``'s ``forward_cpu`` runs plait's reference (``PLAIT_VLLM_CPU_PATH``, else :data:`CPU_PATH`).
+
+    Each layer asks once, when it is built, so the forward pays no environment lookup.
+    """
     choice = settings.cpu_path()
     if choice == "auto":
         choice = CPU_PATH[op]
@@ -61,6 +64,11 @@ class PlaitRMSNorm(RMSNorm):
     With a residual it returns ``(normed, x + residual)``, out of place: vLLM's models use the
     returned pair, never the inputs, after the call.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plait_cpu = use_plait_on_cpu("RMSNorm")
+        self._plait_cpu_residual = use_plait_on_cpu("RMSNorm+residual")
 
     def _plait_covers(self) -> bool:
         return self.variance_size_override is None and not envs.VLLM_BATCH_INVARIANT
@@ -76,8 +84,8 @@ class PlaitRMSNorm(RMSNorm):
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """The measured-faster CPU path: vLLM's, or plait's ``rms_norm_reference``."""
-        case = "RMSNorm" if residual is None else "RMSNorm+residual"
-        if not (self._plait_covers() and use_plait_on_cpu(case)):
+        plait_cpu = self._plait_cpu if residual is None else self._plait_cpu_residual
+        if not (plait_cpu and self._plait_covers()):
             return super().forward_cpu(x, residual)
         return rms_norm_reference(x, self._weight(x), self.variance_epsilon, residual=residual)
 
@@ -85,13 +93,17 @@ class PlaitRMSNorm(RMSNorm):
 class PlaitSiluAndMul(SiluAndMul):
     """vLLM's ``SiluAndMul`` (SwiGLU on a fused gate|up input) served by plait's ``silu_and_mul``."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plait_cpu = use_plait_on_cpu("SiluAndMul")
+
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """plait's ``silu_and_mul`` (its Triton kernel on CUDA)."""
         return silu_and_mul(x)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The measured-faster CPU path: vLLM's, or plait's reference."""
-        if not use_plait_on_cpu("SiluAndMul"):
+        if not self._plait_cpu:
             return super().forward_cpu(x)
         return gated_activation_reference(x, "silu")
 
@@ -99,13 +111,17 @@ class PlaitSiluAndMul(SiluAndMul):
 class PlaitGeluAndMul(GeluAndMul):
     """vLLM's ``GeluAndMul`` (GeGLU, exact or tanh GELU) served by plait's ``gelu_and_mul``."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plait_cpu = use_plait_on_cpu("GeluAndMul")
+
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """plait's ``gelu_and_mul`` (its Triton kernel on CUDA)."""
         return gelu_and_mul(x, self.approximate)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The measured-faster CPU path: vLLM's, or plait's reference."""
-        if not use_plait_on_cpu("GeluAndMul"):
+        if not self._plait_cpu:
             return super().forward_cpu(x)
         return gated_activation_reference(x, "gelu" if self.approximate == "none" else "gelu_tanh")
 
@@ -116,6 +132,10 @@ class PlaitRotaryEmbedding(RotaryEmbedding):
     Rotates q and k in place, as vLLM's own CUDA and CPU kernels do, from the layer's cos|sin
     cache (vLLM's layout is the one plait's op reads).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plait_cpu = use_plait_on_cpu("RotaryEmbedding")
 
     def _plait_covers(self) -> bool:
         return not (self.use_flashinfer or self.use_aiter)
@@ -133,7 +153,7 @@ class PlaitRotaryEmbedding(RotaryEmbedding):
 
     def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         """The measured-faster CPU path: vLLM's, or plait's in-place reference."""
-        if not (self._plait_covers() and use_plait_on_cpu("RotaryEmbedding")):
+        if not (self._plait_cpu and self._plait_covers()):
             return super().forward_cpu(positions, query, key)
         return self._apply(positions, query, key)
 

@@ -1,0 +1,117 @@
+"""The vLLM benchmark (``plait bench vllm [--quick]``, run in the vLLM environment ``.venv-vllm``).
+
+* Serving: a random Llama (head_dim 64, fp32) under vLLM's CPU platform, greedy decode of a batch
+  of token-id prompts, once with plait's plugin on (the default per-op CPU choice) and once with
+  ``PLAIT_VLLM=0`` (vLLM alone); each in its own process, a warm-up round, then timed rounds.
+  Figure: wall time of one ``generate`` round; tokens/s in the note. Target: no slower (<= 1.0;
+  a difference inside the rounds' own spread is called noise).
+* Loading: the part of start-up that differs between the two formats: streaming every weight
+  of the same model out of the plait universal checkpoint (hash-checked) against vLLM's own
+  safetensors iterator over its HF export, each tensor copied into a preallocated destination
+  as vLLM's weight loaders do. The rest of ``load_weights`` (vLLM's fusion and slicing) is the
+  same code for both. Target: <= 1.2x.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from plait.kernels.bench import BenchRow, TimingStats, timing_row
+
+# (model overrides, batch, prompt length, new tokens, rounds, load repeats)
+QUICK = (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, vocab_size=512), 8, 32, 32, 10, 5)
+FULL = (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=8192), 8, 64, 64, 8, 5)
+
+
+def _build_model(tmp: Path, overrides: dict) -> tuple[Path, Path]:
+    """Save one random Llama twice: an HF directory (safetensors) and a universal checkpoint root."""
+    import torch
+    import transformers
+
+    from plait.universal_ckpt import save
+
+    config = transformers.LlamaConfig(head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, **overrides)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    hf_dir, universal = tmp / "hf", tmp / "universal"
+    model.save_pretrained(hf_dir)
+    save({"model": model}, universal, step=0)
+    config.save_pretrained(universal)
+    return hf_dir, universal
+
+
+def _engine(tmp: Path, name: str, model: Path, load_format: str, env: dict, setup: tuple) -> dict:
+    _, batch, prompt_len, new_tokens, rounds, _ = setup
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "plait.vllm.benchmarks.engine_worker", "--model", str(model),
+           "--load-format", load_format, "--batch", str(batch), "--prompt-len", str(prompt_len),
+           "--new-tokens", str(new_tokens), "--rounds", str(rounds), "--out", str(out)]
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=tmp)
+    if result.returncode or not out.is_file():
+        raise RuntimeError(f"engine run {name} failed: {(result.stdout + result.stderr)[-1500:]}")
+    return json.loads(out.read_text())
+
+
+def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
+    off = _engine(tmp, "off", hf_dir, "safetensors", {"PLAIT_VLLM": "0"}, setup)
+    on = _engine(tmp, "on", universal, "plait_universal", {"PLAIT_VLLM": "1"}, setup)
+    ours, peer = TimingStats.of(on["seconds"]), TimingStats.of(off["seconds"])
+    overrides, batch, prompt_len, new_tokens, _, _ = setup
+    label = (f"vLLM CPU decode, Llama h{overrides['hidden_size']} L{overrides['num_hidden_layers']} fp32, "
+             f"batch {batch}, {prompt_len}+{new_tokens} tokens")
+    row = timing_row(label, ours, "vLLM alone (PLAIT_VLLM=0)", peer, target_ratio=1.0, figure="round time (ms)")
+    note = (f"{row.note}; tokens/s ours {on['tokens'] / ours.median:.0f}, "
+            f"vLLM alone {off['tokens'] / peer.median:.0f}; start-up ours {on['startup_seconds']:.1f} s, "
+            f"vLLM alone {off['startup_seconds']:.1f} s")
+    return [BenchRow(**{**row.__dict__, "note": note})]
+
+
+def _stream_seconds(weights_fn, dest: dict) -> float:
+    start = time.perf_counter()
+    for name, tensor in weights_fn():
+        dest[name].copy_(tensor)
+    return time.perf_counter() - start
+
+
+def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from plait.vllm.checkpoint_weights import CheckpointWeights
+
+    repeats = setup[-1]
+    files = sorted(str(p) for p in hf_dir.glob("*.safetensors"))
+    dest = {name: torch.empty_like(t) for name, t in safetensors_weights_iterator(files, False)}
+    nbytes = sum(t.numel() * t.element_size() for t in dest.values())
+    ours, peer = [], []
+    for _ in range(repeats):  # interleaved, so drift in the machine's load hits both alike
+        ours.append(_stream_seconds(lambda: iter(CheckpointWeights(universal)), dest))
+        peer.append(_stream_seconds(lambda: safetensors_weights_iterator(files, False), dest))
+    label = f"weights stream + copy, {nbytes / 2**20:.1f} MiB fp32"
+    row = timing_row(label, TimingStats.of(ours), "vLLM safetensors iterator", TimingStats.of(peer),
+                     target_ratio=1.2)
+    return [BenchRow(**{**row.__dict__, "note": row.note + "; plait verifies every chunk's sha256"})]
+
+
+def run(*, quick: bool = False) -> list[BenchRow]:
+    """Run the suite; returns its rows (a row with the reason when vLLM is not installed)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return [BenchRow(benchmark="vLLM serving and plait_universal loading", figure="-", ours=float("nan"),
+                         note="vLLM is not installed here; run it in .venv-vllm (bash ci/setup_vllm.sh)")]
+    setup = QUICK if quick else FULL
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        hf_dir, universal = _build_model(tmp, setup[0])
+        return _load_rows(hf_dir, universal, setup) + _serving_rows(tmp, hf_dir, universal, setup)
