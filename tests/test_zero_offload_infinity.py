@@ -228,3 +228,79 @@ def test_split_masters_step_bitwise_and_bound_the_slots(world: int, tmp_path) ->
         bound = r["sub_group"] * 12 + 8 * r["alignment"]
         assert r["largest_group"] <= bound < r["largest_master"] * 12, (rank, r)
         assert r["slots"] == 3 and r["slot_bytes"] <= 3 * bound, (rank, r)
+
+
+def _accumulate_and_clip(model, optimizer, steps: int) -> list[float]:
+    """Two micro-batches per step (the second under ``no_sync`` is not used: both reduce, so the
+    stored sum is read back and added), then clipping through ``clip_grad_norm_``."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    losses = []
+    for step in range(steps):
+        for micro in range(2):
+            loss = model(**rank_slice(global_batch(10 * step + micro, BATCH, SEQ), rank, world)).loss
+            loss.backward()
+            losses.append(loss.item())
+        losses.append(float(optimizer.clip_grad_norm_(0.05)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def grad_offload_session(root: str) -> dict:
+    """Reduced gradient shards in files (``grad_device="nvme"``): bitwise ZeRO-2/3 in memory,
+    with accumulation over micro-batches and clipping, and no gradient left in memory."""
+    from plait.offload_io import IOConfig, OffloadConfig, zero_placement
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
+    out: dict = {}
+    for stage in (2, 3):
+        def build(placement=None, stage=stage):
+            torch.manual_seed(0)
+            config = ZeroConfig(stage=stage, param_persistence_threshold=256)
+            return zero_shard(tiny_llama(**MODEL), torch.optim.AdamW, config, placement=placement, **OPT)
+
+        model, optimizer = build()
+        ref = (_train(model, optimizer, STEPS), _accumulate_and_clip(model, optimizer, 2), _params(model))
+        path = os.path.join(root, f"s{stage}-rank{torch.distributed.get_rank()}")
+        placement = zero_placement(OffloadConfig(device="nvme", path=path, sub_group_size=4096, grad_device="nvme",
+                                                 param_device="nvme" if stage == 3 else "none", io=io))
+        model, optimizer = build(placement)
+        engine = model.zero_engine
+        losses = _train(model, optimizer, STEPS)
+        loss = model(**rank_slice(global_batch(99, BATCH, SEQ), torch.distributed.get_rank(),
+                                  torch.distributed.get_world_size())).loss
+        loss.backward()
+        engine.finish_gradients()
+        held = sum(u.grad_shard is not None for u in engine.units)
+        stored = len(engine.grad_stash.stored)
+        optimizer.zero_grad()
+        ours = (losses, _accumulate_and_clip(model, optimizer, 2), _params(model))
+        out[stage] = {"plain": ours[0] == ref[0], "accumulated": ours[1] == ref[1], "params": _equal(ours[2], ref[2]),
+                      "held_after_backward": held, "stored": stored, "units": len(engine.units),
+                      "files": len(os.listdir(placement.grad_storage().directory))}
+        placement.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradient_offload_is_bitwise_and_frees_gradients(world: int, tmp_path) -> None:
+    for rank, result in enumerate(run_distributed(grad_offload_session, world, str(tmp_path), timeout=200)):
+        for stage, r in result.items():
+            assert r["plain"] and r["accumulated"] and r["params"], (rank, stage, r)
+            assert r["held_after_backward"] == 0 and r["stored"] == r["units"] == r["files"], (rank, stage, r)
+
+
+def _refuse_grad_offload() -> str:
+    from plait.offload_io import OffloadConfig
+
+    try:
+        OffloadConfig(device="cpu", grad_device="nvme")
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_gradient_offload_needs_nvme_state() -> None:
+    assert "grad_device='nvme' needs device='nvme'" in _refuse_grad_offload()

@@ -80,17 +80,19 @@ class FileShardStorage:
     """Shards in files (``param_device="nvme"``), one per unit key.
 
     Args:
-        directory: parent directory; a fresh ``plait-params-*`` directory is made inside.
+        directory: parent directory; a fresh ``plait-<kind>-*`` directory is made inside.
         engine: the I/O engine (the placement shares one with its optimizer-state store and
             closes it).
+        kind: ``"params"`` (stage-3 parameter shards) or ``"grads"`` (reduced gradient shards,
+            ``OffloadConfig.grad_device="nvme"``); names the directory.
 
     Raises:
         OffloadIOError: ``directory`` cannot be created or written.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, engine: AsyncIOEngine) -> None:
+    def __init__(self, directory: str | os.PathLike, *, engine: AsyncIOEngine, kind: str = "params") -> None:
         parent = probe.ensure_directory(os.fspath(directory))
-        self.directory = os.path.join(parent, f"plait-params-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.directory = os.path.join(parent, f"plait-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(self.directory)
         self.engine = engine
         self._files: dict[str, str] = {}
@@ -121,9 +123,10 @@ class FileShardStorage:
             path = self._files[key] = os.path.join(self.directory, f"shard-{len(self._files)}.bin")
         return self.engine.write(shard.detach(), path)
 
-    def read(self, key: str, out: Tensor):
-        """Start reading the file of ``key`` into ``out``; returns the engine's handle."""
-        return self.engine.read_into(out, self._files[key])
+    def read(self, key: str, out: Tensor, offset: int = 0):
+        """Start reading the file of ``key`` from byte ``offset`` into ``out``; returns the
+        engine's handle."""
+        return self.engine.read_into(out, self._files[key], offset)
 
     def finish_step(self, errors: list[BaseException]) -> None:
         """Raise this rank's write failure, or another rank's, on every rank together."""

@@ -95,6 +95,7 @@ class ZeroOffloadPlacement:
         self._depth = 0
         self._stepping: SubGroup | None = None  # the sub-group whose store slot is installed
         self._shard_storage: CpuShardStorage | FileShardStorage | None = None
+        self._grad_storage: FileShardStorage | None = None
         self._engine: AsyncIOEngine | None = None
         self._early: list[int] | None = None  # sub-groups whose reads this backward started
 
@@ -276,6 +277,22 @@ class ZeroOffloadPlacement:
                 weakref.finalize(self, self._shard_storage.close)
         return self._shard_storage
 
+    def grad_storage(self) -> FileShardStorage | None:
+        """Where plait-zero-sharding keeps reduced gradient shards until the step
+        (``OffloadConfig.grad_device``).
+
+        Returns:
+            ``None`` for ``grad_device="cpu"``; else the file storage (closed by :meth:`close`).
+        """
+        if self.config.grad_device != "nvme":
+            return None
+        if self._grad_storage is None:
+            self._grad_storage = FileShardStorage(self.config.path, engine=self._io_engine(), kind="grads")
+            weakref.finalize(self, self._grad_storage.close)
+            elements = sum(m.numel() for m in self._masters.values())
+            self._grad_storage.reserve(elements * 4, len(self._masters))
+        return self._grad_storage
+
     # -- beyond the protocol ------------------------------------------------------------------
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
@@ -321,6 +338,8 @@ class ZeroOffloadPlacement:
             self.store.close()
         if self._shard_storage is not None:
             self._shard_storage.close()
+        if self._grad_storage is not None:
+            self._grad_storage.close()
         if self._engine is not None:
             self._engine.close()
 
@@ -370,8 +389,8 @@ class ZeroOffloadPlacement:
             sg.install_state(sg.own)  # held in memory after a failed write
         for master in sg.masters:
             grad = grads.get(self._key_of[id(master)])
-            if grad is not None and piece:
-                grad = grad.reshape(-1)[sg.start:sg.end]
+            if grad is not None:
+                grad = _grad_range(grad, sg.start, sg.end) if piece else _grad_range(grad, 0, master.numel())
             master.grad = None if grad is None else grad.to(master.device)
         optimizer.step()  # parameters without .grad (other sub-groups) are skipped
         self._stepping = sg
@@ -599,6 +618,14 @@ class _SwappingState(collections.defaultdict):
 
     def __reduce__(self) -> Any:  # deep copies and pickles are plain state dicts
         return (collections.defaultdict, (dict, dict(self)))
+
+
+def _grad_range(grad: Any, start: int, end: int) -> Tensor:
+    """Elements ``[start, end)`` of a gradient shard: a view of a tensor, or read from the
+    gradient storage (plait-zero-sharding's ``StashedGrad``, ``OffloadConfig.grad_device="nvme"``)."""
+    if torch.is_tensor(grad):
+        return grad if start == 0 and end == grad.numel() else grad.reshape(-1)[start:end]
+    return grad.read(start, end)
 
 
 def _drop_whole(pieces: list[MasterPiece]) -> None:

@@ -286,6 +286,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     storage = engine.placement.shard_storage() if hasattr(engine.placement, "shard_storage") else None
     if storage is not None:
         engine.attach_storage(storage)  # ZeRO-Infinity: stage-3 shards live on CPU/NVMe between gathers
+    grad_storage = engine.placement.grad_storage() if hasattr(engine.placement, "grad_storage") else None
+    if grad_storage is not None:
+        engine.attach_grad_storage(grad_storage)  # reduced gradient shards live there until the step
     scaler = LossScaler(config, enabled=config.compute_dtype == torch.float16)
     zero_optimizer = ZeroOptimizer(engine, inner, scaler)
     install(model, engine, zero_optimizer)

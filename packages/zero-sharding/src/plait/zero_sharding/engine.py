@@ -28,6 +28,7 @@ from plait.kernels.collectives import named
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.extension import wait
+from plait.zero_sharding.grad_stash import GradStash
 from plait.zero_sharding.ordering import GatherCursor, module_orders, reduce_order, twin_groups
 from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.units import FlatUnit
@@ -97,6 +98,7 @@ class ZeroEngine:
         grad_device = getattr(placement, "grad_device", None)
         self.grad_device = None if grad_device is None else torch.device(grad_device)
         self.host_copies_pending = False
+        self.grad_stash: GradStash | None = None  # gradient offload, see attach_grad_storage
         self._register_grad_hooks()
         if config.stage == 3:
             twins = twin_groups(self.units)
@@ -281,6 +283,10 @@ class ZeroEngine:
         with profiling.comm_range("wait_reduce_scatter"):
             wait(handle)
         unit.accumulate(self._to_grad_device(unit, out))
+        # Gradient offload: a folded shard goes to the storage now (HSDP shards stay: they are
+        # all-reduced over the replicas before the step; stage 1 re-reduces its full buffer).
+        if self.grad_stash is not None and unit.full_grad is None and unit.replicate_group is None:
+            self.grad_stash.put(unit)
 
     def _to_grad_device(self, unit: FlatUnit, reduced: torch.Tensor) -> torch.Tensor:
         """Move a reduced gradient slice to the placement's ``grad_device`` (host memory for CPU
@@ -314,6 +320,8 @@ class ZeroEngine:
         self.unsynced = False
         self.wait_reductions()
         self.sync_host_copies()
+        if self.grad_stash is not None:
+            self.grad_stash.settle()
         self._reduce_replicas()
 
     def _reduce_replicas(self) -> None:
@@ -351,6 +359,24 @@ class ZeroEngine:
             unit.attach_storage(storage)
         self.storage = storage
         return len(units)
+
+    def attach_grad_storage(self, storage: Any) -> None:
+        """Keep reduced gradient shards in ``storage`` between backward and the step (see
+        :mod:`plait.zero_sharding.grad_stash`).
+
+        Raises:
+            ValueError: the engine is stage 1 (it keeps a full gradient buffer by design).
+        """
+        if self.config.stage == 1:
+            raise ValueError("gradient offload (a placement's grad_storage) needs ZeroConfig(stage=2) or 3, got "
+                             "stage=1; use stage 2 or 3, or keep gradients in memory.")
+        self.grad_stash = GradStash(storage)
+
+    def forget_grads(self, unit: FlatUnit) -> None:
+        """Drop every gradient of ``unit``: in memory and in the gradient storage."""
+        if self.grad_stash is not None:
+            self.grad_stash.forget(unit)  # first: a failed write still in flight restores grad_shard
+        unit.zero_grad()
 
     def settle_shards(self) -> None:
         """End of a step: wait for every shard write and free the shards (collective with a

@@ -100,6 +100,12 @@ class StatePlacement(Protocol):
       work.
     * ``shard_storage()``: a :class:`ShardStorage` or ``None``; called once after
       :meth:`make_optimizer`, the engine then keeps stage-3 shards in it.
+    * ``grad_storage()``: a :class:`ShardStorage` whose ``read`` also takes ``offset=`` (bytes),
+      or ``None``; called once after :meth:`make_optimizer` (stages 2/3). The engine then writes
+      each unit's reduced gradient shard there as soon as it is folded and frees it, and
+      :meth:`step` receives, for those keys, a
+      :class:`~plait.zero_sharding.grad_stash.StashedGrad` (``read(start, end)`` gives fp32
+      elements with the scaling applied) instead of a tensor.
     * ``backward_started()``: called when a backward begins (its first gradient hook), e.g. to
       start reading offloaded optimizer state so the read overlaps backward.
     """

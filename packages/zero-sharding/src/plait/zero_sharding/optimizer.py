@@ -26,6 +26,7 @@ from plait.kernels import collectives
 from plait.zero_sharding import profiling
 from plait.zero_sharding.composition import notify
 from plait.zero_sharding.engine import ZeroEngine
+from plait.zero_sharding.grad_stash import StashedGrad
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.replicas import check_replicas
 
@@ -123,6 +124,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads: dict[str, torch.Tensor] = {}
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         for unit in engine.units:
+            stashed = engine.grad_stash.grad(unit) if engine.grad_stash is not None else None
+            if stashed is not None and unit.grad_shard is None:
+                grads[unit.key], sq = _stashed_grad(stashed, 1.0 / (unit.grad_divisor * self.scaler.scale))
+                if not torch.isfinite(sq):
+                    local[1] = 1.0
+                else:
+                    local[0] += sq / unit.replicas
+                continue
             if unit.grad_shard is None:
                 continue
             # One pass: the cast copies only a non-fp32 shard, the scaling is then in place;
@@ -151,7 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Every rank skips together: masters, moments and parameters untouched."""
         self.scaler.update(True)
         for unit in self.engine.units:
-            unit.grad_shard = None
+            self.engine.forget_grads(unit)
         notify(self.engine, "on_skipped_step", self.steps_taken)
         self.last_grad_norm = float("nan")
         self.last_breakdown = profiling.close_step()
@@ -162,7 +171,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine.wait_reductions()
         self._cached = None
         for unit in self.engine.units:
-            unit.zero_grad()
+            self.engine.forget_grads(unit)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global gradient norm across every shard; clipping to ``max_norm`` is applied inside the
@@ -217,3 +226,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in self.engine.units:
                 unit.refresh_from_master(self.engine.placement, self.engine.gatherer)
             self.engine.settle_shards()
+
+
+def _stashed_grad(stashed: StashedGrad, factor: float) -> tuple[StashedGrad, torch.Tensor]:
+    """A stored gradient scaled by ``factor`` (applied when the step reads it) and its squared
+    fp32 norm, computed over the whole shard read back once, as the in-memory path does."""
+    scaled = stashed * factor
+    return scaled, torch.linalg.vector_norm(scaled.read()).double().square()
