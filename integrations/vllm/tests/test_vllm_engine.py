@@ -1,9 +1,10 @@
 """End to end on vLLM's CPU platform: greedy tokens equal HF ``generate`` for a tiny random Llama
-(head_dim 64), with the plugin on (plait's layers, weights from a universal checkpoint through
-``load_format="plait_universal"``) and off (vLLM's layers, the same weights as safetensors); a flipped
-byte in the checkpoint stops start-up with an error naming the file.
+and a tiny random Mixtral (head_dim 64), with the plugin on (plait's layers, weights from universal
+checkpoints through ``load_format="plait_universal"``) and off (vLLM's layers, the same weights as
+safetensors); a flipped byte in a checkpoint stops start-up with an error naming the file.
 
-Two engine processes in all (each ``LLM()`` start-up costs ~40 s here), shared by every assertion.
+Two engine processes in all, each starting its engines one after the other (an ``LLM()`` start-up
+costs 5-40 s here), shared by every assertion.
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]  # as in vllm_engine_r
 NEW_TOKENS = 12
 
 
-def _tiny_llama():
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+def _tiny(family: str):
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = cls(config).eval()
     with torch.no_grad():  # non-trivial norm weights, so a wrong or skipped norm weight shows in the tokens
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -66,15 +72,19 @@ def _run_engine(tmp: Path, name: str, env: dict, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm_e2e")
-    model = _tiny_llama()
-    hf_dir = tmp / "hf"
+FAMILIES = ("llama", "mixtral")
+
+
+def _save_both(model, tmp: Path, family: str) -> tuple[Path, Path]:
+    """The model as an HF directory (safetensors) and as a universal checkpoint root with config.json."""
+    hf_dir, universal = tmp / f"{family}-hf", tmp / f"{family}-universal"
     model.save_pretrained(hf_dir)
-    universal = tmp / "universal"
     save({"model": model}, universal, step=1)
     model.config.save_pretrained(universal)  # vLLM reads config.json beside the checkpoint
+    return hf_dir, universal
+
+
+def _corrupted_copy(universal: Path, tmp: Path) -> tuple[Path, str]:
     corrupt = tmp / "corrupt"
     shutil.copytree(universal, corrupt)
     step = corrupt / "step-0000000001"
@@ -82,29 +92,48 @@ def runs(tmp_path_factory):
     raw = bytearray((step / piece.file).read_bytes())
     raw[piece.offset + 5] ^= 0x01
     (step / piece.file).write_bytes(bytes(raw))
-    on = _run_engine(tmp, "plugin_on", {"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"},
-                     "--model", str(universal), "--load-format", "plait_universal", "--corrupt", str(corrupt))
-    off = _run_engine(tmp, "plugin_off", {"PLAIT_VLLM": "0"}, "--model", str(hf_dir), "--load-format", "safetensors")
-    return {"hf": _hf_tokens(model), "on": on, "off": off, "corrupt_file": piece.file}
+    return corrupt, piece.file
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_e2e")
+    hf_tokens, on_jobs, off_jobs = {}, [], []
+    for family in FAMILIES:
+        model = _tiny(family)
+        hf_dir, universal = _save_both(model, tmp, family)
+        hf_tokens[family] = _hf_tokens(model)
+        on_jobs += ["--job", f"{family}={universal}@plait_universal"]
+        off_jobs += ["--job", f"{family}={hf_dir}@safetensors"]
+    corrupt, corrupt_file = _corrupted_copy(tmp / "llama-universal", tmp)
+    on = _run_engine(tmp, "plugin_on", {"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}, *on_jobs,
+                     "--corrupt", str(corrupt))
+    off = _run_engine(tmp, "plugin_off", {"PLAIT_VLLM": "0"}, *off_jobs)
+    return {"hf": hf_tokens, "on": on, "off": off, "corrupt_file": corrupt_file}
 
 
 @pytest.mark.timeout(900)
-def test_vllm_plugin_on_universal_checkpoint_tokens_equal_hf(runs):
-    assert runs["on"]["tokens"] == runs["hf"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_plugin_on_universal_checkpoint_tokens_equal_hf(runs, family):
+    assert runs["on"][family]["tokens"] == runs["hf"][family]
 
 
 @pytest.mark.timeout(900)
-def test_vllm_plugin_on_builds_plaits_layers(runs):
-    layers = set(runs["on"]["layers"])
-    assert {"PlaitRMSNorm", "PlaitSiluAndMul", "PlaitRotaryEmbedding"} <= layers, sorted(layers)
-    assert "RMSNorm" not in layers
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_plugin_on_builds_plaits_layers(runs, family):
+    layers = set(runs["on"][family]["layers"])
+    assert {"PlaitRMSNorm", "PlaitRotaryEmbedding"} <= layers, sorted(layers)
+    assert "RMSNorm" not in layers and "RotaryEmbedding" not in layers
+    if family == "llama":
+        assert "PlaitSiluAndMul" in layers
 
 
 @pytest.mark.timeout(900)
-def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs):
-    assert runs["off"]["tokens"] == runs["hf"]
-    layers = set(runs["off"]["layers"])
-    assert {"RMSNorm", "SiluAndMul", "RotaryEmbedding"} <= layers and not any(n.startswith("Plait") for n in layers)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs, family):
+    assert runs["off"][family]["tokens"] == runs["hf"][family]
+    layers = set(runs["off"][family]["layers"])
+    assert {"RMSNorm", "RotaryEmbedding"} <= layers and not any(n.startswith("Plait") for n in layers)
 
 
 @pytest.mark.timeout(900)

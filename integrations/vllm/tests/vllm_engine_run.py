@@ -1,11 +1,12 @@
 """One vLLM engine run for the end-to-end tests (a script: ``LLM()`` starts processes, hence the guard).
 
-Starts ``LLM(model, load_format)`` on the CPU platform, generates greedily from token-id prompts
-(no tokenizer), and writes JSON: the generated token ids, the layer classes the engine built, and
-the load time. With ``--corrupt DIR`` it then tries to start a second engine on the corrupted
-checkpoint ``DIR`` and records the error it fails with.
+For each ``--job NAME=DIR@FORMAT`` in turn, starts ``LLM(DIR, load_format=FORMAT)`` on the CPU
+platform (one engine at a time, in this process), generates greedily from token-id prompts (no
+tokenizer), and records the generated token ids, the layer classes the engine built and the
+start-up time. With ``--corrupt DIR`` it then tries to start an engine on the corrupted checkpoint
+``DIR`` and records the error it fails with. Writes everything as JSON to ``--out``.
 
-    python vllm_engine_run.py --model DIR --load-format plait_universal --out result.json
+    python vllm_engine_run.py --job llama=ckpt@plait_universal --out result.json
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def _layer_classes(model) -> list[str]:
 def main() -> None:
     """Run the engine(s) and write the JSON result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--job", action="append", required=True, help="NAME=MODEL_DIR@LOAD_FORMAT")
     parser.add_argument("--corrupt", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -40,14 +40,17 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     result: dict = {}
-    start = time.perf_counter()
-    llm = LLM(**_engine_args(args.model, args.load_format))
-    result["startup_seconds"] = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    result["tokens"] = [list(out.outputs[0].token_ids) for out in outputs]
-    result["layers"] = llm.apply_model(_layer_classes)[0]
-    del llm
+    for job in args.job:
+        name, _, rest = job.partition("=")
+        model, _, load_format = rest.rpartition("@")
+        start = time.perf_counter()
+        llm = LLM(**_engine_args(model, load_format))
+        startup = time.perf_counter() - start
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        result[name] = {"tokens": [list(out.outputs[0].token_ids) for out in outputs],
+                        "layers": llm.apply_model(_layer_classes)[0], "startup_seconds": startup}
+        del llm
     if args.corrupt:
         try:
             LLM(**_engine_args(args.corrupt, "plait_universal"))

@@ -7,11 +7,20 @@ own ``state_dict`` names. Either way the stream carries the HF ``state_dict`` na
 what vLLM's ``load_weights`` maps onto its fused layers (qkv, gate|up) and tensor-parallel slices.
 Every tensor is consolidated from whatever pieces the producer's layout stored and checked against
 the manifest's chunk hashes as it is read.
+
+One layout differs between a model in memory and its HF checkpoint files: transformers >= 5 keeps
+an MoE block's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with the gate
+rows first, ``mlp.experts.down_proj`` ``[E, H, I]``), and its ``save_pretrained`` writes them per
+expert under the family's on-disk names, which are what vLLM's weight loaders read. A checkpoint
+saved from the module holds the fused form, so it is split here for the families in
+:data:`ON_DISK_EXPERTS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +35,60 @@ from plait.universal_ckpt.reader import check_files, read_full, read_manifest
 WEIGHT_KINDS = ("parameter", "buffer")
 
 
+@dataclasses.dataclass(frozen=True)
+class OnDiskExperts:
+    """A family's HF on-disk names for one expert's weights (``<block>.experts.<e>.<gate|up|down>.weight``)."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+ON_DISK_EXPERTS = {"mixtral": OnDiskExperts(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+"""``config.model_type`` -> on-disk expert names, for checkpoints that hold transformers' fused experts."""
+
+_FUSED = re.compile(r"^(?P<prefix>.*)\.mlp\.(?P<rest>experts\.(?P<which>gate_up_proj|down_proj)|gate\.weight)$")
+
+
+def on_disk_weights(name: str, tensor: torch.Tensor, model_type: str | None) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` in the HF on-disk form: fused experts split per expert, others unchanged.
+
+    Args:
+        name: a ``state_dict`` name.
+        tensor: its tensor.
+        model_type: the HF ``config.model_type`` (None: no renaming).
+
+    Returns:
+        One pair, or ``2E`` (gate_up) / ``E`` (down) pairs for a fused expert tensor.
+
+    Raises:
+        CheckpointLayoutError: a fused expert tensor of a family without a known on-disk layout.
+    """
+    match = _FUSED.match(name)
+    if match is None or model_type is None:
+        return [(name, tensor)]
+    layout = ON_DISK_EXPERTS.get(model_type)
+    if layout is None:
+        if match["which"] is None:  # a router weight of a family that keeps mlp.gate on disk
+            return [(name, tensor)]
+        raise CheckpointLayoutError(
+            f"{name}: fused experts of model_type={model_type!r}, whose on-disk names plait-vllm does not know "
+            f"(known: {sorted(ON_DISK_EXPERTS)}); serve an HF export of this checkpoint instead "
+            "(save_pretrained / export_hf), or add the family to plait.vllm.checkpoint_weights.ON_DISK_EXPERTS.")
+    block = f"{match['prefix']}.{layout.block}"
+    if match["which"] is None:
+        return [(f"{block}.gate.weight", tensor)]
+    if match["which"] == "down_proj":
+        return [(f"{block}.experts.{e}.{layout.down}.weight", tensor[e]) for e in range(tensor.shape[0])]
+    inter = tensor.shape[1] // 2
+    out = []
+    for e in range(tensor.shape[0]):
+        out.append((f"{block}.experts.{e}.{layout.gate}.weight", tensor[e, :inter]))
+        out.append((f"{block}.experts.{e}.{layout.up}.weight", tensor[e, inter:]))
+    return out
+
+
 class CheckpointWeights:
     """The model weights of one universal checkpoint, read lazily.
 
@@ -34,6 +97,8 @@ class CheckpointWeights:
             committed step is used).
         key: the top-level key holding the model (default: the only key holding parameters).
         verify: check every chunk hash while reading (default True).
+        model_type: the HF ``config.model_type``; fused experts of the families in
+            :data:`ON_DISK_EXPERTS` are then streamed in their on-disk per-expert form.
 
     Raises:
         CheckpointNotFoundError: no plait checkpoint at ``path``.
@@ -42,12 +107,14 @@ class CheckpointWeights:
         CheckpointLayoutError: no key holds parameters, or several do and ``key`` is not given.
     """
 
-    def __init__(self, path: str | os.PathLike, *, key: str | None = None, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, key: str | None = None, verify: bool = True,
+                 model_type: str | None = None) -> None:
         self.directory: Path = resolve(path)
         self.manifest: Manifest = read_manifest(self.directory)
         check_files(self.directory, self.manifest)  # stat only: a truncated file fails before any read
         self.key = self._pick_key(key)
         self.verify = verify
+        self.model_type = model_type
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -73,7 +140,7 @@ class CheckpointWeights:
         return model_name(entry.name, entry.kind, zero=self._zero)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(state_dict name, consolidated tensor)`` one tensor at a time.
+        """Yield ``(name, consolidated tensor)`` one tensor at a time, in the HF on-disk form.
 
         Raises:
             CheckpointIntegrityError: a chunk's hash differs from the manifest's. The message names
@@ -87,7 +154,5 @@ class CheckpointWeights:
                     f"plait_universal: checkpoint file {exc.file} in {self.directory} is corrupt ({exc}); "
                     f"while reading {entry.full_name}. Restore the file from a good copy or re-save the checkpoint.",
                     file=exc.file, expected=exc.expected, actual=exc.actual) from exc
-            yield self.name_of(entry), tensor
+            yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
 
-    def __len__(self) -> int:
-        return len(self.entries())

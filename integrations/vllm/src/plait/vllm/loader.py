@@ -55,7 +55,8 @@ class PlaitUniversalLoader(BaseModelLoader):
 
     def _weights(self, model_config: ModelConfig) -> CheckpointWeights:
         path = self.extra.get("checkpoint") or model_config.model
-        return CheckpointWeights(path, key=self.extra.get("key"), verify=bool(self.extra.get("verify", True)))
+        return CheckpointWeights(path, key=self.extra.get("key"), verify=bool(self.extra.get("verify", True)),
+                                 model_type=getattr(model_config.hf_config, "model_type", None))
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: checks that the checkpoint is there and its manifest and file sizes are sound."""
