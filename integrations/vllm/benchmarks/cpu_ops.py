@@ -61,6 +61,29 @@ def _cases(dtype: torch.dtype, tokens: int, hidden: int, inter: int, head: int, 
     ]
 
 
+def _moe_cases(dtype: torch.dtype, tokens: int, hidden: int, inter: int, experts: int, top_k: int):
+    """vLLM's portable CPU MoE kernel (``cpu_fused_moe`` over its prepacked "vec" layout, what
+    ``CPUUnquantizedExperts`` runs) against plait's ``fused_experts_reference``."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+
+    from plait.inference_kernels import fused_experts_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype) * 0.05
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype) * 0.05
+    weights, ids = torch.randn(tokens, experts).softmax(-1).topk(top_k)
+    ids = ids.to(torch.int32)
+    packed13, packed2 = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
+
+    def theirs():
+        out = torch.empty_like(x)
+        cpu_fused_moe(out, x, packed13, packed2, None, None, weights, ids, "silu", "vec", False)
+        return out
+
+    return [("FusedMoE e8 top2", theirs, lambda: fused_experts_reference(x, w13, w2, weights, ids, "silu"))]
+
+
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,7 +96,9 @@ def main() -> None:
     with set_current_vllm_config(VllmConfig()):
         for dtype in (torch.float32, torch.bfloat16):
             for tokens in (1, 16, 512):
-                for name, vllm_fn, plait_fn in _cases(dtype, tokens, hidden=1024, inter=2816, head=64, heads=16):
+                cases = _cases(dtype, tokens, hidden=1024, inter=2816, head=64, heads=16)
+                cases += _moe_cases(dtype, tokens, hidden=512, inter=1024, experts=8, top_k=2)
+                for name, vllm_fn, plait_fn in cases:
                     t_vllm = _median_us(vllm_fn, args.repeat)
                     t_plait = _median_us(plait_fn, args.repeat)
                     print(f"{name:18} {str(dtype).removeprefix('torch.'):9} {tokens:>6} {t_vllm:>9.1f} "

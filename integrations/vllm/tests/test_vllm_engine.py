@@ -126,6 +126,8 @@ def test_vllm_plugin_on_builds_plaits_layers(runs, family):
     assert "RMSNorm" not in layers and "RotaryEmbedding" not in layers
     if family == "llama":
         assert "PlaitSiluAndMul" in layers
+    else:  # the experts run plait's fused_experts (PLAIT_VLLM_CPU_PATH=plait)
+        assert "PlaitUnquantizedFusedMoEMethod" in layers and "UnquantizedFusedMoEMethod" not in layers
 
 
 @pytest.mark.timeout(900)
@@ -134,6 +136,8 @@ def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs, family):
     assert runs["off"][family]["tokens"] == runs["hf"][family]
     layers = set(runs["off"][family]["layers"])
     assert {"RMSNorm", "RotaryEmbedding"} <= layers and not any(n.startswith("Plait") for n in layers)
+    if family == "mixtral":
+        assert "UnquantizedFusedMoEMethod" in layers
 
 
 @pytest.mark.timeout(900)

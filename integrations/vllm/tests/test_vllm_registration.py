@@ -18,7 +18,7 @@ from vllm.model_executor.custom_op import op_registry_oot
 
 from plait.vllm import ops, plugin
 
-PLAIT_KEYS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding")
+PLAIT_KEYS = ("RMSNorm", "SiluAndMul", "GeluAndMul", "RotaryEmbedding", "UnquantizedFusedMoEMethod")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ Each class subclasses vLLM's in-tree layer and keeps its ``__init__`` signature,
   faster on the CPU machine (:data:`CPU_PATH`; ``PLAIT_VLLM_CPU_PATH`` overrides it for all ops).
 * ``forward_native`` (what vLLM uses when the op is disabled, e.g. under Inductor with
   ``custom_ops=["none"]``, and what it compiles): vLLM's own, unchanged, so torch.compile sees
-  the graph it was written for.
+  the graph it was written for. (The MoE method is the exception, below: once it has kept the
+  expert weights in plait's layout, every path runs plait's.)
 
 Cases plait does not cover (vLLM's batch-invariant mode, RMSNorm's ``var_hidden_size``, rotary
 with FlashInfer or AITER) fall through to vLLM's own method. After ``register_oot`` (which names a
@@ -26,9 +27,12 @@ import torch
 from vllm import envs
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
+from plait.inference_kernels import ACTIVATIONS as MOE_ACTIVATIONS
+from plait.inference_kernels import fused_experts, fused_experts_reference
 from plait.kernels.ops import apply_rotary, gelu_and_mul, rms_norm, silu_and_mul
 from plait.kernels.ops.gated_activation import gated_activation_reference
 from plait.kernels.ops.rms_norm import rms_norm_reference
@@ -42,6 +46,7 @@ CPU_PATH = {
     "SiluAndMul": "vllm",
     "GeluAndMul": "vllm",
     "RotaryEmbedding": "vllm",
+    "UnquantizedFusedMoEMethod": "vllm",
 }
 """Per op, the faster CPU implementation as measured by ``benchmarks/cpu_ops.py`` (figures in the
 README): ``"vllm"`` (vLLM's own CPU path) or ``"plait"`` (plait's torch reference)."""
@@ -158,11 +163,75 @@ class PlaitRotaryEmbedding(RotaryEmbedding):
         return self._apply(positions, query, key)
 
 
+class PlaitUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """vLLM's unquantized MoE method served by plait's ``fused_experts`` (Triton on CUDA).
+
+    plait's kernel reads the expert weights in vLLM's checkpoint layout (``w13_weight`` ``[E, 2I, H]``,
+    gate rows first; ``w2_weight`` ``[E, H, I]``), so a layer plait serves skips vLLM's weight
+    processing (its CPU backend prepacks the weights into its own grouped-GEMM layout; others pad or
+    shuffle them) and builds no vLLM kernel. That choice is made once per layer, in
+    ``process_weights_after_loading``, and only where plait covers the layer: a gated activation
+    plait has (silu, gelu, gelu_tanh), no bias, no expert map (expert parallelism), router weights
+    applied after the experts, weights not pre-processed, and not a monolithic vLLM backend. On CPU
+    it is also the measured choice (:data:`CPU_PATH`). Everything else stays vLLM's.
+
+    Shared experts: without a vLLM kernel, ``mk_can_overlap_shared_experts`` is False, so vLLM's
+    MoE runner runs them itself, outside this method, as it does for kernels that cannot overlap them.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plait_activation = str(getattr(self.moe.activation, "value", self.moe.activation)).lower()
+        from vllm.platforms import current_platform
+
+        wanted = use_plait_on_cpu("UnquantizedFusedMoEMethod") if current_platform.is_cpu() else True
+        self._plait = (wanted and self._plait_activation in MOE_ACTIVATIONS and not self.moe.has_bias
+                       and not super().is_monolithic)
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Keep the loaded weights as they are for plait's kernel, or hand the layer to vLLM's processing."""
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        if self._plait and (getattr(layer, "expert_map", None) is not None
+                            or getattr(layer, "apply_router_weight_on_input", False) or is_weights_pre_processed()):
+            self._plait = False
+        if not self._plait:
+            super().process_weights_after_loading(layer)
+            return
+        super(UnquantizedFusedMoEMethod, self).process_weights_after_loading(layer)
+
+    def _plait_experts(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        if x.is_cuda:
+            return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                 activation=self._plait_activation, check_bounds=False)
+        return fused_experts_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                       self._plait_activation)
+
+    def forward_native(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        """plait's experts where this layer kept plait's layout, else vLLM's kernel."""
+        if not self._plait:
+            return super().forward_native(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return self._plait_experts(layer, x, topk_weights, topk_ids)
+
+    def forward_cuda(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        """plait's ``fused_experts`` (its Triton kernel), or vLLM's where plait does not cover the layer."""
+        if not self._plait:
+            return super().forward_cuda(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return self._plait_experts(layer, x, topk_weights, topk_ids)
+
+    def forward_cpu(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        """plait's reference where chosen for this layer, else vLLM's CPU kernel."""
+        if not self._plait:
+            return super().forward_cpu(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        return self._plait_experts(layer, x, topk_weights, topk_ids)
+
+
 PLAIT_OPS: dict[str, type[CustomOp]] = {
     "RMSNorm": PlaitRMSNorm,
     "SiluAndMul": PlaitSiluAndMul,
     "GeluAndMul": PlaitGeluAndMul,
     "RotaryEmbedding": PlaitRotaryEmbedding,
+    "UnquantizedFusedMoEMethod": PlaitUnquantizedFusedMoEMethod,
 }
 """In-tree class name (vLLM's out-of-tree registry key) -> plait's class."""
 
