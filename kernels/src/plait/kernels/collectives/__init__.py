@@ -22,7 +22,7 @@ from plait.kernels.collectives.flight import (
     set_step,
     wait_seconds,
 )
-from plait.kernels.collectives.hangs import CollectiveError
+from plait.kernels.collectives.hangs import CollectiveError, ensure_publisher, group_timeout
 from plait.kernels.collectives.ledger import ByteLedger, CommRecord, group_name, tensor_nbytes
 from plait.kernels.collectives.ops import (
     ReduceOp,
@@ -42,8 +42,9 @@ from plait.kernels.collectives.peers import count_ddp, count_torch_distributed
 from plait.kernels.collectives.stragglers import WaitSummary, wait_summary
 
 __all__ = [
-    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history", "history",
-    "named", "set_step", "wait_seconds", "wait_summary",
+    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history",
+    "ensure_publisher", "group_timeout",
+    "history", "named", "set_step", "wait_seconds", "wait_summary",
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
     "all_to_all_single", "barrier", "broadcast", "compressed_allreduce", "compressed_allreduce_nbytes",
     "compressed_allreduce_reference", "compressed_numel", "count_ddp", "count_torch_distributed", "group_name",

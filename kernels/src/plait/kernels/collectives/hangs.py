@@ -15,11 +15,13 @@ last collective. An error where every member entered is re-raised unchanged with
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from plait.kernels import settings
@@ -156,6 +158,21 @@ def missing_ranks(event: CollectiveEvent, reports: dict[int, dict | str], now: f
     return missing
 
 
+def group_timeout(group: Any | None = None) -> datetime.timedelta | None:
+    """The timeout ``group`` (default: the default group) was created with, or ``None`` where
+    the backend does not say.
+
+    Groups made with ``torch.distributed.new_group`` (or a ``DeviceMesh``) without a timeout do
+    not inherit the default group's: they get torch's default (30 minutes on gloo). Pass
+    ``timeout=group_timeout()`` so a job's timeout governs every collective it runs.
+    """
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - backends without options (or without a CPU side)
+        return None
+
+
 def fresh_reports(store: Any, ranks: list[int], failed_at: float) -> dict[int, dict | str]:
     """The ranks' reports, waiting up to two publish intervals for ones written after ``failed_at``
     (a live rank's report then shows everything it entered before the failure)."""
@@ -233,12 +250,12 @@ def run(op: str, group: Any | None, group_label: str, label: str, peers: list[in
     if result is None:
         event.wait_s = time.perf_counter() - started
         event.end = time.time()
-        return result
+        return None
     return TrackedWork(result, event, group, peers)
 
 
 class TrackedWork:
-    """An async collective's handle: ``wait()`` is timed and its failure is named; the rest is torch's."""
+    """An async collective's handle: ``wait()`` is timed and its failure named; the rest is torch's."""
 
     __slots__ = ("_work", "_event", "_group", "_peers")
 

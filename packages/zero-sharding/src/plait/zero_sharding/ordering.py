@@ -33,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from plait.kernels.collectives import group_timeout
 from plait.zero_sharding.units import FlatUnit
 
 
@@ -135,5 +136,7 @@ def twin_groups(units: list[FlatUnit]) -> dict[int, Any]:
     mine = {id(u.group): tuple(dist.get_process_group_ranks(u.group)) for u in units}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(set(mine.values())))
-    created = {ranks: dist.new_group(list(ranks)) for ranks in sorted({r for theirs in everyone for r in theirs})}
+    # The job's timeout, not torch's 30-minute default for new groups (a hang must end in time).
+    created = {ranks: dist.new_group(list(ranks), timeout=group_timeout())
+               for ranks in sorted({r for theirs in everyone for r in theirs})}
     return {key: created[ranks] for key, ranks in mine.items()}

@@ -175,7 +175,8 @@ class HierarchicalParamGatherer:
         elif partition_size > 1:
             # Every rank creates every node's group, in the same order: new_group is collective.
             for node in range(world // partition_size):
-                created = dist.new_group(ranks[node * partition_size:(node + 1) * partition_size])
+                created = dist.new_group(ranks[node * partition_size:(node + 1) * partition_size],
+                                         timeout=collectives.group_timeout())
                 if node == self.node_index:
                     self.subgroup = created
         # key -> (secondary shard, whether it holds qwZ payload rows rather than values)
