@@ -14,6 +14,8 @@ imports deepspeed). What differs from DDP:
   loadable at any number of devices.
 * every input check (precision, clip settings against ZeroConfig, missing pieces) runs when
   the Trainer is built or right before the launcher starts processes.
+* a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
+  sets the flight log's step, so a collective's error says at which step it failed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
+from plait.lightning import failures
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
@@ -55,6 +59,7 @@ class _CheckedScriptLauncher(_SubprocessScriptLauncher):
         """Check, then launch as Lightning does."""
         if trainer is not None:
             self._plait_strategy.check_trainer(trainer)
+        failures.mark_launcher()
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
@@ -204,6 +209,24 @@ class PlaitStrategy(DDPStrategy):
                         gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
                         gradient_clip_algorithm=algorithm if getattr(trainer, "gradient_clip_val", None) else None)
         check_plan(self.plait_config, self.precision_plugin.precision)
+
+    # ---- failures: no orphans, named steps -------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Arm the die-with-rank-0 guard in launched ranks, then set up as DDP does."""
+        failures.die_with_launcher()
+        super().setup_environment()
+        collectives.ensure_publisher()  # report from the start, before this rank's first collective
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning's hook on any exception: on rank 0, kill the ranks it launched (else they
+        would be left waiting in a collective with nobody to kill them)."""
+        super().on_exception(exception)
+        failures.stop_launched_ranks(self._launcher, exception)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Record the step in the flight log, so a failing collective names it; then step as DDP."""
+        collectives.set_step(self.lightning_module.trainer.global_step)
+        return super().training_step(*args, **kwargs)
 
     # ---- setup ----------------------------------------------------------------------------------
     def model_to_device(self) -> None:

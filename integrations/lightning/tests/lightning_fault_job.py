@@ -1,0 +1,78 @@
+"""A Lightning job on two CPU processes with one injected fault, run by test_lightning_faults.py.
+
+``python lightning_fault_job.py FAULT TIMEOUT_S OUTDIR [plait|ddp]`` trains a small MLP under
+Lightning's own launcher (``devices=2``: rank 0 starts rank 1 by re-running this script) with
+``PlaitStrategy(ZeroConfig(stage=3))`` (or Lightning's ``ddp``, for comparison), a collective
+timeout of TIMEOUT_S and the fault (``plait.kernels.testing.Fault`` text, e.g.
+``hang:rank=1:step=3``). Each rank writes its pid to OUTDIR/pid<rank> when training starts; the
+faulty rank writes OUTDIR/fault_time (wall clock) right before the fault.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from plait.kernels.testing import Fault
+from plait.lightning import PlaitStrategy
+from plait.zero_sharding import ZeroConfig
+
+
+class FaultyModule(L.LightningModule):
+    """A two-layer MLP whose training step injects the fault."""
+
+    def __init__(self, fault: Fault, outdir: str) -> None:
+        super().__init__()
+        self.fault, self.outdir = fault, Path(outdir)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def on_train_start(self) -> None:
+        """Tell the test this rank's pid."""
+        (self.outdir / f"pid{self.global_rank}").write_text(str(os.getpid()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Inject the fault (on its rank and step), then an MSE step."""
+        if self.fault.fires(self.global_step, self.global_rank):
+            (self.outdir / "fault_time").write_text(repr(time.time()))
+        self.fault.maybe_inject(self.global_step, self.global_rank)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Plain SGD."""
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main(argv: list[str]) -> None:
+    """Run the job described in the module docstring."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stack, on request
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    fault, timeout, outdir = Fault.parse(argv[1]), timedelta(seconds=float(argv[2])), argv[3]
+    kind = argv[4] if len(argv) > 4 else "plait"
+    # The timeout also bounds start-up (rank 0's store waits that long for rank 1 to connect),
+    # so on a busy two-core machine it cannot be much below 15 s.
+    strategy = (PlaitStrategy(ZeroConfig(stage=3), timeout=timeout) if kind == "plait"
+                else L.pytorch.strategies.DDPStrategy(timeout=timeout))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(128, 8), torch.randn(128, 1))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=12, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(FaultyModule(fault, outdir), DataLoader(data, batch_size=4))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

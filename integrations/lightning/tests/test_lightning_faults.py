@@ -1,0 +1,69 @@
+"""R8 under Lightning's own launcher (``devices=2``) with PlaitStrategy: no orphans, the rank named.
+
+Each test runs ``lightning_fault_job.py`` as a user would (``python job.py``; rank 0 starts rank 1
+by re-running the script) with one injected fault, and checks that every process is gone soon
+after the fault, that rank 0 exits non-zero, and what its error says. The collective timeout is
+15 s (it also bounds start-up, which takes up to ~12 s on a busy two-core machine); each test
+allows the job 55 s in all and kills its whole process group if it runs longer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+JOB = Path(__file__).with_name("lightning_fault_job.py")
+TIMEOUT_S = 15
+JOB_LIMIT_S = 55
+
+
+def _run_job(fault: str, outdir: Path) -> tuple[int, str, float]:
+    """Run the job; returns rank 0's exit code, its stderr, and when it exited (wall clock)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(JOB), fault, str(TIMEOUT_S), str(outdir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=JOB_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # this test must not leave orphans either
+        proc.communicate()
+        pytest.fail(f"the job with fault {fault} ran longer than {JOB_LIMIT_S} s")
+    return proc.returncode, err, time.time()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pids(outdir: Path) -> list[int]:
+    return [int((outdir / f"pid{rank}").read_text()) for rank in (0, 1)]
+
+
+def test_rank_one_hangs_rank_zero_names_it_and_nothing_is_left(tmp_path):
+    code, err, ended = _run_job("hang:rank=1:step=3:seconds=600", tmp_path)
+    fault_at = float((tmp_path / "fault_time").read_text())
+    assert code != 0
+    assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
+    assert ended - fault_at < TIMEOUT_S + 10
+    assert "CollectiveError: rank 1 did not enter ZeRO" in err and "(step 3;" in err, err[-3000:]
+    assert "its last collective was ZeRO" in err
+    assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
+
+
+def test_rank_zero_raises_and_rank_one_does_not_outlive_it(tmp_path):
+    code, err, ended = _run_job("raise:rank=0:step=3", tmp_path)
+    fault_at = float((tmp_path / "fault_time").read_text())
+    assert code != 0 and "InjectedFaultError" in err
+    assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
+    assert ended - fault_at < 10  # rank 1 was killed at once, not left waiting for its timeout
+    assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
