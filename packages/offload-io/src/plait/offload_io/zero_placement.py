@@ -129,8 +129,13 @@ class ZeroOffloadPlacement:
         Returns:
             The placed master (``optimizer.state`` is keyed by it).
         """
-        host = aligned_like(master.detach().float(), pinned=master.is_cuda)
-        host.copy_(master.detach())
+        if self.config.device == "nvme" and master.device.type == "cpu" and master.dtype == torch.float32:
+            # No host copy: make_optimizer copies the values into the store's files and leaves
+            # the placed master a placeholder, so a rank never holds its masters twice.
+            host = master.detach()
+        else:
+            host = aligned_like(master.detach().float(), pinned=master.is_cuda)
+            host.copy_(master.detach())
         placed = nn.Parameter(host, requires_grad=True)
         self._origin[key] = master
         self._masters[key] = placed

@@ -27,7 +27,7 @@ from torch import nn
 from plait.kernels.collectives import named
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
-from plait.zero_sharding.extension import wait
+from plait.zero_sharding.extension import DefaultReducer, wait
 from plait.zero_sharding.grad_stash import GradStash
 from plait.zero_sharding.ordering import GatherCursor, module_orders, reduce_order, twin_groups
 from plait.zero_sharding.partition import Partition
@@ -247,9 +247,16 @@ class ZeroEngine:
         flat = unit.flat_grads(zeros=zeros)
         if flat is None:
             return
+        reducer = unit.reducer or self.reducer
+        if unit.group_size == 1 and unit.full_grad is None and type(reducer) is DefaultReducer:
+            # A reduce-scatter over one rank is the identity: the fresh flat buffer is the shard.
+            # Folding now, not through the async queue, also keeps one rank's backward from
+            # holding every unit's buffer twice (gloo finishes them late on a busy CPU).
+            self._fold(unit, None, flat, flat[:unit.shard_numel])
+            return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
         with profiling.comm_range("reduce_scatter", block=False), named(f"ZeRO reduce-scatter of unit `{unit.key}`"):
-            handle = (unit.reducer or self.reducer).reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
+            handle = reducer.reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
         # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
         # for one still in flight could deadlock when ranks reach it at different points of
