@@ -74,6 +74,7 @@ def _skip_one_labelled_gather(fault_text: str) -> str:
     skips the one at the fault's step (and waits there, as a stuck rank would)."""
     fault = Fault.parse(fault_text)
     group = dist.new_group([0, 1], timeout=SHORT)
+    assert collectives.group_timeout(group) == SHORT and collectives.group_timeout() != SHORT
     shard, full = torch.ones(4), torch.empty(8)
     try:
         for step in range(6):

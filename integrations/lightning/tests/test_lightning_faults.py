@@ -14,10 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import psutil
 import pytest
+
+from plait.lightning import failures
 
 JOB = Path(__file__).with_name("lightning_fault_job.py")
 TIMEOUT_S = 15
@@ -67,3 +70,16 @@ def test_rank_zero_raises_and_rank_one_does_not_outlive_it(tmp_path):
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
     assert ended - fault_at < 10  # rank 1 was killed at once, not left waiting for its timeout
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
+
+
+def test_the_guards_act_only_for_their_launcher(monkeypatch):
+    monkeypatch.setenv(failures.LAUNCHER_PID, str(os.getppid()))
+    assert failures.launcher_pid() == os.getppid()
+    monkeypatch.setenv(failures.LAUNCHER_PID, str(os.getpid()))  # not this process's parent
+    assert failures.launcher_pid() is None and not failures.die_with_launcher()
+    monkeypatch.delenv(failures.LAUNCHER_PID)
+    assert failures.launcher_pid() is None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    codes = failures.stop_launched_ranks(types.SimpleNamespace(procs=[child]), RuntimeError("boom"))
+    assert codes == {1: -signal.SIGKILL} and not _alive(child.pid)
+    assert failures.stop_launched_ranks(types.SimpleNamespace(), None) == {}  # nothing launched: no-op

@@ -15,6 +15,7 @@ last collective. An error where every member entered is re-raised unchanged with
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import threading
@@ -57,11 +58,13 @@ class _Publisher:
         self.pg = dist.distributed_c10d._get_default_group()
         self.stopped = threading.Event()
         self.published, self.groups = -1, "{}"
-        threading.Thread(target=self._loop, name="plait-flight-publisher", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="plait-flight-publisher", daemon=True)
+        self.thread.start()
 
-    def alive_for_current_group(self) -> bool:
-        """Whether this publisher still serves the process group collectives go to now."""
-        return not self.stopped.is_set()
+    def stop(self) -> None:
+        """Stop reporting and wait for the thread (briefly: a report in flight finishes first)."""
+        self.stopped.set()
+        self.thread.join(timeout=1.0)
 
     def _loop(self) -> None:
         try:
@@ -89,6 +92,14 @@ class _Publisher:
 
 
 _publisher: _Publisher | None = None
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # A daemon thread caught inside a store call while the interpreter tears down can abort the
+    # process; stopping it first keeps a finished run's exit code 0.
+    if _publisher is not None:
+        _publisher.stop()
 
 
 def ensure_publisher() -> None:
