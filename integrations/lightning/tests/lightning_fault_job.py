@@ -5,7 +5,8 @@ Lightning's own launcher (``devices=2``: rank 0 starts rank 1 by re-running this
 ``PlaitStrategy(ZeroConfig(stage=3))`` (or Lightning's ``ddp``, for comparison), a collective
 timeout of TIMEOUT_S and the fault (``plait.kernels.testing.Fault`` text, e.g.
 ``hang:rank=1:step=3``). Each rank writes its pid to OUTDIR/pid<rank> when training starts; the
-faulty rank writes OUTDIR/fault_time (wall clock) right before the fault.
+faulty rank writes OUTDIR/fault_time (wall clock) right before the fault; a rank that finishes
+writes OUTDIR/done<rank> (rank 1 two seconds after ``fit`` returns).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=12, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(FaultyModule(fault, outdir), DataLoader(data, batch_size=4))
+    if trainer.global_rank == 1:
+        time.sleep(2)  # work after fit on one rank: rank 0 must not cut it short by exiting first
+    (Path(outdir) / f"done{trainer.global_rank}").write_text("done")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ allows the job 55 s in all and kills its whole process group if it runs longer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,6 +71,37 @@ def test_rank_zero_raises_and_rank_one_does_not_outlive_it(tmp_path):
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
     assert ended - fault_at < 10  # rank 1 was killed at once, not left waiting for its timeout
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
+
+
+def test_a_finished_run_exits_0_and_rank_zero_waits_for_rank_one(tmp_path):
+    # The fault never fires. Rank 1 still works for 2 s after fit returns: rank 0's exit must
+    # neither kill it (its parent-death guard) nor leave it behind.
+    code, err, _ = _run_job("slow:rank=1:step=999:seconds=0", tmp_path)
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists()
+    assert "stopped the ranks" not in err and not any(_alive(pid) for pid in _pids(tmp_path))
+
+
+def test_rank_zero_sigkilled_takes_rank_one_with_it(tmp_path):
+    # Rank 0 gets no chance to run Python: only rank 1's parent-death guard can end it.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, str(JOB), "hang:rank=1:step=3:seconds=600", "60", str(tmp_path)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + JOB_LIMIT_S - 5
+        while not (tmp_path / "fault_time").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (tmp_path / "fault_time").exists(), "the job never reached the fault"
+        rank0, rank1 = _pids(tmp_path)
+        os.kill(rank0, signal.SIGKILL)
+        proc.wait(timeout=5)
+        gone_by = time.monotonic() + 3
+        while _alive(rank1) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+        assert not _alive(rank1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the job's process group
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_the_guards_act_only_for_their_launcher(monkeypatch):

@@ -13,7 +13,9 @@ in a collective, or hung, keeps its GPU until someone kills it by hand (Lightnin
   its exit code is then -9.
 * every launched child asks the kernel to SIGKILL it when rank 0 exits (Linux
   ``PR_SET_PDEATHSIG``), which also covers a rank 0 that never ran Python again (SIGKILL, the
-  OOM killer).
+  OOM killer). So that this never cuts short a child still finishing a *successful* run, rank 0
+  waits at exit for its children to end by themselves, up to the job's timeout, and only then
+  kills what is left.
 
 ``PLAIT_LAUNCHER_PID`` (read only here) carries rank 0's pid to its children, so a child arms the
 second guard only when its parent is that launcher, not under torchrun or SLURM.
@@ -21,11 +23,13 @@ second guard only when its parent is that launcher, not under torchrun or SLURM.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 LAUNCHER_PID = "PLAIT_LAUNCHER_PID"
@@ -33,9 +37,28 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 REAP_TIMEOUT_S = 10.0
 
 
-def mark_launcher() -> None:
-    """In rank 0, right before Lightning starts its children: tell them who their launcher is."""
+def mark_launcher(launcher: Any, timeout_s: float) -> None:
+    """In rank 0, right before Lightning starts its children: tell them who their launcher is,
+    and have this process wait for them at exit (see :func:`reap_at_exit`)."""
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    atexit.register(reap_at_exit, launcher, timeout_s)
+
+
+def reap_at_exit(launcher: Any, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the ranks ``launcher`` started to end, then kill the rest.
+
+    Runs when rank 0's interpreter exits (after an unhandled exception too, when
+    :func:`stop_launched_ranks` has usually killed them already).
+    """
+    procs: list[subprocess.Popen] = list(getattr(launcher, "procs", []) or [])
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    if any(proc.poll() is None for proc in procs):
+        stop_launched_ranks(launcher, TimeoutError(f"ranks still running {timeout_s:.0f} s after rank 0 ended"))
 
 
 def launcher_pid() -> int | None:

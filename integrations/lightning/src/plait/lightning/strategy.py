@@ -59,7 +59,8 @@ class _CheckedScriptLauncher(_SubprocessScriptLauncher):
         """Check, then launch as Lightning does."""
         if trainer is not None:
             self._plait_strategy.check_trainer(trainer)
-        failures.mark_launcher()
+        if not self.cluster_environment.creates_processes_externally:  # only the process that starts ranks
+            failures.mark_launcher(self, (self._plait_strategy._timeout or default_pg_timeout).total_seconds())
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
