@@ -1,4 +1,5 @@
-"""R8 under Lightning's own launcher (``devices=2``) with PlaitStrategy: no orphans, the rank named.
+"""R8 under Lightning's own launcher (``devices=2``) with PlaitStrategy (and Fabric with
+PlaitFabricStrategy): no orphans, the rank named.
 
 Each test runs ``lightning_fault_job.py`` as a user would (``python job.py``; rank 0 starts rank 1
 by re-running the script) with one injected fault, and checks that every process is gone soon
@@ -28,10 +29,10 @@ TIMEOUT_S = 15
 JOB_LIMIT_S = 55
 
 
-def _run_job(fault: str, outdir: Path) -> tuple[int, str, float]:
+def _run_job(fault: str, outdir: Path, kind: str = "plait") -> tuple[int, str, float]:
     """Run the job; returns rank 0's exit code, its stderr, and when it exited (wall clock)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(JOB), fault, str(TIMEOUT_S), str(outdir)], env=env,
+    proc = subprocess.Popen([sys.executable, str(JOB), fault, str(TIMEOUT_S), str(outdir), kind], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=JOB_LIMIT_S)
@@ -70,6 +71,17 @@ def test_rank_zero_raises_and_rank_one_does_not_outlive_it(tmp_path):
     assert code != 0 and "InjectedFaultError" in err
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
     assert ended - fault_at < 10  # rank 1 was killed at once, not left waiting for its timeout
+    assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
+
+
+def test_fabric_rank_one_hangs_rank_zero_names_it_and_nothing_is_left(tmp_path):
+    # Fabric has no exception hook: rank 0 stops the ranks it launched when its interpreter exits.
+    code, err, ended = _run_job("hang:rank=1:step=3:seconds=600", tmp_path, "fabric")
+    fault_at = float((tmp_path / "fault_time").read_text())
+    assert code != 0
+    assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
+    assert ended - fault_at < TIMEOUT_S + 10
+    assert "CollectiveError: rank 1 did not enter ZeRO" in err, err[-3000:]
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
 
 

@@ -25,11 +25,14 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from plait import universal_ckpt
+from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
+from plait.lightning import failures
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitFabricPrecision, precision_name_of
@@ -68,6 +71,21 @@ def _for_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
     return {k: view(v) for k, v in state.items()}
 
 
+class _GuardedScriptLauncher(_SubprocessScriptLauncher):
+    """Fabric's script launcher; the process that starts the other ranks marks itself as their
+    launcher first (see :mod:`plait.lightning.failures`: no orphans when it fails)."""
+
+    def __init__(self, timeout_s: float, *args: Any) -> None:
+        super().__init__(*args)
+        self._timeout_s = timeout_s
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """Mark, then launch as Fabric does."""
+        if not self.cluster_environment.creates_processes_externally:
+            failures.mark_launcher(self, self._timeout_s)
+        return super().launch(function, *args, **kwargs)
+
+
 class PlaitFabricStrategy(DDPStrategy):
     """ZeRO for Lightning Fabric; arguments as :class:`plait.lightning.PlaitStrategy` (``precision``
     instead of ``precision_plugin``).
@@ -92,6 +110,20 @@ class PlaitFabricStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self._backward_sync_control = _ZeroBackwardSyncControl()
+
+    # ---- failures: no orphans (Fabric has no exception hook: rank 0 stops its ranks at exit) -----
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            timeout_s = (self._timeout or default_pg_timeout).total_seconds()
+            self._launcher = _GuardedScriptLauncher(timeout_s, self.cluster_environment, self.num_processes,
+                                                    self.num_nodes)
+
+    def setup_environment(self) -> None:
+        """Arm the die-with-rank-0 guard in launched ranks, then set up as DDP does."""
+        failures.die_with_launcher()
+        super().setup_environment()
+        collectives.ensure_publisher()  # report from the start, before this rank's first collective
 
     @property
     def precision(self) -> PlaitFabricPrecision:  # type: ignore[override]

@@ -9,8 +9,9 @@ in a collective, or hung, keeps its GPU until someone kills it by hand (Lightnin
 
 * rank 0's strategy, told of the exception by Lightning's ``on_exception`` hook, SIGKILLs the
   ranks it launched and reaps them, before Lightning's teardown (which could itself wait in a
-  collective). SIGKILL because a rank blocked inside a collective runs no Python signal handler;
-  its exit code is then -9.
+  collective). Fabric has no such hook; there rank 0 does the same when its interpreter exits
+  after an uncaught exception (:func:`reap_at_exit`). SIGKILL because a rank blocked inside a
+  collective runs no Python signal handler; its exit code is then -9.
 * every launched child asks the kernel to SIGKILL it when rank 0 exits (Linux
   ``PR_SET_PDEATHSIG``), which also covers a rank 0 that never ran Python again (SIGKILL, the
   OOM killer). So that this never cuts short a child still finishing a *successful* run, rank 0
@@ -47,18 +48,21 @@ def mark_launcher(launcher: Any, timeout_s: float) -> None:
 def reap_at_exit(launcher: Any, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for the ranks ``launcher`` started to end, then kill the rest.
 
-    Runs when rank 0's interpreter exits (after an unhandled exception too, when
-    :func:`stop_launched_ranks` has usually killed them already).
+    Runs when rank 0's interpreter exits. After an unhandled exception it waits for nothing: the
+    other ranks are then blocked in a collective rank 0 will never enter (the Trainer has already
+    stopped them in ``on_exception``; Fabric, which has no such hook, relies on this).
     """
     procs: list[subprocess.Popen] = list(getattr(launcher, "procs", []) or [])
-    deadline = time.monotonic() + timeout_s
+    failed = getattr(sys, "last_value", None) is not None  # set when the interpreter printed an uncaught error
+    deadline = time.monotonic() + (0.0 if failed else timeout_s)
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             break
     if any(proc.poll() is None for proc in procs):
-        stop_launched_ranks(launcher, TimeoutError(f"ranks still running {timeout_s:.0f} s after rank 0 ended"))
+        why = sys.last_value if failed else TimeoutError(f"ranks still running {timeout_s:.0f} s after rank 0 ended")
+        stop_launched_ranks(launcher, why)
 
 
 def launcher_pid() -> int | None:
