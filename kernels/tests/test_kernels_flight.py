@@ -97,7 +97,7 @@ def _skip_one_labelled_gather(fault_text: str) -> str:
 @pytest.mark.parametrize("step", [3])
 def test_a_rank_that_skips_a_labelled_collective_is_named(step):
     # Rank 1 skips step 3's gather and stays away longer than the 4 s collective timeout plus
-    # the diagnosis (at most two 0.5 s report intervals).
+    # the diagnosis (at most one 0.5 s report interval and 0.3 s).
     started = time.monotonic()
     message, skipped = run_distributed(_skip_one_labelled_gather, 2, f"hang:rank=1:step={step}:seconds=7",
                                        timeout=40)

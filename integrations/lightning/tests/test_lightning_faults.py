@@ -85,11 +85,13 @@ def test_fabric_rank_one_hangs_rank_zero_names_it_and_nothing_is_left(tmp_path):
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
 
 
-def test_a_finished_run_exits_0_and_rank_zero_waits_for_rank_one(tmp_path):
-    # The fault never fires. Rank 1 still works for 2 s after fit returns: rank 0's exit must
-    # neither kill it (its parent-death guard) nor leave it behind.
-    code, err, _ = _run_job("slow:rank=1:step=999:seconds=0", tmp_path)
+def test_a_finished_run_exits_0_names_the_slow_rank_and_waits_for_rank_one(tmp_path):
+    # Rank 1 is 50 ms late at every step (the summary at the end of fit must name it) and still
+    # works for 2 s after fit returns: rank 0's exit must neither kill it (its parent-death
+    # guard) nor leave it behind.
+    code, err, _ = _run_job("slow:rank=1:step=0:seconds=0.05", tmp_path)
     assert code == 0, err[-3000:]
+    assert "plait: rank 1 is the one the others wait on most" in err, err[-3000:]
     assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists()
     assert "stopped the ranks" not in err and not any(_alive(pid) for pid in _pids(tmp_path))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
+import sys
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -223,6 +224,14 @@ class PlaitStrategy(DDPStrategy):
         would be left waiting in a collective with nobody to kill them)."""
         super().on_exception(exception)
         failures.stop_launched_ranks(self._launcher, exception)
+
+    def on_train_end(self) -> None:
+        """At the end of a finished fit (every rank reaches it), name the rank the others waited
+        on most (:func:`plait.kernels.collectives.wait_summary`, a small collective), on rank 0."""
+        super().on_train_end()
+        summary = collectives.wait_summary()
+        if self.is_global_zero:
+            print(f"plait: {summary}", file=sys.stderr, flush=True)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Record the step in the flight log, so a failing collective names it; then step as DDP."""

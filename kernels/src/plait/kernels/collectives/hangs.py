@@ -185,10 +185,11 @@ def group_timeout(group: Any | None = None) -> datetime.timedelta | None:
 
 
 def fresh_reports(store: Any, ranks: list[int], failed_at: float) -> dict[int, dict | str]:
-    """The ranks' reports, waiting up to two publish intervals for ones written after ``failed_at``
-    (a live rank's report then shows everything it entered before the failure)."""
+    """The ranks' reports, waiting up to one publish interval (and a little) for ones written
+    after ``failed_at``: a live rank's report then shows everything it entered before the failure.
+    The wait is short on purpose: a launcher may kill this rank soon after another one died."""
     interval = settings.collective_publish_interval()
-    deadline = time.time() + 2 * interval + 0.5
+    deadline = time.time() + interval + 0.3
     while True:
         reports = read_reports(store, ranks)
         stale = [r for r, rep in reports.items() if isinstance(rep, dict) and rep["time"] < failed_at]
