@@ -1,6 +1,6 @@
 """The vLLM benchmark (``plait bench vllm [--quick]``, run in the vLLM environment ``.venv-vllm``).
 
-* Serving: a random Llama (head_dim 64, fp32) under vLLM's CPU platform, greedy decode of a batch
+* Serving: a random Llama and a random Mixtral (head_dim 64, fp32) under vLLM's CPU platform, greedy decode of a batch
   of token-id prompts, once with plait's plugin on (the default per-op CPU choice) and once with
   ``PLAIT_VLLM=0`` (vLLM alone); each in its own process (two per side, interleaved), a warm-up
   round, then timed rounds. Figure: the wall time of one ``generate`` round; tokens/s in the note.
@@ -31,20 +31,25 @@ QUICK = (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
               num_key_value_heads=1, vocab_size=512), 8, 32, 32, 10, 5)
 FULL = (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=8192), 8, 64, 64, 8, 5)
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)  # on top of the sizes above
 
 
-def _build_model(tmp: Path, overrides: dict) -> tuple[Path, Path]:
-    """Save one random Llama twice: an HF directory (safetensors) and a universal checkpoint root."""
+def _build_model(tmp: Path, overrides: dict, family: str = "llama") -> tuple[Path, Path]:
+    """Save one random Llama (or Mixtral) twice: an HF directory (safetensors) and a universal checkpoint root."""
     import torch
     import transformers
 
     from plait.universal_ckpt import save
 
-    config = transformers.LlamaConfig(head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
-                                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, **overrides)
+    common = dict(head_dim=64, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None, **overrides)
+    if family == "mixtral":
+        config, cls = transformers.MixtralConfig(**common, **MIXTRAL), transformers.MixtralForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    hf_dir, universal = tmp / "hf", tmp / "universal"
+    model = cls(config).eval()
+    hf_dir, universal = tmp / f"{family}-hf", tmp / f"{family}-universal"
     model.save_pretrained(hf_dir)
     save({"model": model}, universal, step=0)
     config.save_pretrained(universal)
@@ -64,30 +69,26 @@ def _engine(tmp: Path, name: str, model: Path, load_format: str, env: dict, setu
     return json.loads(out.read_text())
 
 
-def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
+def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple, family: str) -> list[BenchRow]:
     # Two engine processes per side, in the order off, on, on, off, so that a slow spell of the
     # machine (other jobs on its two cores) falls on both sides alike; their rounds are pooled.
     runs: dict[str, list[dict]] = {"off": [], "on": []}
+    sides = {"off": (hf_dir, "safetensors", {"PLAIT_VLLM": "0"}),
+             "on": (universal, "plait_universal", {"PLAIT_VLLM": "1"})}
     for side in ("off", "on", "on", "off"):
-        if side == "off":
-            runs[side].append(_engine(tmp, f"off{len(runs[side])}", hf_dir, "safetensors", {"PLAIT_VLLM": "0"}, setup))
-        else:
-            runs[side].append(_engine(tmp, f"on{len(runs[side])}", universal, "plait_universal", {"PLAIT_VLLM": "1"},
-                                      setup))
+        model, load_format, env = sides[side]
+        runs[side].append(_engine(tmp, f"{family}-{side}{len(runs[side])}", model, load_format, env, setup))
     overrides, batch, prompt_len, new_tokens, _, _ = setup
-    label = (f"vLLM CPU decode, Llama h{overrides['hidden_size']} L{overrides['num_hidden_layers']} fp32, "
+    name = "Mixtral e8 top2" if family == "mixtral" else "Llama"
+    label = (f"vLLM CPU decode, {name} h{overrides['hidden_size']} L{overrides['num_hidden_layers']} fp32, "
              f"batch {batch}, {prompt_len}+{new_tokens} tokens")
     tokens = runs["on"][0]["tokens"]
-    rows = []
-    for key, figure in (("seconds", "round time (ms)"),):
-        ours = TimingStats.of([t for run in runs["on"] for t in run[key]])
-        peer = TimingStats.of([t for run in runs["off"] for t in run[key]])
-        row = timing_row(label, ours, "vLLM alone (PLAIT_VLLM=0)", peer, target_ratio=1.0, figure=figure)
-        note = f"{row.note}; peer p10/p90 {peer.p10 * 1e3:.3g}/{peer.p90 * 1e3:.3g}; 2 engine processes per side"
-        if key == "seconds":
-            note += f"; tokens/s ours {tokens / ours.median:.0f}, vLLM alone {tokens / peer.median:.0f}"
-        rows.append(BenchRow(**{**row.__dict__, "note": note}))
-    return rows
+    ours = TimingStats.of([t for run in runs["on"] for t in run["seconds"]])
+    peer = TimingStats.of([t for run in runs["off"] for t in run["seconds"]])
+    row = timing_row(label, ours, "vLLM alone (PLAIT_VLLM=0)", peer, target_ratio=1.0, figure="round time (ms)")
+    note = (f"{row.note}; peer p10/p90 {peer.p10 * 1e3:.3g}/{peer.p90 * 1e3:.3g}; 2 engine processes per side; "
+            f"tokens/s ours {tokens / ours.median:.0f}, vLLM alone {tokens / peer.median:.0f}")
+    return [BenchRow(**{**row.__dict__, "note": note})]
 
 
 def _stream_seconds(weights_fn, dest: dict) -> float:
@@ -132,5 +133,10 @@ def run(*, quick: bool = False) -> list[BenchRow]:
     setup = QUICK if quick else FULL
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        hf_dir, universal = _build_model(tmp, setup[0])
-        return _load_rows(hf_dir, universal, setup) + _serving_rows(tmp, hf_dir, universal, setup)
+        rows = []
+        for family in ("llama", "mixtral"):
+            hf_dir, universal = _build_model(tmp, setup[0], family)
+            if family == "llama":
+                rows += _load_rows(hf_dir, universal, setup)
+            rows += _serving_rows(tmp, hf_dir, universal, setup, family)
+        return rows
