@@ -147,3 +147,50 @@ def test_vllm_ops_match_vllms_cpu_path(loaded, monkeypatch, dtype):
         (qa, ka), (qb, kb) = _both_paths(monkeypatch, rope, lambda layer: layer.forward_cpu(pos, q.clone(), k.clone()))
         torch.testing.assert_close(qb, qa, **tol)
         torch.testing.assert_close(kb, ka, **tol)
+
+
+class _FakeModel(torch.nn.Module):
+    """Stands in for a vLLM model: records what load_weights gets, reports the names it loaded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.extra = torch.nn.Parameter(torch.zeros(2))
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.seen[name] = tensor
+        return set(self.seen)
+
+
+def _loader(extra: dict):
+    from vllm.config.load import LoadConfig
+
+    from plait.vllm.loader import PlaitUniversalLoader
+
+    return PlaitUniversalLoader(LoadConfig(load_format="plait_universal", model_loader_extra_config=extra))
+
+
+@pytest.mark.timeout(60)
+def test_vllm_loader_names_the_parameters_a_checkpoint_lacks(tmp_path):
+    from types import SimpleNamespace
+
+    from plait.universal_ckpt import save
+
+    saved = torch.nn.Module()
+    saved.proj = torch.nn.Linear(4, 3)  # the fake model's proj, but not its `extra`
+    save({"model": saved}, tmp_path, step=0)
+    config = SimpleNamespace(model=str(tmp_path), hf_config=SimpleNamespace(model_type="llama"))
+    model = _FakeModel()
+    loader = _loader({})
+    loader.download_model(config)
+    with pytest.raises(ValueError, match=r"1 parameter\(s\) of _FakeModel: extra") as info:
+        loader.load_weights(model, config)
+    assert "proj.weight" not in str(info.value)
+    torch.testing.assert_close(model.seen["proj.weight"], saved.proj.weight.detach(), rtol=0, atol=0)
+
+
+def test_vllm_loader_refuses_unknown_extra_config_keys():
+    with pytest.raises(ValueError, match=r"\['chekpoint'\].*use only"):
+        _loader({"chekpoint": "/tmp/x"})
