@@ -8,6 +8,9 @@ ring buffer) and plait's call as shipped (labelled, with the background reports)
 the variants so a busy machine slows all of them alike; the table shows the fastest round's
 time per call (on a shared machine the median wanders by tens of percent between runs).
 
+``--torch-fr-buffer-size 0`` turns torch's own flight recorder off in the ranks (torch 2.13 keeps
+it on, 2000 entries, by default), to compare its cost with plait's.
+
 Because gloo's own time is that noisy, the cost plait adds is also measured alone, in one
 process: the flight log's bookkeeping around a call that does nothing, and one ``store.set``.
 """
@@ -99,8 +102,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--torch-fr-buffer-size", type=int, default=None,
+                        help="TORCH_FR_BUFFER_SIZE for the ranks (torch's own flight recorder; 0 turns it off)")
     args = parser.parse_args()
-    results, remote = run_distributed(_rank_bench, 2, args.iters, args.rounds, timeout=600)
+    env = {} if args.torch_fr_buffer_size is None else {"TORCH_FR_BUFFER_SIZE": str(args.torch_fr_buffer_size)}
+    results, remote = run_distributed(_rank_bench, 2, args.iters, args.rounds, timeout=600, env=env)
     results.pop("alone")
     alone = remote["alone"]
     print(f"| all-gather, 2 gloo ranks | {' | '.join(next(iter(results.values())))} |")
