@@ -13,7 +13,9 @@ Rows, each a ratio against a peer measured in the same run, alternating A B A B:
    AdamW against foreach and the for-loop (why fused is the default); ZeRO-Infinity (ZeRO-3 on
    one process with parameter shards, fp32 masters and optimizer state on disk) against in memory
    when plait-zero-sharding is installed;
-4. resident memory of each variant, each in its own process (target <= 0.35x).
+4. resident memory of each variant, each in its own process (target <= 0.35x);
+5. (full run) bigger than memory: the largest decoder each variant trains inside a memory cap
+   (:mod:`plait.offload_io.benchmarks.capacity`).
 
 Reads are cold: pages are evicted with ``posix_fadvise`` before every read (io_bench.py).
 """
@@ -34,7 +36,7 @@ import torch
 
 from plait.kernels.bench import BenchRow, TimingStats, timing_row
 from plait.offload_io import io_bench, settings
-from plait.offload_io.benchmarks import workload
+from plait.offload_io.benchmarks import capacity, workload
 from plait.offload_io.buffers import aligned_empty
 from plait.offload_io.config import MIB, IOConfig
 from plait.offload_io.engine import AsyncIOEngine
@@ -62,6 +64,11 @@ def run(quick: bool) -> list[BenchRow]:
         rows = _io_rows(directory, quick)
         rows += _step_rows(directory, quick)
         rows += _rss_rows(directory, quick)
+        if quick:  # minutes of model builds under a cap: the full run only
+            rows.append(not_run_row("bigger than memory (capacity rows)", "--quick; run `plait bench offload-io` "
+                                    "or `plait bench offload-io-capacity`", figure="largest model (M params)"))
+        else:
+            rows += capacity.run(False)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return rows
