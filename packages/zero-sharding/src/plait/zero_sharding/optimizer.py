@@ -83,11 +83,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 # Out of place: a gradient may be the unit's grad_shard itself (see _averaged_grads),
                 # which must keep the unclipped sum (accumulation without zero_grad).
                 grads = {key: grad * coef for key, grad in grads.items()}
+            writes = _ShardWrites()
             with profiling.optimizer_range():
-                refreshed = self._placement_step(grads)
+                refreshed = self._placement_step(grads, writes)
             for unit in engine.units:
                 if unit.key not in refreshed:
                     unit.load_from_master(engine.placement)
+                    writes.started(unit)
                 unit.regather(engine.gatherer)
                 if config.stage == 1:
                     unit.grad_shard = None  # stage 1 re-reduces its full buffer each step
@@ -100,7 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.settle_shards()
         return loss
 
-    def _placement_step(self, grads: dict[str, torch.Tensor]) -> set[str]:
+    def _placement_step(self, grads: dict[str, torch.Tensor], writes: _ShardWrites) -> set[str]:
         """Run the placement's step; returns the keys whose compute shards it already refreshed
         through the optional ``ready`` callback (see :class:`~plait.zero_sharding.extension.StatePlacement`)."""
         placement = self.engine.placement
@@ -112,6 +114,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         def ready(key: str) -> None:
             units[key].load_from_master(placement)
+            writes.started(units[key])
             refreshed.add(key)
 
         placement.step(self.inner, grads, ready)
@@ -233,3 +236,22 @@ def _stashed_grad(stashed: StashedGrad, factor: float) -> tuple[StashedGrad, tor
     fp32 norm, computed over the whole shard read back once, as the in-memory path does."""
     scaled = stashed * factor
     return scaled, torch.linalg.vector_norm(scaled.read()).double().square()
+
+
+class _ShardWrites:
+    """Offloaded compute shards refreshed by a step, whose writes are in flight: at most
+    ``limit`` stay in memory; older ones are freed as soon as their write is done (a failed one
+    stays in memory and is raised by ``settle_shards`` at the end of the step). Without the
+    bound every unit's refreshed shard (the whole model at one rank) was held until then."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self.limit = limit
+        self.pending: list[Any] = []
+
+    def started(self, unit: Any) -> None:
+        """``unit``'s shard was just refreshed (and its write started, when it is offloaded)."""
+        if unit.storage is None or unit.resident:
+            return
+        self.pending.append(unit)
+        while len(self.pending) > self.limit:
+            self.pending.pop(0).drop_shard()
