@@ -175,3 +175,19 @@ def test_write_overlaps_with_the_caller(tmp_path):
         checksum = int(data[: 1 << 20].sum())  # compute while the write runs
         handle.wait()
     assert returned_early and checksum >= 0
+
+
+def test_io_leaves_a_tensor_storage_resizable(engine, tmp_path):
+    """plait-zero-sharding reads shards straight into gathered buffers and frees them by resizing
+    their storage to zero: the engine's zero-copy path must not pin the storage's size (numpy
+    sharing would)."""
+    path = str(tmp_path / "r.bin")
+    for source in (aligned_empty(8192, dtype=torch.float32), torch.arange(3000, dtype=torch.float32)):
+        source.copy_(torch.arange(source.numel(), dtype=torch.float32))
+        engine.write(source, path).wait()
+        back = torch.empty(source.numel())
+        engine.read_into(back, path).wait()
+        assert torch.equal(back, source)
+        for tensor in (source, back):
+            tensor.untyped_storage().resize_(0)  # raises "not resizable" if the engine pinned it
+            assert tensor.untyped_storage().nbytes() == 0

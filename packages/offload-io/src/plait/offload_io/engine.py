@@ -20,6 +20,7 @@ so a finished write survives a power cut; reads never sync. Writes never truncat
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import os
 import queue
@@ -84,7 +85,7 @@ class _Operation:
         self.kind = kind
         self.flat = tensor.detach().reshape(-1).view(torch.uint8)
         self.cpu = self.flat.device.type == "cpu"
-        self.array = self.flat.numpy() if self.cpu else None
+        self.array = _host_bytes(self.flat) if self.cpu else None
         self.path = path
         self.offset = offset
         self.nbytes = self.flat.numel()
@@ -348,6 +349,16 @@ class AsyncIOEngine:
                 op.flat[start:start + length].copy_(staged)
         finally:
             self._buffers.release(buffer)
+
+
+def _host_bytes(flat: torch.Tensor) -> memoryview:
+    """A writable byte view of a CPU tensor's memory for ``pwrite``/``preadv``. Built with ctypes,
+    not ``Tensor.numpy()``: numpy sharing marks the tensor's storage as never resizable again,
+    and plait-zero-sharding reads offloaded shards straight into gathered buffers whose storage it
+    resizes to zero between uses. The operation keeps ``flat`` alive while the view is in use."""
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())).cast("B")
 
 
 def _transfer(kind: str, fd: int, array, file_offset: int, path: str) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 from plait.kernels.collectives import named
 from plait.kernels.sharded_state import flat_overlap
 from plait.zero_sharding import profiling
-from plait.zero_sharding.extension import wait
+from plait.zero_sharding.extension import DefaultGatherer, wait
 
 
 @dataclasses.dataclass
@@ -193,11 +193,20 @@ class FlatUnit:
         the unit's own gatherer, when its parameter group has one, replaces ``gatherer``."""
         gatherer = self.gatherer or gatherer
         if not self.gathered:
-            self.load_shard()
+            # One rank, an offloaded shard not already read ahead: the file holds the whole unit,
+            # so it is read straight into the gathered buffer (no shard copy beside it).
+            direct = self.group_size == 1 and self.storage is not None and not self.shard_loaded \
+                and type(gatherer) is DefaultGatherer
+            if not direct:
+                self.load_shard()
             self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-            with profiling.comm_range("all_gather", block=False), named(f"ZeRO-3 {phase} all-gather `{self.key}`"):
-                self.pending_gather = gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key,
-                                                          phase=phase)
+            if direct:
+                self.pending_gather = self.storage.read(self.key, self.full)
+            else:
+                with profiling.comm_range("all_gather", block=False), \
+                        named(f"ZeRO-3 {phase} all-gather `{self.key}`"):
+                    self.pending_gather = gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key,
+                                                              phase=phase)
             self.gathered = True
         if block:
             self.wait_gather()
