@@ -295,10 +295,6 @@ class MasterPiece(SubGroup):
     def copy_back(self) -> None:
         """Nothing to copy: a piece's master is the optimizer's own parameter."""
 
-    def load_master(self, j: int, saved: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Not used: pieces exist only in the ZeRO placement, which loads whole masters."""
-        raise NotImplementedError("MasterPiece masters are loaded whole by ZeroOffloadPlacement")
-
 
 def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int, config: OffloadConfig,
                     optimizer_cls: type, optim_kwargs: dict, *, split: bool = False) -> list[SubGroup]:

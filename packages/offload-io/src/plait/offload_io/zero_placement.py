@@ -44,8 +44,9 @@ from plait.offload_io.agreement import raise_together
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
-from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
+from plait.offload_io.master_pieces import assemble, drop_whole, read_pieces, store_whole
 from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
 from plait.offload_io.subgroups import (
     MASTER_KEY,
@@ -212,7 +213,7 @@ class ZeroOffloadPlacement:
             # a piece steps from its own slot.
             for pieces in self._pieces.values():
                 if pieces[0].whole_in_memory():
-                    self._store_whole(pieces, errors)
+                    store_whole(self.store, pieces, self._held, errors)
             # Kept sub-groups first: on a GPU their step is queued and runs while the CPU steps.
             todo = sorted((sg for sg in self._subgroups if any(self._key_of[id(m)] in grads for m in sg.masters)),
                           key=lambda sg: not sg.kept)
@@ -244,7 +245,7 @@ class ZeroOffloadPlacement:
         pieces = self._pieces.get(id(master))
         if pieces is not None and not pieces[0].whole_in_memory():
             with self._internal():
-                self._read_pieces(pieces, out)
+                read_pieces(self.store, pieces, out, self._stepping)
             return
         sg = self._subgroup_of.get(id(master))
         if sg is not None and sg is not self._stepping and sg.masters_out and self._from_store(sg):
@@ -322,7 +323,7 @@ class ZeroOffloadPlacement:
         with self._internal():
             for pieces in self._pieces.values():
                 if pieces[0].whole_in_memory():
-                    self._store_whole(pieces, None)
+                    store_whole(self.store, pieces, self._held, None)
             for sg in self._subgroups:
                 if sg.id in self._held:
                     self.store.register(sg.id, sg.tensor_state())
@@ -410,79 +411,6 @@ class ZeroOffloadPlacement:
             return
         write_back_state(self.store, sg, views, self._held, errors)
 
-    # -- split masters (MasterPiece) ------------------------------------------------------------
-    def _piece_views(self, piece: MasterPiece) -> tuple[dict[str, Tensor], bool]:
-        """A piece's tensors, from :attr:`MasterPiece.own` or borrowed from the store (then the
-        second value is True and the caller puts it back)."""
-        if piece.own is not None:
-            return piece.own, False
-        return self.store.get(piece.id), True
-
-    def _read_pieces(self, pieces: list[MasterPiece], out: Tensor) -> None:
-        """Copy a split master into ``out`` piece by piece (the installed piece from memory)."""
-        flat = out.view(-1)
-        for piece in pieces:
-            if piece is self._stepping:
-                flat[piece.start:piece.end].copy_(piece.masters[0].data)
-                continue
-            views, borrowed = self._piece_views(piece)
-            flat[piece.start:piece.end].copy_(views[f"0.{MASTER_KEY}"])
-            if borrowed:
-                self.store.put(piece.id, dirty=False)
-
-    def _assemble(self, pieces: list[MasterPiece], *, with_state: bool = True) -> None:
-        """Bring a split master (and with ``with_state`` its optimizer state) into memory whole,
-        in tensors of its own; its pieces then slice it (:meth:`MasterPiece.tensor_state`)."""
-        first = pieces[0]
-        master = first.masters[0]
-        whole = aligned_like(torch.empty(first.full_shape, dtype=torch.float32))
-        state: dict[str, Tensor] = {}
-        for piece in pieces:
-            views, borrowed = self._piece_views(piece)
-            for name, tensor in views.items():
-                key = name.split(".", 1)[1]
-                if key == MASTER_KEY:
-                    whole.view(-1)[piece.start:piece.end].copy_(tensor)
-                elif not with_state:
-                    continue
-                elif tensor.shape == (piece.numel,):  # elementwise state, a slice of the whole
-                    if key not in state:
-                        state[key] = torch.empty(first.full_shape, dtype=tensor.dtype)
-                    state[key].view(-1)[piece.start:piece.end].copy_(tensor)
-                else:  # a per-piece scalar (the step counter): equal in every piece
-                    state.setdefault(key, tensor.clone())
-            if borrowed:
-                self.store.put(piece.id, dirty=False)
-        master.data = whole
-        if with_state:
-            self.optimizer.state[master].update(state)
-        for piece in pieces:
-            piece.installed, piece.own, piece.masters_out = False, None, False
-
-    def _store_whole(self, pieces: list[MasterPiece], errors: list[OffloadIOError] | None) -> None:
-        """Register every piece of a split master held whole in memory, then drop the whole.
-
-        A piece the store cannot take (disk full) keeps clones of its slice in
-        :attr:`MasterPiece.own` and stays held; the error is appended to ``errors``, or raised
-        after the other pieces were handled when ``errors`` is None.
-        """
-        failure: OffloadDiskFullError | None = None
-        for piece in pieces:
-            current = piece.tensor_state()
-            try:
-                self.store.register(piece.id, current)
-            except OffloadDiskFullError as exc:
-                piece.own = {name: tensor.clone() for name, tensor in current.items()}
-                self._held.add(piece.id)
-                failure = failure or exc
-                continue
-            self._held.discard(piece.id)
-        _drop_whole(pieces)
-        if failure is not None:
-            if errors is None:
-                raise failure
-            errors.append(failure)
-
     def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         # torch's state_dict shares the per-parameter dicts with optimizer.state; copy them before
         # the swapped-in tensors are dropped from the optimizer again.
@@ -498,7 +426,7 @@ class ZeroOffloadPlacement:
         with self._internal():
             for pieces in self._pieces.values():
                 if not pieces[0].whole_in_memory():
-                    self._assemble(pieces, with_state=False)
+                    assemble(self.store, pieces, with_state=False)
             for sg in self._subgroups:
                 if isinstance(sg, MasterPiece):
                     continue
@@ -528,7 +456,7 @@ class ZeroOffloadPlacement:
         if pieces is not None:
             if not pieces[0].whole_in_memory():
                 with self._internal():
-                    self._assemble(pieces)
+                    assemble(self.store, pieces)
                 self._held.update(p.id for p in pieces)  # the next step stores it again
             return
         sg = self._subgroup_of.get(id(master))
@@ -549,7 +477,7 @@ class ZeroOffloadPlacement:
                 if not pieces[0].whole_in_memory():
                     if any(p.own is not None for p in pieces):
                         self._held.update(p.id for p in pieces)  # its only copy is the memory one
-                    self._assemble(pieces)
+                    assemble(self.store, pieces)
             for sg in self._subgroups:
                 if isinstance(sg, MasterPiece):
                     continue
@@ -567,9 +495,9 @@ class ZeroOffloadPlacement:
                 if not pieces[0].whole_in_memory() or pieces[0].id in self._held:
                     continue
                 if write:
-                    self._store_whole(pieces, None)
+                    store_whole(self.store, pieces, self._held, None)
                 else:
-                    _drop_whole(pieces)
+                    drop_whole(pieces)
             for sg in self._subgroups:
                 if sg.kept or sg.id in self._held or isinstance(sg, MasterPiece):
                     continue
@@ -631,19 +559,6 @@ def _grad_range(grad: Any, start: int, end: int) -> Tensor:
     if torch.is_tensor(grad):
         return grad if start == 0 and end == grad.numel() else grad.reshape(-1)[start:end]
     return grad.read(start, end)
-
-
-def _drop_whole(pieces: list[MasterPiece]) -> None:
-    """Forget a split master's whole value and state (its pieces hold them): the placeholder
-    again, without touching a piece's :attr:`MasterPiece.own`."""
-    master = pieces[0].masters[0]
-    entry = pieces[0].inner.state.get(master)
-    if entry:
-        for key in [k for k, v in entry.items() if torch.is_tensor(v)]:
-            del entry[key]
-    master.data = torch.zeros((), dtype=master.dtype).expand(pieces[0].full_shape)
-    for piece in pieces:
-        piece.installed, piece.masters_out = False, True
 
 
 def _prefer_fused(inner: torch.optim.Optimizer) -> None:
