@@ -32,12 +32,15 @@ VARIANTS = [("cpu", "cpu", torch.float32), ("nvme", "nvme", torch.float32), ("nv
             ("nvme", "cpu", torch.float32)]
 
 
-def _offload(root: str, device: str, param_device: str):
+def _offload(root: str, device: str, param_device: str, *, prefix: str = "", **settings):
+    """The tests' offload settings: small I/O blocks, no fsync, one directory per rank; ``settings``
+    override OffloadConfig fields (``sub_group_size`` defaults to 8192)."""
     from plait.offload_io import IOConfig, OffloadConfig
 
     io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
-    path = os.path.join(root, f"rank{torch.distributed.get_rank()}")
-    return OffloadConfig(device=device, path=path, sub_group_size=8192, param_device=param_device, io=io)
+    path = os.path.join(root, f"{prefix}rank{torch.distributed.get_rank()}")
+    return OffloadConfig(device=device, path=path, param_device=param_device, io=io,
+                         **{"sub_group_size": 8192, **settings})
 
 
 def _build(placement=None, dtype: torch.dtype = torch.float32):
@@ -188,17 +191,14 @@ def test_parameter_offload_needs_stage_3(tmp_path) -> None:
 def split_master_session(root: str) -> dict:
     """A root unit (embedding + head) several times ``sub_group_size``: its master is stepped in
     pieces, and the store's slots are bounded by the setting, not by that unit."""
-    from plait.offload_io import IOConfig, OffloadConfig, zero_placement
+    from plait.offload_io import zero_placement
     from plait.offload_io.subgroups import MasterPiece
 
     sub_group = 4096
     model, optimizer = _build()
     ref_losses, ref_params = _train(model, optimizer, STEPS), _params(model)
     ref_state = copy.deepcopy(optimizer.state_dict()["inner"]["state"])
-    io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
-    path = os.path.join(root, f"rank{torch.distributed.get_rank()}")
-    placement = zero_placement(OffloadConfig(device="nvme", path=path, sub_group_size=sub_group,
-                                             param_device="nvme", io=io))
+    placement = zero_placement(_offload(root, "nvme", "nvme", sub_group_size=sub_group))
     model, optimizer = _build(placement)
     losses = _train(model, optimizer, STEPS)
     store = placement.store
@@ -212,7 +212,7 @@ def split_master_session(root: str) -> dict:
                for i, s in state.items() for k, v in s.items()),
            "pieces": sum(isinstance(sg, MasterPiece) for sg in placement._subgroups),
            "largest_master": largest_master, "largest_group": largest_group, "slot_bytes": slot_bytes,
-           "slots": len(store._slots), "alignment": io.alignment, "sub_group": sub_group}
+           "slots": len(store._slots), "alignment": placement.config.io.alignment, "sub_group": sub_group}
     placement.close()
     return out
 
@@ -249,10 +249,9 @@ def _accumulate_and_clip(model, optimizer, steps: int) -> list[float]:
 def grad_offload_session(root: str) -> dict:
     """Reduced gradient shards in files (``grad_device="nvme"``): bitwise ZeRO-2/3 in memory,
     with accumulation over micro-batches and clipping, and no gradient left in memory."""
-    from plait.offload_io import IOConfig, OffloadConfig, zero_placement
+    from plait.offload_io import zero_placement
     from plait.zero_sharding import ZeroConfig, zero_shard
 
-    io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
     out: dict = {}
     for stage in (2, 3):
         def build(placement=None, stage=stage):
@@ -262,9 +261,8 @@ def grad_offload_session(root: str) -> dict:
 
         model, optimizer = build()
         ref = (_train(model, optimizer, STEPS), _accumulate_and_clip(model, optimizer, 2), _params(model))
-        path = os.path.join(root, f"s{stage}-rank{torch.distributed.get_rank()}")
-        placement = zero_placement(OffloadConfig(device="nvme", path=path, sub_group_size=4096, grad_device="nvme",
-                                                 param_device="nvme" if stage == 3 else "none", io=io))
+        placement = zero_placement(_offload(root, "nvme", "nvme" if stage == 3 else "none", prefix=f"s{stage}-",
+                                            sub_group_size=4096, grad_device="nvme"))
         model, optimizer = build(placement)
         engine = model.zero_engine
         losses = _train(model, optimizer, STEPS)
