@@ -7,15 +7,47 @@ and one all-to-all delivers to every rank the quantized copies of its own slice 
 ranks. The receiver dequantizes them and sums in fp32, so the reduction itself adds no error
 beyond the one quantization of each input.
 
-One node, one hop: DeepSpeed's qgZ does two all-to-alls (inside the node, then across nodes,
-re-quantizing the intra-node partial sums in between) so that the slow inter-node link carries
-already-reduced data. plait's CPU and single-node setups have one level, where the single
-all-to-all is the whole algorithm; a hierarchical two-hop version only pays off across nodes
-and is not implemented.
+Flat (one node, or ``node_size`` None / 1 / the group size): that single all-to-all over the
+group is the whole algorithm.
 
-Logical bytes per reduce-scatter (the all-to-all input this rank sends, its own slice included,
-as torch counts it): ``world x (code bytes + 4 x blocks)`` of one slice, e.g.
-``Psi x (0.5 + 4 / block_size)`` bytes at 4 bits instead of ``Psi x itemsize``.
+Hierarchical (``node_size = L`` ranks per node, ``N = W / L`` nodes, the ranks of a node
+consecutive in the group; group rank ``g = n * L + l`` is local rank ``l`` of node ``n``), as
+the ZeRO++ paper and DeepSpeed do it, so the slow inter-node link carries reduced data:
+
+1. Intra-node all-to-all. Rank ``(n, l)`` sends to node peer ``l'`` the ``N`` slices
+   ``m * L + l'`` (``m = 0..N-1``): the slices that ``l'`` and its counterparts on the other
+   nodes own. Each slice is quantized on its own. The receiver dequantizes the ``L`` copies
+   of each of its ``N`` slices and sums them in fp32: node ``n``'s partial sums of the slices
+   owned by local rank ``l`` on every node.
+2. Inter-node all-to-all among the ``N`` ranks with the same local index ``l``. Rank
+   ``(n, l)`` re-quantizes the partial sum of slice ``m * L + l`` and sends it to node ``m``;
+   it receives every node's partial sum of its own slice ``g``, dequantizes and sums in fp32.
+
+Logical bytes (the ledger's all-to-all input, own slice included) with ``P`` the payload of
+one slice, ``P = code bytes + 4 x ceil(shard / block_size)`` and ``shard = Psi / W``:
+
+* flat: ``W x P`` on the group (``Psi x (bits / 8 + 4 / block_size)``), of which
+  ``(W - L) x P`` leave the node;
+* hierarchical: ``W x P`` inside the node (hop 1) plus ``N x P = W x P / L`` across nodes
+  (hop 2), of which ``(N - 1) x P`` leave the node: the inter-node link carries ``1 / L`` of
+  the flat version's bytes, logical and on the wire.
+
+Error bound, per element of rank ``g``'s result with ``q = 7`` (int4) or ``127`` (int8) and
+``h(v) = max|v| over v's block / (2q)`` (half a quantization step):
+
+* flat: ``|err| <= sum over ranks i of h(x_i)`` (each input quantized once);
+* hierarchical: ``|err| <= sum_i h(x_i) + sum over nodes m of h(P'_m)``, where ``P'_m`` is
+  node ``m``'s dequantized partial sum; since ``max|P'_m| <= max|P_m| + e1_m`` (``P_m`` the
+  exact node sum, ``e1_m`` its hop-1 error), the second term is at most
+  ``sum_m (max|P_m| + max e1_m) / (2q)``: each value is quantized twice, and the bound about
+  doubles (the node sum's block max is at most the sum of its inputs' block maxes).
+
+Overlap: hop 1 runs asynchronously from :meth:`QuantizedGradientReducer.reduce_scatter` until
+the handle's ``wait()``; ``wait()`` then sums the node, starts hop 2 and waits for it (hop 2
+needs hop 1's sums). Under the engine, which keeps two reductions in flight and waits them in
+order, hop 2 of one bucket therefore shares the wire with hop 1 of the next two (on the other
+link), but not with compute. Hop 2 is a collective issued inside ``wait()``: every rank must
+wait its handles in the same order (the engine does: first launched, first waited).
 """
 
 from __future__ import annotations
@@ -31,6 +63,7 @@ from plait.zero_sharding.zeropp.gather import DEFAULT_BLOCK_SIZE, _check_format
 from plait.zero_sharding.zeropp.wire import (
     PendingComm,
     RowLayout,
+    dequantize_partial_sums,
     dequantize_rows,
     dequantize_sum_rows,
     quantize_rows,
@@ -40,21 +73,84 @@ from plait.zero_sharding.zeropp.wire import (
 class QuantizedGradientReducer:
     """qgZ: a :class:`~plait.zero_sharding.extension.GradientReducer` sending int4/int8 gradients.
 
+    With ``node_size`` strictly between 1 and the group size it is hierarchical (see the module
+    docstring) and must be constructed on every rank of ``group`` at the same point: it creates
+    the intra-node and inter-node subgroups with ``torch.distributed.new_group``, a collective.
+
     Args:
-        bits: bits per gradient code in the reduce-scatter: 4 (the ZeRO++ default) or 8.
+        bits: bits per gradient code in the reduce-scatter (both hops): 4 (the ZeRO++ default) or 8.
         block_size: elements per fp32 scale, a power of two.
         gather_bits: bits of the all-gather half of :meth:`all_reduce` (which sends the already
             reduced sums back out); 8 by default, because an int4 second rounding would double
             the error of an int4 first one.
+        node_size: ranks per node (consecutive ranks of ``group``); ``None``, 1 or the group
+            size keep the flat single all-to-all.
+        group: the sharding group the reducer is built for (``None``: the world).
 
     Raises:
-        ValueError: unsupported bits, gather_bits or block_size.
+        ValueError: unsupported bits, gather_bits or block_size; ``node_size`` not a positive
+            int dividing the group size; torch.distributed not initialised with ``node_size > 1``.
     """
 
-    def __init__(self, *, bits: int = 4, block_size: int = DEFAULT_BLOCK_SIZE, gather_bits: int = 8) -> None:
+    def __init__(self, *, bits: int = 4, block_size: int = DEFAULT_BLOCK_SIZE, gather_bits: int = 8,
+                 node_size: int | None = None, group: Any | None = None) -> None:
         _check_format("QuantizedGradientReducer", bits, block_size)
         _check_format("QuantizedGradientReducer (gather_bits)", gather_bits, block_size)
         self.bits, self.block_size, self.gather_bits = bits, block_size, gather_bits
+        self.node_size, self.group = node_size, group
+        self.ranks: list[int] | None = None  # the group's global ranks when hierarchical
+        self.nodes = 1
+        self.intra: Any = None  # this rank's node
+        self.inter: Any = None  # the ranks with this rank's local index, one per node
+        if node_size is None:
+            return
+        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
+            raise ValueError(
+                f"QuantizedGradientReducer: node_size={node_size!r} must be None (flat) or a positive int: the "
+                f"number of ranks per node, e.g. 8."
+            )
+        if node_size == 1:
+            return  # every rank its own node: the flat all-to-all is the inter-node hop
+        if not dist.is_initialized():
+            raise ValueError(
+                f"QuantizedGradientReducer: node_size={node_size} needs torch.distributed initialised (it creates "
+                f"node subgroups); call torch.distributed.init_process_group first."
+            )
+        world = dist.get_world_size(group)
+        if world % node_size:
+            raise ValueError(
+                f"QuantizedGradientReducer: node_size={node_size} does not divide the group size {world}; pass the "
+                f"number of ranks per node (a divisor of {world}), or None for the flat all-to-all."
+            )
+        if node_size < world:
+            self._make_groups(world, node_size)
+
+    def _make_groups(self, world: int, node_size: int) -> None:
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(world))
+        node, local = divmod(dist.get_rank(self.group), node_size)
+        timeout = collectives.group_timeout()
+        # Every rank creates every group, in the same order: new_group is collective.
+        for n in range(world // node_size):
+            created = dist.new_group(ranks[n * node_size:(n + 1) * node_size], timeout=timeout)
+            if n == node:
+                self.intra = created
+        for lr in range(node_size):
+            created = dist.new_group(ranks[lr::node_size], timeout=timeout)
+            if lr == local:
+                self.inter = created
+        self.ranks, self.nodes = ranks, world // node_size
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether reductions over the group this reducer was built for take two hops."""
+        return self.ranks is not None
+
+    def _is_own_group(self, group: Any) -> bool:
+        if group is self.group:
+            return True
+        world = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        return ranks == self.ranks
 
     def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
         """Write into ``shard_out`` the SUM over the group of this rank's slice of ``full``.
@@ -63,15 +159,18 @@ class QuantizedGradientReducer:
             full: flat 1-D bucket of ``world * shard`` elements (fp32/bf16/fp16); rank ``r``'s
                 slice is ``full[r * shard:(r + 1) * shard]``. Not modified.
             shard_out: 1-D tensor of ``shard`` elements, same dtype.
-            group: the process group (``None`` for the world).
-            key: stable bucket id (unused: qgZ keeps no per-bucket state).
+            group: the process group (``None`` for the world); when hierarchical, the group
+                this reducer was built for.
+            key: stable bucket id (names the inter-node hop; qgZ keeps no per-bucket state).
 
         Returns:
-            A handle whose ``wait()`` completes ``shard_out`` (the all-to-all runs asynchronously,
-            the dequantize-and-sum happens in ``wait()``), or ``None`` with one rank.
+            A handle whose ``wait()`` completes ``shard_out`` (the first all-to-all runs
+            asynchronously; the dequantize-and-sum, and when hierarchical the inter-node hop,
+            happen in ``wait()``), or ``None`` with one rank.
 
         Raises:
-            ValueError: ``full`` is not ``world`` times the size of ``shard_out``, or dtypes differ.
+            ValueError: ``full`` is not ``world`` times the size of ``shard_out``, dtypes differ,
+                or a hierarchical reducer is given a group other than its own.
         """
         world = dist.get_world_size(group)
         if full.numel() != world * shard_out.numel() or full.dtype != shard_out.dtype:
@@ -82,28 +181,57 @@ class QuantizedGradientReducer:
         if world == 1:
             shard_out.copy_(full.view(-1))  # a sum over one rank: nothing to send, nothing to lose
             return None
+        if self.hierarchical:
+            if not self._is_own_group(group):
+                raise ValueError(
+                    f"QuantizedGradientReducer.reduce_scatter: this reducer was built with node_size="
+                    f"{self.node_size} for the group of ranks {self.ranks}; build one reducer per sharding group."
+                )
+            return self._start_two_hops(full, shard_out, key)
         received, work, layout = self._start_all_to_all(full.reshape(world, -1), group)
         return PendingComm(work, lambda: shard_out.copy_(dequantize_sum_rows(received, layout)))
 
-    def _start_all_to_all(self, rows: Tensor, group: Any) -> tuple[Tensor, Any, RowLayout]:
+    def _start_all_to_all(self, rows: Tensor, group: Any, name: str | None = None) -> tuple[Tensor, Any, RowLayout]:
         """Quantize one row per destination and start the all-to-all; returns (received, work, layout)."""
         layout = RowLayout(rows.shape[1], self.bits, self.block_size)
         send = quantize_rows(rows, layout)
         received = torch.empty_like(send)
-        work = collectives.all_to_all_single(received, send, group=group, async_op=True)
+        work = collectives.all_to_all_single(received, send, group=group, async_op=True, name=name)
         return received, work, layout
+
+    def _start_two_hops(self, full: Tensor, shard_out: Tensor, key: str) -> PendingComm:
+        """Start hop 1; the handle's ``wait()`` runs hop 2 and writes ``shard_out``."""
+        local, nodes = self.node_size or 1, self.nodes
+        # [node m, local l', shard] -> [l', m, shard]: peer l' gets the slices its counterparts own.
+        rows = full.reshape(nodes, local, -1).transpose(0, 1).reshape(local * nodes, -1)
+        received, work, layout = self._start_all_to_all(rows, self.intra, "qgZ intra-node all-to-all")
+
+        def finish() -> None:
+            shard_out.copy_(self._inter_node_hop(received, layout, local, key))
+
+        return PendingComm(work, finish)
+
+    def _inter_node_hop(self, received: Tensor, layout: RowLayout, local: int, key: str) -> Tensor:
+        """Sum hop 1's rows over the node, re-quantize, all-to-all across nodes; returns fp32 sums."""
+        partial = dequantize_partial_sums(received, layout, local)  # [nodes, shard]: this node's sums
+        inbound, work, layout = self._start_all_to_all(partial, self.inter, f"qgZ inter-node all-to-all of `{key}`")
+        work.wait()
+        return dequantize_sum_rows(inbound, layout)
 
     def all_reduce(self, tensor: Tensor, *, group: Any, key: str) -> None:
         """In-place SUM of ``tensor`` over the group: a quantized reduce-scatter, then a quantized all-gather.
 
         Every rank ends with the same bits (all of them rebuild every slice from the same
         gathered codes, their own slice included). ``tensor`` is padded to a multiple of the
-        group size internally.
+        group size internally. Over the group it was built for, a hierarchical reducer runs the
+        two-hop reduce-scatter and gathers back in two hops too: the ``gather_bits`` payloads of
+        the reduced slices across nodes (``N x P`` logical bytes), then, unchanged, inside the
+        node (``W x P``). Over any other group (e.g. HSDP's replica group) it is flat.
 
         Args:
             tensor: any-shape contiguous floating tensor, reduced in place.
             group: the process group.
-            key: stable id (unused).
+            key: stable id (names the inter-node hop).
 
         Returns:
             ``None``: the reduction is complete.
@@ -120,13 +248,29 @@ class QuantizedGradientReducer:
         shard = -(-numel // world)
         padded = torch.zeros(world * shard, dtype=tensor.dtype, device=tensor.device)
         padded[:numel] = tensor.view(-1)
-        received, work, rs_layout = self._start_all_to_all(padded.view(world, shard), group)
-        work.wait()  # the gather below needs the sums: this half cannot overlap anything
-        reduced = dequantize_sum_rows(received, rs_layout).to(tensor.dtype)
         layout = RowLayout(shard, self.gather_bits, self.block_size)
-        mine = quantize_rows(reduced.view(1, -1), layout)
-        gathered = torch.empty(world, layout.payload_bytes, dtype=torch.uint8, device=tensor.device)
-        collectives.all_gather_into_tensor(gathered, mine, group=group)
-        dequantize_rows(gathered, layout, padded)
+        if self.hierarchical and self._is_own_group(group):
+            reduced = torch.empty(shard, dtype=tensor.dtype, device=tensor.device)
+            self._start_two_hops(padded, reduced, key).wait()  # the gather below needs the sums
+            self._gather_two_hops(quantize_rows(reduced.view(1, -1), layout), layout, padded)
+        else:
+            received, work, rs_layout = self._start_all_to_all(padded.view(world, shard), group)
+            work.wait()  # the gather below needs the sums: this half cannot overlap anything
+            reduced = dequantize_sum_rows(received, rs_layout).to(tensor.dtype)
+            mine = quantize_rows(reduced.view(1, -1), layout)
+            gathered = torch.empty(world, layout.payload_bytes, dtype=torch.uint8, device=tensor.device)
+            collectives.all_gather_into_tensor(gathered, mine, group=group)
+            dequantize_rows(gathered, layout, padded)
         tensor.view(-1).copy_(padded[:numel])
         return None
+
+    def _gather_two_hops(self, mine: Tensor, layout: RowLayout, out: Tensor) -> None:
+        """All-gather every rank's payload row (across nodes, then inside the node) and dequantize into ``out``."""
+        local, nodes = self.node_size or 1, self.nodes
+        across = torch.empty(nodes, layout.payload_bytes, dtype=torch.uint8, device=mine.device)
+        collectives.all_gather_into_tensor(across, mine, group=self.inter, name="qgZ inter-node all-gather")
+        inside = torch.empty(local, nodes, layout.payload_bytes, dtype=torch.uint8, device=mine.device)
+        collectives.all_gather_into_tensor(inside.view(-1), across.view(-1), group=self.intra,
+                                           name="qgZ intra-node all-gather")
+        # inside[l, m] is the payload of group rank m * L + l: reorder to rank order.
+        dequantize_rows(inside.transpose(0, 1).reshape(local * nodes, -1), layout, out)

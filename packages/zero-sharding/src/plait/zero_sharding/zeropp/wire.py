@@ -140,6 +140,27 @@ def dequantize_sum_rows(payload: torch.Tensor, layout: RowLayout) -> torch.Tenso
     return values.sum(dim=0)
 
 
+def dequantize_partial_sums(payload: torch.Tensor, layout: RowLayout, sources: int) -> torch.Tensor:
+    """Dequantize ``sources`` equal blocks of rows to fp32 and sum the blocks row by row.
+
+    The receiving side of a two-hop reduce's first hop: block ``s`` holds source ``s``'s rows
+    ``0..R/sources-1``, and row ``j`` of the result is the sum of row ``j`` of every block.
+
+    Args:
+        payload: ``uint8 [sources * rows, layout.payload_bytes]``, grouped by source.
+        layout: the row layout.
+        sources: number of blocks (ranks that sent rows); must divide ``payload.shape[0]``.
+
+    Returns:
+        fp32 ``[rows, layout.numel]``: the blocks summed in source order (deterministic).
+    """
+    rows = payload.shape[0] // sources
+    assert rows * sources == payload.shape[0], (payload.shape, sources)
+    values = torch.empty(sources, rows, layout.numel, dtype=torch.float32, device=payload.device)
+    dequantize_rows(payload, layout, values)
+    return values.sum(dim=0)
+
+
 class PendingComm:
     """Handle of an in-flight quantized collective, as the engine's extension protocol expects.
 
