@@ -160,6 +160,9 @@ def two_rank_session(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ("ddp", "plait_zero1", "plait_zero2", "plait_zero3"):
         out[name] = _fit(name, devices=2, steps=STEPS)[0]
+    out["plait_zeropp"], zeropp = _fit("plait_zeropp", devices=2, steps=STEPS)
+    out["zeropp_policies"] = [type(zeropp.zero_engine.gatherer).__name__, type(zeropp.zero_engine.reducer).__name__]
+    out["fabric_zeropp"] = _fabric_loop("plait_zeropp", devices=2, steps=STEPS)
     out["ddp_accum_clip"] = _fit("ddp", devices=2, steps=STEPS, accumulate_grad_batches=2, gradient_clip_val=0.5)[0]
     counting = CountingReducer()
     strategy = PlaitStrategy(zero=ZeroConfig(stage=3), extensions=(counting,))
@@ -220,6 +223,17 @@ def test_every_name_trains_equal_to_lightning_ddp(runs: dict[str, Any]) -> None:
     assert len(two["ddp"]) == STEPS and two["ddp"][STEPS - 1] < two["ddp"][0]
     for name in ("plait_zero1", "plait_zero2", "plait_zero3"):
         _close(two[name], two["ddp"])
+
+
+@pytest.mark.timeout(420)
+def test_zeropp_by_name_trains_near_ddp(runs: dict[str, Any]) -> None:
+    """``strategy="plait_zeropp"`` (Trainer and Fabric) switches ZeroConfig.zeropp on: on one node that is
+    qwZ int8 + qgZ int4 in one hop (hpZ has no node to stay in); quantization keeps the curve near DDP's."""
+    two = runs["two"]
+    assert two["zeropp_policies"] == ["QuantizedParamGatherer", "QuantizedGradientReducer"]
+    for losses, exact in ((two["plait_zeropp"], two["ddp"]), (two["fabric_zeropp"], two["fabric_ddp"])):
+        for step in range(STEPS):
+            assert math.isclose(losses[step], exact[step], rel_tol=0.03), (step, losses, exact)
 
 
 @pytest.mark.timeout(420)

@@ -78,7 +78,7 @@ def test_zeropp_step_bytes_at_most_035_of_stage3(world, partition):
 def test_config_defaults_and_formula():
     config = ZeroPPConfig()
     assert (config.weight_bits, config.gradient_bits, config.block_size) == (8, 4, 256)
-    assert config.hierarchical_partition_size is None
+    assert (config.hierarchical_partition_size, config.ranks_per_node) == ("auto", "auto")  # sized by the node
     parts = config.bytes_per_element(4)
     assert parts["total"] == pytest.approx(2 * (1 + 1 / 64) + 0.5 + 1 / 64)
     assert parts["total"] / 12 <= TARGET
@@ -96,6 +96,9 @@ def test_config_defaults_and_formula():
         ({"quantized_weights": 1}, "quantized_weights=1"),
         ({"hierarchical_partition_size": 0}, "hierarchical_partition_size=0"),
         ({"hierarchical_partition_size": 2.0}, "hierarchical_partition_size=2.0"),
+        ({"hierarchical_partition_size": "node"}, "hierarchical_partition_size='node'"),
+        ({"ranks_per_node": 0}, "ranks_per_node=0"),
+        ({"ranks_per_node": None}, "ranks_per_node=None"),
         ({"block_size": 100}, "block_size=100"),
         ({"block_size": 1}, "block_size=1"),
     ],

@@ -177,7 +177,11 @@ NAMES: dict[str, tuple[int, str | None, str]] = {
                                       "(plait-offload-io)"),
     "plait_zero3_offload_nvme": (3, "nvme", "plait ZeRO stage 3, parameter shards, fp32 masters and optimizer state "
                                             "on NVMe (plait-offload-io)"),
+    "plait_zeropp": (3, None, "plait ZeRO stage 3 with ZeRO++: int8 weight gathers, int4 gradient reduction in two "
+                              "hops across nodes, hierarchical partition sized to the node"),
 }
+# The names that switch ZeroConfig.zeropp on (with ZeroPPConfig's defaults).
+ZEROPP_NAMES = frozenset({"plait_zeropp"})
 
 
 def register_names(registry: Any, strategy_cls: type) -> None:
@@ -185,4 +189,4 @@ def register_names(registry: Any, strategy_cls: type) -> None:
     (idempotent: registering again replaces the entries)."""
     for name, (stage, offload, description) in NAMES.items():
         registry.register(name, strategy_cls, description=description, override=True,
-                          zero=ZeroConfig(stage=stage), offload=offload)
+                          zero=ZeroConfig(stage=stage, zeropp=name in ZEROPP_NAMES or None), offload=offload)

@@ -32,6 +32,7 @@ from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
+from plait.zero_sharding.zeropp.config import make_zeropp_policies
 
 _before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _init_mesh: list[Any] = []
@@ -196,6 +197,16 @@ def _constructor_options(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in accepted}
 
 
+def _zeropp_policies(config: ZeroConfig, group: Any, gatherer: Any, reducer: Any) -> tuple[Any, Any]:
+    """The gatherer and reducer ``config.zeropp`` asks for (collective: it may read the node layout)."""
+    if config.zeropp is None:
+        return gatherer, reducer
+    if gatherer is not None or reducer is not None:
+        raise ValueError("zero_shard: ZeroConfig.zeropp builds the gatherer and reducer itself, and gatherer=/reducer= "
+                         "were given too; drop one of them (make_zeropp_policies builds the same policies by hand).")
+    return make_zeropp_policies(config.zeropp, None if group is dist.group.WORLD else group)
+
+
 def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = None, *, mesh: Any = None,
                param_groups: list[dict[str, Any]] | None = None, reducer: Any = None, gatherer: Any = None,
                placement: Any = None, init_fn: Callable[[nn.Module], None] | None = None,
@@ -261,6 +272,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if getattr(placement, "offloads_parameters", False) and config.stage != 3:
         raise ValueError(f"the placement offloads parameters (OffloadConfig.param_device), which needs "
                          f"ZeroConfig(stage=3), got stage={config.stage}; use stage=3 or param_device='none'.")
+    gatherer, reducer = _zeropp_policies(config, group, gatherer, reducer)
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
     for unit in partition.units:
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from plait.zero_sharding.zeropp.config import ZeroPPConfig
+
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -78,6 +80,11 @@ class ZeroConfig:
             those of them the mesh has. Every other dimension of the mesh is replicated over,
             HSDP-style: each shard's gradients are all-reduced over it before the step. An
             explicit name the mesh does not have is an error.
+        zeropp: ZeRO++ (:class:`~plait.zero_sharding.zeropp.ZeroPPConfig`: quantized weight
+            gathers, quantized gradient reduction, hierarchical partition); ``True`` for its
+            defaults, a dict of its fields (a JSON config), ``None``/``False``: off. qwZ and hpZ
+            act on stage 3's parameter gathers, so they need ``stage=3``; qgZ alone also runs at
+            stage 2. A ``reducer=``/``gatherer=`` given to ``zero_shard`` as well is refused.
     """
 
     stage: int = 3
@@ -100,6 +107,7 @@ class ZeroConfig:
     check_replicas_every: int = 0
     elementwise_optimizer: bool | None = None
     shard_dims: tuple[str, ...] | None = None
+    zeropp: ZeroPPConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -135,11 +143,34 @@ class ZeroConfig:
                 f"ZeroConfig.unit_classes={self.unit_classes} only applies to stage 3 (stage={self.stage}); "
                 "remove it or use stage=3."
             )
+        self._check_zeropp()
         if self.elementwise_optimizer not in (None, True):
             raise ValueError(
                 f"ZeroConfig.elementwise_optimizer={self.elementwise_optimizer!r}; use None (known optimizers "
                 "only) or True (trust that the optimizer updates each element independently)."
             )
+
+    def _check_zeropp(self) -> None:
+        value = self.zeropp
+        if value is True:
+            value = ZeroPPConfig()
+        elif value is False:
+            value = None
+        elif isinstance(value, dict):
+            try:
+                value = ZeroPPConfig(**value)
+            except TypeError as exc:
+                known = [f.name for f in dataclasses.fields(ZeroPPConfig)]
+                raise ValueError(f"ZeroConfig.zeropp={value!r}: {exc}; ZeroPPConfig's fields are {known}.") from exc
+        if value is not None and not isinstance(value, ZeroPPConfig):
+            raise ValueError(f"ZeroConfig.zeropp={value!r} must be a ZeroPPConfig, True (ZeRO++ defaults), a dict of "
+                             "ZeroPPConfig fields, or None (off).")
+        if value is not None and self.stage != 3 and value.partitions_weights:
+            raise ValueError(
+                f"ZeroConfig.zeropp: quantized_weights (qwZ) and hierarchical_partition_size (hpZ) act on stage 3's "
+                f"parameter gathers, but stage={self.stage}; use stage=3, or ZeroPPConfig(quantized_weights=False, "
+                f"hierarchical_partition_size=None) for qgZ alone.")
+        object.__setattr__(self, "zeropp", value)
 
     def _positive_int(self, field: str, *, minimum: int, hint: str) -> None:
         value = getattr(self, field)
