@@ -31,6 +31,16 @@ def test_file_route_reads_every_field(tmp_path: Path) -> None:
     assert load_config('{"zero": {"stage": 1}}').zero.stage == 1  # inline JSON
 
 
+def test_zeropp_is_a_field_of_the_zero_section() -> None:
+    from plait.zero_sharding.zeropp import ZeroPPConfig
+
+    config = load_config('{"zero": {"stage": 3, "zeropp": {"gradient_bits": 8, "hierarchical_partition_size": 8}}}')
+    assert config.zero.zeropp == ZeroPPConfig(gradient_bits=8, hierarchical_partition_size=8)
+    assert load_config('{"zero": {"zeropp": true}}').zero.zeropp == ZeroPPConfig()
+    with pytest.raises(ValueError, match="ZeroConfig.zeropp.*stage=2"):
+        load_config('{"zero": {"stage": 2, "zeropp": true}}')
+
+
 @pytest.mark.parametrize(("content", "named"), [
     ({"zero": {"stage": 3}, "stag": 2}, "'stag'"),
     ({"zero": {"stage": 3, "offlod": "cpu"}}, "zero.offlod"),
