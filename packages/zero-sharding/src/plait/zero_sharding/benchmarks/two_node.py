@@ -20,6 +20,7 @@ compared here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -131,17 +132,21 @@ def launch(nodes: netem.Nodes, spec: dict[str, Any]) -> dict[str, Any]:
         out = Path(tmp, "out.json")
         spec_path = Path(tmp, "spec.json")
         spec_path.write_text(json.dumps({**spec, "out": str(out), "devices": list(nodes.devices)}))
-        procs, tails = [], []
-        for node in range(len(nodes.namespaces)):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": nodes.devices[node], "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(torchrun_argv(nodes, node, port, str(spec_path)), env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            tail: list[str] = []
-            threading.Thread(target=_follow, args=(proc, tail, node == 0), daemon=True).start()
-            procs.append(proc)
-            tails.append(tail)
-        failure = _wait(procs, spec["timeout"] * 2)
+        procs: list[subprocess.Popen] = []
+        tails: list[list[str]] = []
+        try:
+            for node in range(len(nodes.namespaces)):
+                env = {**os.environ, "GLOO_SOCKET_IFNAME": nodes.devices[node], "OMP_NUM_THREADS": "1",
+                       "PYTHONUNBUFFERED": "1"}
+                proc = subprocess.Popen(torchrun_argv(nodes, node, port, str(spec_path)), env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                tail: list[str] = []
+                threading.Thread(target=_follow, args=(proc, tail, node == 0), daemon=True).start()
+                procs.append(proc)
+                tails.append(tail)
+            failure = _wait(procs, spec["timeout"] * 2)
+        finally:  # also on Ctrl-C: no rank outlives its (deleted) namespace
+            _kill(procs)
         if out.exists() and failure is None:
             return json.loads(out.read_text())
         last = next((t[-1] for t in tails if t), "")
@@ -168,11 +173,16 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> str | None:
         except subprocess.TimeoutExpired:
             failure = failure or f"timed out after {timeout:.0f} s"
             break
+    _kill(procs)
+    return failure
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
     for proc in procs:  # each agent leads its own session: take its ranks down with it
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return failure
 
 
 def _median(values: Sequence[float]) -> float:
@@ -285,6 +295,7 @@ def _write_raw(results: dict[str, Any], spec: dict[str, Any], quick: bool) -> No
     from plait.kernels.cli.bench import plot_path
 
     path = plot_path(SUITE, f"{SUITE}-raw", quick=quick).with_suffix(".json")
+    path = path.with_name(path.name.replace(f"-{SUITE}-raw", "-raw"))  # --out X.json: X-raw.json beside it
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"spec": spec, "results": results}, indent=1) + "\n")
     _say(f"wrote every step's figures to {path}")
