@@ -3,7 +3,8 @@
 Semantics, once:
 
 * ``model.state_dict()`` returns every parameter whole, as fp32 masters cast to the parameter's
-  dtype, plus persistent buffers, on every rank (gathered unit by unit).
+  dtype, plus persistent buffers, on every rank (gathered unit by unit). Parameters that live on
+  some ranks only come last, under their global names (below), the same tensors on every rank.
 * ``model.load_state_dict(sd)`` takes whole tensors; each rank copies only its own slices into the
   masters and shards, so no communication happens.
 * ``model.sharded_state_dict()`` / ``load_sharded_state_dict()`` implement
@@ -16,11 +17,15 @@ Semantics, once:
 A parameter that lives on some ranks only (an expert under expert parallelism, given an identity
 by the parameter group's ``zero_global``) is saved, exported and loaded under its global name,
 as rows of its global shape: the sharded state dict describes it as a flat range of the global
-tensor, the export gathers every rank's part, and ``load_state_dict`` takes the global tensors.
+tensor, the export gathers every rank's part to rank 0, ``state_dict()`` broadcasts every part to
+every rank, and ``load_state_dict`` takes the global tensors (each rank copies its own rows). A
+group that differs across ranks without ``zero_global`` keeps rank-local names in
+``state_dict()`` (each rank its own parameters: a per-rank state) and is refused by the export.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -51,20 +56,35 @@ def gather_unit_masters(engine: Any, unit: FlatUnit) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_full_parameters(engine: Any, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_parameters(engine: Any, *, dtype: torch.dtype | None = None,
+                         parameter_dtype: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, whole tensor)`` per parameter, gathering one unit at a time (collective:
-    every rank of each unit's group must iterate).
+    every rank of each unit's group must iterate, and every rank of the world when some
+    parameters live on some ranks only). Those (experts under expert parallelism, given an
+    identity by ``zero_global``) come last, whole under their global names, sorted by name.
 
     Args:
         engine: the model's engine.
         dtype: output dtype; ``None`` means fp32 masters.
+        parameter_dtype: each tensor in its parameter's dtype instead (``dtype`` ignored).
+
+    Raises:
+        ValueError: identities given by ``zero_global`` collide or leave a global tensor uncovered.
     """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    spread_units = [u for u in engine.units if spread(u, world)]
     for unit in engine.units:
+        if spread(unit, world):
+            continue
         flat = gather_unit_masters(engine, unit)
         for slot in unit.slots:
             value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            yield slot.name, value.to(device="cpu", dtype=dtype or torch.float32, copy=True)
+            out_dtype = slot.param.dtype if parameter_dtype else dtype or torch.float32
+            yield slot.name, value.to(device="cpu", dtype=out_dtype, copy=True)
         del flat
+    if spread_units:
+        for name, value, param_dtype in iter_global_parameters(engine, spread_units):
+            yield name, value.to(dtype=param_dtype if parameter_dtype else dtype or torch.float32)
 
 
 @torch.no_grad()
@@ -225,36 +245,115 @@ def spread(unit: FlatUnit, world: int) -> bool:
     return unit.replicas == 1 and unit.group_size < world
 
 
+@dataclasses.dataclass
+class SpreadPieces:
+    """Every rank's parts of the tensors that live on some ranks only, the same on every rank.
+
+    Attributes:
+        pieces: ``(global name, global shape, flat offset, numel, source rank)`` sorted; one rank
+            per sharding group contributes (the others hold the same).
+        dtypes: global name -> the parameter's dtype.
+        colliding: global names that two groups hold at the same elements, mapped to whether any
+            of them was given an identity by ``zero_global`` (``False``: a group without one,
+            whose parameters keep rank-local names).
+        values: this rank's own parts, ``(global name, flat offset) -> fp32 values``.
+        local: ``(local name, global name, flat offset, local shape)`` of this rank's parameters (only with
+            ``keep_all``).
+    """
+
+    pieces: list[tuple[str, tuple[int, ...], int, int, int]]
+    dtypes: dict[str, torch.dtype]
+    colliding: dict[str, bool]
+    values: dict[tuple[str, int], torch.Tensor]
+    local: list[tuple[str, str, int, tuple[int, ...]]]
+
+    def check(self, what: str, *, allow_local: bool = False) -> None:
+        """Raise unless every global tensor is covered exactly once (``allow_local``: except the
+        colliding names no identity was given to, which stay rank-local).
+
+        Raises:
+            ValueError: two groups hold the same elements of a global tensor, or part of one is
+                held by no rank.
+        """
+        bad = sorted(n for n, identified in self.colliding.items() if identified or not allow_local)
+        if bad:
+            raise ValueError(f"{what}: several ranks hold {bad[:3]} at the same elements; give the parameter group "
+                             "zero_global=(name, shape) -> (global name, global shape, row offset) so parameters "
+                             "that differ across ranks have distinct identities.")
+        covered: dict[str, int] = {}
+        for name, _shape, _offset, numel, _rank in self.pieces:
+            covered[name] = covered.get(name, 0) + numel
+        short = sorted({n for n, shape, *_ in self.pieces
+                        if n not in self.colliding and covered[n] != math.prod(shape)})
+        if short:
+            raise ValueError(f"{what}: the ranks hold only part of {short[:3]}; check zero_global's global shapes "
+                             "and offsets.")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Global name -> global shape of the tensors covered exactly once, in sorted order."""
+        return {name: shape for name, shape, *_ in self.pieces if name not in self.colliding}
+
+
 @torch.no_grad()
-def _spread_pieces(engine: Any, units: list[FlatUnit]) -> tuple[list[tuple[str, tuple[int, ...], int, int, int]],
-                                                                 dict[tuple[str, int], torch.Tensor]]:
-    """Every rank's parts of the global tensors that live on some ranks only: ``(global name,
-    global shape, flat offset, numel, source rank)`` sorted, the same list on every rank, and this
-    rank's own values. One rank per sharding group contributes (the others hold the same)."""
-    mine: list[tuple[str, tuple[int, ...], int, int]] = []
+def spread_pieces(engine: Any, units: list[FlatUnit], *, keep_all: bool = False) -> SpreadPieces:
+    """Gather ``units`` (each over its own group) and exchange which rank holds which part of
+    which global tensor (metadata only: one ``all_gather_object`` over the world).
+
+    Args:
+        engine: the model's engine.
+        units: the units holding parameters that differ across groups (:func:`spread`).
+        keep_all: keep this rank's values of every unit (not only where it is its group's rank 0).
+    """
+    mine: list[tuple[str, tuple[int, ...], int, int, bool, str]] = []
     values: dict[tuple[str, int], torch.Tensor] = {}
+    local: list[tuple[str, str, int, tuple[int, ...]]] = []
     for unit in units:
         flat = gather_unit_masters(engine, unit)  # collective over the unit's group
-        if unit.group_rank == 0:
-            for slot in unit.slots:
-                mine.append((slot.global_name, slot.global_shape, slot.global_offset, slot.numel))
+        for slot in unit.slots:
+            if unit.group_rank == 0:
+                mine.append((slot.global_name, slot.global_shape, slot.global_offset, slot.numel,
+                             not slot.is_global, str(slot.param.dtype).removeprefix("torch.")))
+            if unit.group_rank == 0 or keep_all:
                 values[(slot.global_name, slot.global_offset)] = flat[slot.offset:slot.offset + slot.numel].cpu()
+            if keep_all:
+                local.append((slot.name, slot.global_name, slot.global_offset, slot.shape))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)  # metadata only; tensors go through the counted collectives
-    pieces = sorted((name, tuple(shape), offset, numel, rank) for rank, theirs in enumerate(everyone)
-                    for name, shape, offset, numel in theirs)
-    covered: dict[str, int] = {}
-    for (name, _shape, offset, numel, rank), nxt in zip(pieces, [*pieces[1:], None]):
-        if nxt is not None and nxt[0] == name and nxt[2] < offset + numel:
-            raise ValueError(f"export_full_weights: ranks {rank} and {nxt[4]} both hold {name!r} at element "
-                             f"{nxt[2]}; give the parameter group zero_global=(name, shape) -> (global name, global "
-                             "shape, row offset) so parameters that differ across ranks have distinct identities.")
-        covered[name] = covered.get(name, 0) + numel
-    short = [n for n, shape, *_ in pieces if covered[n] != math.prod(shape)]
-    if short:
-        raise ValueError(f"export_full_weights: the ranks hold only part of {sorted(set(short))[:3]}; "
-                         "check zero_global's global shapes and offsets.")
-    return pieces, values
+    rows = sorted((name, tuple(shape), offset, numel, rank, identified, dtype)
+                  for rank, theirs in enumerate(everyone) for name, shape, offset, numel, identified, dtype in theirs)
+    colliding: dict[str, bool] = {}
+    for row, nxt in zip(rows, [*rows[1:], None]):
+        if nxt is not None and nxt[0] == row[0] and nxt[2] < row[2] + row[3]:
+            colliding[row[0]] = colliding.get(row[0], False) or row[5] or nxt[5]
+    return SpreadPieces(pieces=[row[:5] for row in rows], dtypes={row[0]: getattr(torch, row[6]) for row in rows},
+                        colliding=colliding, values=values, local=local)
+
+
+@torch.no_grad()
+def iter_global_parameters(engine: Any, units: list[FlatUnit]) -> Iterator[tuple[str, torch.Tensor, torch.dtype]]:
+    """Yield ``(global name, whole fp32 tensor, the parameter's dtype)`` for the parameters of
+    ``units`` that live on some ranks only, on every rank (each part broadcast from a rank holding
+    it), sorted by name; a
+    parameter group without ``zero_global`` whose names collide across ranks yields this rank's
+    own tensors under their local names instead (its state is per rank). Collective over the world.
+
+    Raises:
+        ValueError: identities given by ``zero_global`` collide or leave a global tensor uncovered.
+    """
+    spread_state = spread_pieces(engine, units, keep_all=True)
+    spread_state.check("state_dict", allow_local=True)
+    rank = dist.get_rank()
+    for name, shape in spread_state.shapes().items():
+        whole = torch.empty(math.prod(shape))
+        for _name, _shape, offset, numel, src in (p for p in spread_state.pieces if p[0] == name):
+            part = spread_state.values[(name, offset)] if src == rank else torch.empty(numel)
+            collectives.broadcast(part, src=src, name=f"state_dict: {name}")
+            whole[offset:offset + numel].copy_(part)
+        yield name, whole.view(shape), spread_state.dtypes[name]
+    for local_name, global_name, offset, shape in spread_state.local:
+        if global_name in spread_state.colliding:  # no identity given: this rank's own, by local name
+            value = spread_state.values[(global_name, offset)].view(shape).clone()
+            yield local_name, value, spread_state.dtypes[global_name]
 
 
 def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
@@ -278,8 +377,9 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
     engine = model.zero_engine
     world, rank, out_dtype = dist.get_world_size(), dist.get_rank(), dtype or torch.float32
     dense = [u for u in engine.units if not spread(u, world)]
-    pieces, values = _spread_pieces(engine, [u for u in engine.units if spread(u, world)])
-    shapes = {name: shape for name, shape, *_ in pieces}
+    spread_state = spread_pieces(engine, [u for u in engine.units if spread(u, world)])
+    spread_state.check("export_full_weights")
+    pieces, values, shapes = spread_state.pieces, spread_state.values, spread_state.shapes()
     entries = [(s.name, out_dtype, s.shape) for u in dense for s in u.slots if s.numel]
     entries += [(name, out_dtype, shape) for name, shape in shapes.items() if math.prod(shape)]
     buffers = {name: b for name, b in model.named_buffers() if name in model.persistent_buffer_names() and b.numel()}

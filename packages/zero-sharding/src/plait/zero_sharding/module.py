@@ -71,12 +71,18 @@ class ZeroModule:
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Whole parameters (fp32 masters cast to each parameter's dtype) and persistent buffers.
-        Collective: every rank must call it."""
+        """Whole parameters (fp32 masters cast to each parameter's dtype) and persistent buffers,
+        the same on every rank. Parameters that live on some ranks only (experts under expert
+        parallelism, given an identity by ``zero_global``) are whole global tensors under their
+        global names, every rank's part included, so the dict is the whole model (as
+        :meth:`export_full_weights` writes it). Collective: every rank must call it.
+
+        Raises:
+            ValueError: identities given by ``zero_global`` collide or leave a tensor uncovered.
+        """
         out: dict[str, torch.Tensor] = OrderedDict()
-        dtypes = {name: p.dtype for name, p in self.named_parameters()}  # type: ignore[attr-defined]
-        for name, value in checkpoint.iter_full_parameters(self.zero_engine):
-            out[name] = value.to(dtypes[name])
+        for name, value in checkpoint.iter_full_parameters(self.zero_engine, parameter_dtype=True):
+            out[name] = value
         for name, buf in self.named_buffers():  # type: ignore[attr-defined]
             if name in self.persistent_buffer_names():
                 out[name] = buf.detach().clone()
