@@ -95,16 +95,19 @@ def compressed_allreduce(
     chunk = n // world
     packed, worker_scale = compress_with_error_feedback(buffer, worker_error)
     received = torch.empty_like(packed)
-    all_to_all_single(received, packed, group=group)
+    all_to_all_single(received, packed, group=group, name="1-bit compressed all-reduce: worker-sign all-to-all")
     worker_scales = buffer.new_empty(world)
-    all_gather_into_tensor(worker_scales, worker_scale.reshape(1), group=group)
+    all_gather_into_tensor(worker_scales, worker_scale.reshape(1), group=group,
+                           name="1-bit compressed all-reduce: worker-scale all-gather")
 
     server = _server_average(received.view(world, -1), worker_scales, chunk)
     server_packed, server_scale = compress_with_error_feedback(server, server_error)
     all_packed = torch.empty(world * server_packed.numel(), dtype=torch.uint8, device=buffer.device)
-    all_gather_into_tensor(all_packed, server_packed, group=group)
+    all_gather_into_tensor(all_packed, server_packed, group=group,
+                           name="1-bit compressed all-reduce: server-sign all-gather")
     server_scales = buffer.new_empty(world)
-    all_gather_into_tensor(server_scales, server_scale.reshape(1), group=group)
+    all_gather_into_tensor(server_scales, server_scale.reshape(1), group=group,
+                           name="1-bit compressed all-reduce: server-scale all-gather")
     return scaled_signs(unpack_bits(all_packed, n).view(world, chunk), server_scales[:, None]).view(-1)
 
 

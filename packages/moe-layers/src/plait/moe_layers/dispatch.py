@@ -13,6 +13,10 @@ Expert parallel (``ep`` ranks, rank ``r`` holding experts ``[r * E/ep, (r + 1) *
    put back in arrival order and returned by the reverse all-to-all;
 4. the combine weights and the sum over a token's slots are applied on the token's own rank.
 
+Every exchange is named in plait's flight log (``MoE layer `layers.1.mlp` token dispatch
+all-to-all``; backward adds ``(backward)``), so a rank that never enters one is named, with the
+exchange, in the others' :class:`~plait.kernels.collectives.CollectiveError`.
+
 Both all-to-alls are autograd functions whose backward is the reverse exchange, so each rank's
 backward returns gradient rows to where the tokens came from and the experts' weight gradients
 collect every rank's contribution. Logical bytes per layer and rank (counted by the ledger):
@@ -35,22 +39,25 @@ class _AllToAll(torch.autograd.Function):
     """Uneven all-to-all of dim-0 rows; backward is the exchange with the splits swapped."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any,
+                name: str) -> torch.Tensor:
+        # The name travels with the node: backward may run on another thread, outside named blocks.
+        ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
         out = rows.new_empty(sum(recv), *rows.shape[1:])
         collectives.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                      group=group)
+                                      group=group, name=name)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
         collectives.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send,
-                                      input_split_sizes=ctx.recv, group=ctx.group)
-        return out, None, None, None
+                                      input_split_sizes=ctx.recv, group=ctx.group, name=f"{ctx.name} (backward)")
+        return out, None, None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any,
+                    name: str = "MoE all-to-all") -> torch.Tensor:
     """Differentiable uneven all-to-all: send ``send[i]`` rows to rank ``i``, receive ``recv[i]``.
 
     Args:
@@ -58,31 +65,33 @@ def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group:
         send: rows to each rank of ``group``.
         recv: rows from each rank of ``group`` (from a count exchange).
         group: the process group.
+        name: the exchange's name in plait's flight log (its backward adds ``(backward)``).
 
     Returns:
         ``[sum(recv), ...]`` rows, rank 0's block first.
     """
-    return _AllToAll.apply(rows, send, recv, group)
+    return _AllToAll.apply(rows, send, recv, group, name)
 
 
 def _expert_parallel(rows: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module, group: Any,
-                     ep_size: int) -> torch.Tensor:
+                     ep_size: int, label: str) -> torch.Tensor:
     """Steps 1-3 of the module docstring: rows sorted by global expert in, their outputs out."""
     local = counts.numel() // ep_size
     recv_counts = torch.empty_like(counts)
-    collectives.all_to_all_single(recv_counts, counts, group=group)
+    collectives.all_to_all_single(recv_counts, counts, group=group, name=f"{label} token-count exchange")
     send = counts.view(ep_size, local).sum(1).tolist()
     recv = recv_counts.view(ep_size, local).sum(1).tolist()
-    received = all_to_all_rows(rows, send, recv, group)
+    received = all_to_all_rows(rows, send, recv, group, f"{label} token dispatch all-to-all")
     local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
     order, local_counts = permute_by_expert(torch.repeat_interleave(local_ids, recv_counts), local)
     out = experts(received.index_select(0, order), local_counts)
     back = out.new_zeros(out.shape).index_copy(0, order, out)
-    return all_to_all_rows(back, recv, send, group)
+    return all_to_all_rows(back, recv, send, group, f"{label} token combine all-to-all")
 
 
 def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module, num_experts: int,
-                     group: Any | None = None, ep_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     group: Any | None = None, ep_size: int = 1, *,
+                     label: str = "MoE layer") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kept assignments of ``routing`` through ``experts`` and combine per token.
 
     Args:
@@ -92,6 +101,7 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module
         num_experts: ``E`` across the group.
         group: the expert-parallel process group, or ``None`` on one rank.
         ep_size: the group's size (``E / ep_size`` experts per rank).
+        label: the layer's name in plait's flight log (``MoE layer `layers.1.mlp```).
 
     Returns:
         ``(out, load)``: ``out`` ``[T, H]`` in ``x``'s dtype and ``load`` ``[E]`` int64 kept
@@ -102,7 +112,7 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module
     token = token[order]
     rows = x.index_select(0, token)
     if ep_size > 1:
-        out_rows = _expert_parallel(rows, counts, experts, group, ep_size)
+        out_rows = _expert_parallel(rows, counts, experts, group, ep_size, label)
     else:
         out_rows = experts(rows, counts)
     weights = routing.weights[token, slot[order]]

@@ -73,6 +73,9 @@ class MoE(nn.Module):
         self.ep_group: Any | None = None
         self.ep_size = 1
         self.last_losses: MoELosses | None = None
+        # How this layer's collectives are named in plait's flight log (apply_expert_parallel
+        # puts the module's path in it).
+        self.comm_label = "MoE layer"
 
     def forward(self, x: torch.Tensor, *, return_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, MoELosses]:
         """Route, run the experts and combine.
@@ -93,7 +96,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         routing = self.router(flat)
         out, load = dispatch_combine(flat, routing, self.experts, self.config.num_experts, self.ep_group,
-                                     self.ep_size)
+                                     self.ep_size, label=self.comm_label)
         if self.config.residual:
             mix = F.softmax(self.coefficient(flat), dim=-1)
             out = out * mix[:, :1] + self.dense(flat) * mix[:, 1:]

@@ -78,12 +78,15 @@ def make_expert_parallel_groups(ep_size: int, *, mesh: Any | None = None) -> Exp
         edp = flat_group(mesh, others) if others else None
         return ExpertParallelGroups(mesh["ep"].get_group(), edp, ep_size, mesh["ep"].get_local_rank(), world)
     ep_group = edp_group = None
+    # The job's collective timeout, not torch's 30-minute default for new groups (a hung rank
+    # would otherwise hold the others in a token all-to-all for half an hour).
+    timeout = collectives.group_timeout()
     for start in range(0, world, ep_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(start, start + ep_size)))
+        group = dist.new_group(list(range(start, start + ep_size)), timeout=timeout)
         if start <= rank < start + ep_size:
             ep_group = group
     for offset in range(ep_size):
-        group = dist.new_group(list(range(offset, world, ep_size)))
+        group = dist.new_group(list(range(offset, world, ep_size)), timeout=timeout)
         if rank % ep_size == offset:
             edp_group = group
     return ExpertParallelGroups(ep_group, edp_group, ep_size, rank % ep_size, world)
@@ -118,10 +121,12 @@ def apply_expert_parallel(model: nn.Module, groups: ExpertParallelGroups) -> nn.
             )
         if layer.ep_size not in (1, groups.ep_size):
             raise ValueError(f"the model is already expert-parallel with ep_size={layer.ep_size}; build it afresh.")
+    paths = {id(module): path for path, module in model.named_modules()}
     for layer in layers:
         if layer.ep_size == 1 and groups.ep_size > 1:
             layer.experts.shard(groups.ep_rank, groups.ep_size)
         layer.ep_group, layer.ep_size = groups.ep_group, groups.ep_size
+        layer.comm_label = f"MoE layer `{paths.get(id(layer)) or type(model).__name__}`"
     return model
 
 
@@ -151,7 +156,8 @@ def average_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
             continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         if reduce:
-            collectives.all_reduce(flat, group=group)
+            kind = "dense" if group is None else "expert"
+            collectives.all_reduce(flat, group=group, name=f"MoE {kind} gradient all-reduce")
         flat.div_(groups.world_size)
         offset = 0
         for grad in grads:

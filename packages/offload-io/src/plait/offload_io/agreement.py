@@ -4,6 +4,8 @@ A rank that cannot write its offloaded state must not simply raise: the other ra
 forever in their next collective. Every offloaded step therefore ends with one tiny all-reduce of
 a failure flag over the world, after which all ranks raise (the failing one its own error, the
 others an :class:`~plait.offload_io.errors.OffloadDiskFullError` naming another rank) or none does.
+The all-reduce is named (``offload I/O failure agreement (<what>)``) in plait's flight log, so a
+rank that never reaches it is named in the others' :class:`~plait.kernels.collectives.CollectiveError`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def raise_together(errors: list[BaseException], *, what: str, path: str | None) 
         from plait.kernels import collectives
 
         flag = torch.tensor([float(failed)])
-        collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX, name=f"offload I/O failure agreement ({what})")
         if flag.item() > 0 and not failed:
             raise OffloadDiskFullError(errno.ENOSPC, f"another rank could not write its {what} (disk full); the "
                                        "step was applied everywhere", path=path)

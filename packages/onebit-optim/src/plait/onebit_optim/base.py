@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from plait.kernels import collectives
 from plait.onebit_optim.exchange import CompressedExchange, average_gradients, world_of
 
 
@@ -125,7 +126,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def average_gradients_(self) -> None:
         """All-reduce every gradient to the data-parallel average (DDP's arithmetic)."""
         grads = [p.grad for group in self.param_groups for p in self.params_with_grad(group)]
-        average_gradients(grads, group=self.process_group)
+        with collectives.named(f"{type(self).__name__} full-precision gradient average"):
+            average_gradients(grads, group=self.process_group)
 
     def exchange(self, index: int) -> CompressedExchange:
         """Group ``index``'s 1-bit exchange, created on first use (no error buffers during warm-up)."""
@@ -137,7 +139,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def exchange_momentum_(self, index: int, tensors: list[torch.Tensor], params: list[torch.Tensor]) -> None:
         """1-bit average of ``tensors`` (one per parameter of group ``index``), then the masks."""
-        self.exchange(index).exchange_(tensors)
+        with collectives.named(f"{type(self).__name__} 1-bit exchange of param group {index}"):
+            self.exchange(index).exchange_(tensors)
         for tensor, param in zip(tensors, params):
             mask = self.masks.get(id(param))
             if mask is not None:

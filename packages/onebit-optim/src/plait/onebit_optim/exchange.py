@@ -13,6 +13,10 @@ Two ways, both through :mod:`plait.kernels.collectives` so the byte ledger sees 
   :func:`~plait.kernels.collectives.compressed_numel`, averaged by
   :func:`~plait.kernels.collectives.compressed_allreduce`; the worker and server error-feedback
   buffers live here, are part of the optimizer's state dict and are never reset on load.
+
+Every collective is named in plait's flight log (the optimizer adds its own name and the param
+group around these: ``OnebitAdam 1-bit exchange of param group 0: 1-bit compressed all-reduce:
+worker-sign all-to-all``), so a rank that never reaches one is named in the others' error.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ def average_gradients(grads: Sequence[torch.Tensor], *, group: Any | None = None
     _, world = world_of(group)
     if world == 1:
         return
-    for bucket in _buckets(grads):
+    buckets = _buckets(grads)
+    for number, bucket in enumerate(buckets, 1):
         flat = torch.cat([g.reshape(-1) for g in bucket]).mul_(1.0 / world)
-        collectives.all_reduce(flat, group=group)
+        collectives.all_reduce(flat, group=group, name=f"gradient all-reduce, bucket {number} of {len(buckets)}")
         offset = 0
         for grad in bucket:
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
@@ -103,7 +108,7 @@ class CompressedExchange:
         if self.world == 1:
             return
         rms = torch.stack([torch.linalg.vector_norm(t.float()) / math.sqrt(max(t.numel(), 1)) for t in tensors])
-        collectives.all_reduce(rms, group=self.group)
+        collectives.all_reduce(rms, group=self.group, name="per-tensor RMS all-reduce")
         rms.mul_(1.0 / self.world)
         united = rms.mean()
         factors = torch.where(rms > 0, united / rms, 1.0).tolist()

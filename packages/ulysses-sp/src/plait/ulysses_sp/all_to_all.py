@@ -11,6 +11,11 @@ Why it is built this way:
   ``plait.kernels.collectives.all_to_all_single``; its backward is the same exchange with the
   split sizes swapped, so the ledger sees forward and backward traffic alike. Everything else
   (head selection, permutes, reshapes) is ordinary differentiable torch.
+* Every exchange is named in plait's flight log (``Ulysses all-to-all of q, sequence to heads,
+  layer 7``; its backward adds ``(backward)``), so a rank that never enters one is named, with
+  the exchange, in the other ranks' :class:`~plait.kernels.collectives.CollectiveError`. The
+  name travels with the autograd node because backward may run on another thread, outside the
+  caller's :func:`~plait.kernels.collectives.named` blocks.
 * Heads that do not divide by ``sp`` are split unevenly (the first ``H % sp`` ranks take one
   more), as ``torch.tensor_split`` does; nothing is padded.
 * Key/value heads are sent per rank as exactly the kv heads that rank's query heads read (GQA
@@ -119,24 +124,27 @@ class _AllToAllRows(torch.autograd.Function):
     """All-to-all of dim-0 rows with split sizes; backward swaps the splits."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(rows, send, recv, group)
+    def forward(ctx: Any, rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any,
+                name: str) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
+        return _exchange(rows, send, recv, group, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+        back = _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group, f"{ctx.name} (backward)")
+        return back, None, None, None, None
 
 
-def _exchange(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any) -> torch.Tensor:
+def _exchange(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any, name: str) -> torch.Tensor:
     rows = rows.contiguous()
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
     collectives.all_to_all_single(out, rows, output_split_sizes=list(recv), input_split_sizes=list(send),
-                                  group=group)
+                                  group=group, name=name)
     return out
 
 
-def all_to_all_rows(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any) -> torch.Tensor:
+def all_to_all_rows(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any,
+                    name: str = "Ulysses all-to-all") -> torch.Tensor:
     """Differentiable all-to-all of dim-0 rows: ``send[j]`` rows go to rank ``j``, ``recv[j]`` come from it.
 
     Args:
@@ -144,14 +152,16 @@ def all_to_all_rows(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, 
         send: rows sent to each rank, in rank order.
         recv: rows received from each rank, in rank order.
         group: the process group (the sp group).
+        name: the exchange's name in plait's flight log (its backward adds ``(backward)``).
 
     Returns:
         ``[sum(recv), ...]``, the received rows in rank order.
     """
-    return _AllToAllRows.apply(rows, tuple(send), tuple(recv), group)
+    return _AllToAllRows.apply(rows, tuple(send), tuple(recv), group, name)
 
 
-def seq_to_heads(x: torch.Tensor, heads_per_rank: list[tuple[int, ...]], rank: int, group: Any) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, heads_per_rank: list[tuple[int, ...]], rank: int, group: Any,
+                 name: str = "Ulysses all-to-all, sequence to heads") -> torch.Tensor:
     """``[B, H, S/P, D]`` (sequence slice, all heads) -> ``[B, h_rank, S, D]`` (all sequence, own heads).
 
     Args:
@@ -160,6 +170,7 @@ def seq_to_heads(x: torch.Tensor, heads_per_rank: list[tuple[int, ...]], rank: i
             (kv replication).
         rank: this rank's index in the group.
         group: the sp process group.
+        name: the exchange's name in plait's flight log.
 
     Returns:
         The whole sequence (sources concatenated in rank order) for ``heads_per_rank[rank]``.
@@ -170,12 +181,13 @@ def seq_to_heads(x: torch.Tensor, heads_per_rank: list[tuple[int, ...]], rank: i
     picked = x.index_select(1, torch.tensor(flat, device=x.device)) if flat != list(range(x.shape[1])) else x
     rows = picked.transpose(0, 1)  # [sum heads, B, S/P, D]
     mine = len(heads_per_rank[rank])
-    out = all_to_all_rows(rows, tuple(len(h) for h in heads_per_rank), (mine,) * sp, group)
+    out = all_to_all_rows(rows, tuple(len(h) for h in heads_per_rank), (mine,) * sp, group, name)
     out = out.view(sp, mine, batch, local_seq, dim).permute(2, 1, 0, 3, 4)
     return out.reshape(batch, mine, sp * local_seq, dim)
 
 
-def heads_to_seq(x: torch.Tensor, q_splits: tuple[int, ...], rank: int, group: Any) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, q_splits: tuple[int, ...], rank: int, group: Any,
+                 name: str = "Ulysses all-to-all, heads to sequence") -> torch.Tensor:
     """``[B, h_rank, S, D]`` -> ``[B, H, S/P, D]``: the inverse of :func:`seq_to_heads` for query heads.
 
     Args:
@@ -183,6 +195,7 @@ def heads_to_seq(x: torch.Tensor, q_splits: tuple[int, ...], rank: int, group: A
         q_splits: query heads per rank.
         rank: this rank's index in the group.
         group: the sp process group.
+        name: the exchange's name in plait's flight log.
 
     Returns:
         This rank's sequence slice for every head.
@@ -193,5 +206,5 @@ def heads_to_seq(x: torch.Tensor, q_splits: tuple[int, ...], rank: int, group: A
         raise ValueError(f"sequence length {seq} is not a multiple of sp={sp}; pad it (shard_sequence does).")
     assert mine == q_splits[rank], (mine, q_splits, rank)
     rows = x.reshape(batch, mine, sp, seq // sp, dim).permute(2, 1, 0, 3, 4).reshape(sp * mine, batch, seq // sp, dim)
-    out = all_to_all_rows(rows, (mine,) * sp, q_splits, group)
+    out = all_to_all_rows(rows, (mine,) * sp, q_splits, group, name)
     return out.transpose(0, 1)

@@ -110,7 +110,8 @@ class DistributedAttention(nn.Module):
         else:
             out = self.attn_fn(*q_heads, attn_mask=mask, **kwargs)
         layout = head_layout(self.sp.size, query.shape[1], key.shape[1])
-        return heads_to_seq(out, layout.q_splits, self.sp.rank, self.sp.group)
+        return heads_to_seq(out, layout.q_splits, self.sp.rank, self.sp.group,
+                            name="Ulysses all-to-all of the attention output, heads to sequence")
 
     @staticmethod
     def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -126,7 +127,7 @@ def _is_sdpa(fn: Callable) -> bool:
 
 
 def gather_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 sp: SPGroup) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
+                 sp: SPGroup, where: str = "") -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
     """All-to-all q, k, v to this rank's heads over the whole sequence; kv expanded per query head.
 
     Args:
@@ -134,14 +135,16 @@ def gather_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key: ``[B, H_kv, S/P, D]``.
         value: like ``key``.
         sp: the group.
+        where: appended to each exchange's flight-log name (``", layer 7"``).
 
     Returns:
         ``((q, k, v), S)`` with q, k, v ``[B, h_rank, S, D]`` and the global length ``S``.
     """
     layout = head_layout(sp.size, query.shape[1], key.shape[1])
-    q = seq_to_heads(query, layout.q_ranges(), sp.rank, sp.group)
-    k = seq_to_heads(key, list(layout.kv_index), sp.rank, sp.group)
-    v = seq_to_heads(value, list(layout.kv_index), sp.rank, sp.group)
+    name = "Ulysses all-to-all of {}, sequence to heads" + where
+    q = seq_to_heads(query, layout.q_ranges(), sp.rank, sp.group, name.format("q"))
+    k = seq_to_heads(key, list(layout.kv_index), sp.rank, sp.group, name.format("k"))
+    v = seq_to_heads(value, list(layout.kv_index), sp.rank, sp.group, name.format("v"))
     local = layout.kv_local[sp.rank]
     if list(local) != list(range(k.shape[1])):
         index = torch.tensor(local, device=k.device)

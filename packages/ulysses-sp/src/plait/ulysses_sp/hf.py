@@ -104,7 +104,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                            "apply_ulysses(model, mesh); call that instead of setting the name by hand.")
     del attention_mask
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    (q, k, v), seq = gather_heads(query, key, value, state.sp)
+    layer = getattr(module, "layer_idx", None)
+    where = "" if layer is None else f", layer {layer}"
+    (q, k, v), seq = gather_heads(query, key, value, state.sp, where)
     mask = None
     if key_padding_mask is not None or state.inner != "sdpa":  # eager needs its causal triangle as a mask
         keep = global_mask(key_padding_mask, seq=seq, causal=causal, device=q.device)
@@ -113,7 +115,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     out, _ = state.function(_LocalHeads(module), q, k, v, mask, dropout=dropout, scaling=scaling,
                    is_causal=causal and mask is None, **kwargs)
     layout = head_layout(state.sp.size, query.shape[1], key.shape[1])
-    return heads_to_seq(out.transpose(1, 2), layout.q_splits, state.sp.rank, state.sp.group).transpose(1, 2), None
+    out = heads_to_seq(out.transpose(1, 2), layout.q_splits, state.sp.rank, state.sp.group,
+                       f"Ulysses all-to-all of the attention output, heads to sequence{where}")
+    return out.transpose(1, 2), None
 
 
 def check_transformers_version() -> None:

@@ -34,7 +34,7 @@ def sp_token_count(labels: torch.Tensor, mesh: Any = None, *, sp_dim: str = "sp"
     """
     sp = sp_group(mesh, sp_dim=sp_dim)
     count = (labels != ignore_index).sum().to(torch.float32).reshape(1)
-    collectives.all_reduce(count, group=sp.group)
+    collectives.all_reduce(count, group=sp.group, name="Ulysses loss: valid-token count all-reduce")
     return count.clamp_min(1.0)[0]
 
 
@@ -84,7 +84,7 @@ def sp_loss_value(share: torch.Tensor, mesh: Any = None, *, sp_dim: str = "sp", 
     """The group's loss for logging: the sum of the shares (divided by ``scale``); no gradient."""
     sp = sp_group(mesh, sp_dim=sp_dim)
     value = share.detach().float().reshape(1).clone()
-    collectives.all_reduce(value, group=sp.group)
+    collectives.all_reduce(value, group=sp.group, name="Ulysses loss value all-reduce (for logging)")
     return float(value[0]) / scale
 
 
@@ -101,4 +101,4 @@ def sum_sp_gradients(module: nn.Module, mesh: Any = None, *, sp_dim: str = "sp")
         return
     for param in module.parameters():
         if param.grad is not None:
-            collectives.all_reduce(param.grad, group=sp.group)
+            collectives.all_reduce(param.grad, group=sp.group, name="Ulysses sp gradient all-reduce")

@@ -123,7 +123,7 @@ def gather_sequence(local: torch.Tensor, mesh: Any = None, *, sp_dim: str = "sp"
     sp = sp_group(mesh, sp_dim=sp_dim)
     moved = local.detach().movedim(dim, 0).contiguous()
     full = moved.new_empty((sp.size * moved.shape[0], *moved.shape[1:]))
-    collectives.all_gather_into_tensor(full, moved, group=sp.group)
+    collectives.all_gather_into_tensor(full, moved, group=sp.group, name="Ulysses gather_sequence all-gather")
     full = full.movedim(0, dim)
     return full if seq_len is None else full.narrow(dim, 0, seq_len)
 
