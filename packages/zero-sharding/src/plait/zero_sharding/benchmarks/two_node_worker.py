@@ -64,12 +64,22 @@ def _fsdp2(spec: dict[str, Any], hsdp: bool) -> tuple[nn.Module, Any]:
 
 
 def zeropp_settings(mode: str, per_node: int) -> dict[str, Any] | None:
-    """The :class:`~plait.zero_sharding.zeropp.ZeroPPConfig` fields of a plait mode (``None``: plain ZeRO-3)."""
+    """The :class:`~plait.zero_sharding.zeropp.ZeroPPConfig` fields of a plait mode (``None``: plain ZeRO-3).
+
+    hpZ's partition is ``"auto"`` (the ranks per node, from torchrun) where the config knows it,
+    else ``per_node`` given by hand.
+    """
+    import dataclasses
+
+    from plait.zero_sharding.zeropp import ZeroPPConfig
+
+    auto = "ranks_per_node" in {f.name for f in dataclasses.fields(ZeroPPConfig)}
+    partition: Any = "auto" if auto else per_node
     return {
         "plait ZeRO-3": None,
-        "plait hpZ": dict(quantized_weights=False, quantized_gradients=False, hierarchical_partition_size=per_node),
+        "plait hpZ": dict(quantized_weights=False, quantized_gradients=False, hierarchical_partition_size=partition),
         "plait qwZ+qgZ": dict(hierarchical_partition_size=None),
-        "plait ZeRO++": dict(hierarchical_partition_size=per_node),
+        "plait ZeRO++": dict(hierarchical_partition_size=partition),
     }[mode]
 
 
