@@ -90,6 +90,12 @@ class PlaitConfig:
             callable: parameters go to the meta device instead and ZeRO initialises each module
             with ``init_fn(module)`` (for models whose weights are loaded right after, say).
         verify_on_load: check every hash when a checkpoint is loaded.
+        sp_size: Ulysses sequence-parallel ranks (plait-ulysses-sp): the strategy builds a
+            ``dp x sp`` mesh, applies Ulysses to the module's HF models and splits every batch
+            along the sequence (:mod:`plait.lightning.parallel`). 1: off.
+        ep_size: expert-parallel ranks (plait-moe-layers): a ``dp x ep`` mesh, ``E / ep``
+            experts of every plait MoE layer per rank, experts sharded by ZeRO over the
+            expert-data-parallel group under their global names. 1: off.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
@@ -98,8 +104,13 @@ class PlaitConfig:
     extensions: tuple[Any, ...] = ()
     init_fn: Callable[[nn.Module], None] | None = None
     verify_on_load: bool = True
+    sp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
+        from plait.lightning.parallel import check_parallel_sizes  # (it imports this module)
+
+        check_parallel_sizes(self.sp_size, self.ep_size)
         if not isinstance(self.zero, ZeroConfig):
             raise ValueError(f"PlaitConfig.zero={self.zero!r} must be a plait.zero_sharding.ZeroConfig, "
                              "e.g. ZeroConfig(stage=3).")

@@ -14,6 +14,11 @@ Usage::
 The model and its optimizer must be set up together (``fabric.setup(model, optimizer)``): ZeRO
 builds the optimizer over the shards it creates. ``fabric.setup(model)`` alone shards for
 evaluation only.
+
+``sp_size``/``ep_size`` build a ``dp x sp`` / ``dp x ep`` mesh and apply Ulysses / expert
+parallelism before ZeRO (:mod:`plait.lightning.parallel`); with ``sp_size > 1`` the user's loop
+passes each batch through ``fabric.strategy.split_batch(batch)`` (the sequence slice of this rank)
+and ``fabric.setup_dataloaders`` samples over the ``dp`` ranks only.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from torch import nn
 from plait import universal_ckpt
 from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
-from plait.lightning import failures
+from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitFabricPrecision, precision_name_of
-from plait.lightning.strategy import build_config, move_module, rebind_schedulers
+from plait.lightning.strategy import build_config, move_module, parallel_plan, rebind_schedulers
 from plait.universal_ckpt.directory import resolve
 from plait.zero_sharding import ZeroConfig, ZeroModule, ZeroOptimizer, sharded_init
 
@@ -102,10 +107,11 @@ class PlaitFabricStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen") -> None:
+                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1) -> None:
         self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
-                                         verify_on_load=verify_on_load)
+                                         verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
         check_plan(self.plait_config, "32-true")
+        self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built when the model is set up
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
@@ -113,6 +119,8 @@ class PlaitFabricStrategy(DDPStrategy):
 
     # ---- failures: no orphans (Fabric has no exception hook: rank 0 stops its ranks at exit) -----
     def _configure_launcher(self) -> None:
+        parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
+                                  self.num_processes * self.num_nodes)  # before any process starts
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:
             timeout_s = (self._timeout or default_pg_timeout).total_seconds()
@@ -139,11 +147,38 @@ class PlaitFabricStrategy(DDPStrategy):
         check_plan(self.plait_config, name)
         self._precision = plugin if isinstance(plugin, PlaitFabricPrecision) else PlaitFabricPrecision(name)
 
+    # ---- sequence parallelism ---------------------------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With ``sp_size > 1`` the sampler splits over the ``dp`` ranks only (an sp group shares its batches)."""
+        kwargs = super().distributed_sampler_kwargs
+        sp = self.plait_config.sp_size
+        if sp > 1:
+            kwargs = {**kwargs, "num_replicas": kwargs["num_replicas"] // sp, "rank": self.global_rank // sp}
+        return kwargs
+
+    def split_batch(self, batch: Any) -> Any:
+        """This rank's slice of the sequence (:func:`plait.lightning.parallel.split_batch`); the batch
+        unchanged with ``sp_size == 1``.
+
+        Raises:
+            RuntimeError: called before ``fabric.setup`` built the mesh.
+        """
+        if self.plait_config.sp_size == 1:
+            return batch
+        if self.device_mesh is None:
+            raise RuntimeError("split_batch needs the sp mesh, built by fabric.setup(model, optimizer); call it first.")
+        return parallel.split_batch(batch, self.device_mesh)
+
+    def _parallel_plan(self) -> tuple[PlaitConfig, Any]:
+        plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type, self.world_size)
+        return plan, group
+
     # ---- setup ----------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """``empty_init=True``: the modules' own constructors run and each rank keeps a slice of every
         parameter as it is built (see ``plait.zero_sharding.sharded_init``); ZeRO shards them."""
-        if empty_init:
+        if empty_init and self.plait_config.ep_size == 1:  # expert parallelism slices a whole model
             return sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct")
         return super().module_init_context(empty_init=empty_init)
 
@@ -162,7 +197,8 @@ class PlaitFabricStrategy(DDPStrategy):
             raise ValueError(f"fabric.setup got {len(optimizers)} optimizers; the plait strategies shard exactly one.")
         self.precision.device_type = self.root_device.type
         original = optimizers[0]
-        module, zero_optimizer = shard_module(module, original, self.plait_config, self.precision.precision)
+        plan, group = self._parallel_plan()
+        module, zero_optimizer = shard_module(module, original, plan, self.precision.precision, group=group)
         if scheduler is not None:
             rebind_schedulers([scheduler], original, zero_optimizer)
         return module, [zero_optimizer], scheduler
@@ -170,7 +206,8 @@ class PlaitFabricStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard for evaluation only (an optimizer without state, SGD at lr 0)."""
         self.precision.device_type = self.root_device.type
-        module, _ = shard_module(module, torch.optim.SGD, self.plait_config, self.precision.precision, lr=0.0)
+        plan, group = self._parallel_plan()
+        module, _ = shard_module(module, torch.optim.SGD, plan, self.precision.precision, lr=0.0, group=group)
         return module
 
     def setup_optimizer(self, optimizer: Any) -> Any:

@@ -126,10 +126,16 @@ def shard_module(module: nn.Module, optimizer: Any, plan: PlaitConfig, precision
     module, kwargs = apply_extensions(module, plan.extensions, group)
     if plan.offload is not None:
         kwargs["placement"] = _offload_placement(plan)
+    # Extensions with ``regroup`` (expert parallelism) split the optimizer's own groups instead.
+    regroupers = [ext for ext in sorted(plan.extensions, key=lambda e: e.order) if hasattr(ext, "regroup")]
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer, param_groups, optimizer_kwargs = _as_class(optimizer)
         if "param_groups" in kwargs:
             raise ValueError("an extension supplies param_groups, so configure_optimizers must return an optimizer "
                              "class with options (the extension's groups replace the optimizer's own).")
         kwargs["param_groups"] = param_groups
+    elif regroupers and "param_groups" not in kwargs:
+        kwargs["param_groups"] = [{"params": list(module.parameters())}]
+    for ext in regroupers:
+        kwargs["param_groups"] = ext.regroup(kwargs["param_groups"])
     return zero_shard(module, optimizer, zero, mesh=group, init_fn=plan.init_fn, **kwargs, **optimizer_kwargs)

@@ -14,6 +14,9 @@ imports deepspeed). What differs from DDP:
   loadable at any number of devices.
 * every input check (precision, clip settings against ZeroConfig, missing pieces) runs when
   the Trainer is built or right before the launcher starts processes.
+* ``sp_size``/``ep_size`` (:mod:`plait.lightning.parallel`): a ``dp x sp`` or ``dp x ep`` mesh,
+  Ulysses or expert parallelism applied as extensions before ZeRO, batches split along the
+  sequence for the sp ranks (and the sampler sized to ``dp``).
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
 """
@@ -21,6 +24,7 @@ imports deepspeed). What differs from DDP:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import shutil
 import sys
@@ -40,7 +44,7 @@ from torch import nn
 
 from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
-from plait.lightning import failures
+from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
@@ -90,19 +94,43 @@ class ShardedRoot(nn.Module):
 
 
 def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload: Any, extensions: tuple,
-                 init_fn: Any, verify_on_load: bool) -> PlaitConfig:
+                 init_fn: Any, verify_on_load: bool, sp_size: int = 1, ep_size: int = 1) -> PlaitConfig:
     """One PlaitConfig from either ``config=`` or its fields.
 
     Raises:
         ValueError: both were given.
     """
     if config is not None:
-        if zero is not None or offload is not None or extensions or init_fn is not None or not verify_on_load:
-            raise ValueError("pass config=PlaitConfig(...) or zero=/offload=/extensions=/init_fn=/verify_on_load=, "
-                             "not both.")
+        if zero is not None or offload is not None or extensions or init_fn is not None or not verify_on_load \
+                or sp_size != 1 or ep_size != 1:
+            raise ValueError("pass config=PlaitConfig(...) or zero=/offload=/extensions=/init_fn=/verify_on_load=/"
+                             "sp_size=/ep_size=, not both.")
         return config
     return PlaitConfig(zero=zero or ZeroConfig(), offload=offload, extensions=tuple(extensions), init_fn=init_fn,
-                       verify_on_load=verify_on_load)
+                       verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
+
+
+def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple[PlaitConfig, Any, Any]:
+    """Build the mesh of ``plan.sp_size``/``plan.ep_size`` (collective) and add their extensions.
+
+    Returns:
+        ``(plan with the extensions, mesh or None, what ZeRO shards over)``: the ``dp x sp`` mesh
+        (ZeRO's default ``shard_dims``) with sp, the world with ep (experts go to their own
+        expert-data-parallel groups through the parameter groups).
+
+    Raises:
+        ValueError: a size that does not divide ``world_size``.
+    """
+    parallel.check_world_size(plan.sp_size, plan.ep_size, world_size)
+    mesh = parallel.build_mesh(plan.sp_size, plan.ep_size, device_type)
+    if mesh is None:
+        return plan, None, None
+    if plan.sp_size > 1:
+        extension: Any = parallel.SequenceParallel(mesh)
+    else:
+        extension = parallel.ExpertParallel(mesh)
+    plan = dataclasses.replace(plan, extensions=(*plan.extensions, extension))
+    return plan, mesh, (mesh if plan.sp_size > 1 else None)
 
 
 def rebind_schedulers(schedulers: list[Any], old: Any, new: Any) -> None:
@@ -145,17 +173,22 @@ class PlaitStrategy(DDPStrategy):
         extensions: :class:`~plait.zero_sharding.composition.ShardingExtension` objects.
         init_fn: initialiser for modules built in ``configure_model``.
         verify_on_load: check checkpoint hashes on load.
+        sp_size: Ulysses sequence parallelism over ``sp_size`` ranks (plait-ulysses-sp; 1: off).
+        ep_size: expert parallelism over ``ep_size`` ranks (plait-moe-layers; 1: off).
         config: a whole :class:`PlaitConfig` instead of the fields above.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for ``DDPStrategy``.
 
     Raises:
-        PieceMissingError: an offload setting without a usable plait-offload-io.
-        ValueError: contradictory settings (named, with the fix).
+        PieceMissingError: an offload setting without a usable plait-offload-io; ``sp_size > 1``
+            without plait-ulysses-sp, ``ep_size > 1`` without plait-moe-layers.
+        ValueError: contradictory settings (named, with the fix); ``sp_size``/``ep_size`` not
+            dividing the world size (before the launcher starts processes).
 
     Example::
 
         trainer = L.Trainer(strategy=PlaitStrategy(zero=ZeroConfig(stage=2)), devices=2)
+        trainer = L.Trainer(strategy=PlaitStrategy(sp_size=2), devices=4)     # dp 2 x sp 2
     """
 
     strategy_name = "plait"
@@ -165,10 +198,11 @@ class PlaitStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen") -> None:
+                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1) -> None:
         self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
-                                         verify_on_load=verify_on_load)
+                                         verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
         check_plan(self.plait_config, "32-true")
+        self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built in setup
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -211,6 +245,26 @@ class PlaitStrategy(DDPStrategy):
                         gradient_clip_val=getattr(trainer, "gradient_clip_val", None),
                         gradient_clip_algorithm=algorithm if getattr(trainer, "gradient_clip_val", None) else None)
         check_plan(self.plait_config, self.precision_plugin.precision)
+        parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
+                                  self.num_processes * self.num_nodes)
+
+    # ---- sequence parallelism: sp groups share batches, each rank keeps its slice of the sequence
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With ``sp_size > 1`` the sampler splits over the ``dp`` ranks only (an sp group shares its batches)."""
+        kwargs = super().distributed_sampler_kwargs
+        sp = self.plait_config.sp_size
+        if sp > 1:
+            kwargs = {**kwargs, "num_replicas": kwargs["num_replicas"] // sp, "rank": self.global_rank // sp}
+        return kwargs
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch; with ``sp_size > 1`` keep this rank's slice of the sequence
+        (:func:`plait.lightning.parallel.split_batch`)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.plait_config.sp_size > 1 and self.device_mesh is not None:
+            batch = parallel.split_batch(batch, self.device_mesh)
+        return batch
 
     # ---- failures: no orphans, named steps -------------------------------------------------------
     def setup_environment(self) -> None:
@@ -248,7 +302,11 @@ class PlaitStrategy(DDPStrategy):
         """``configure_model`` runs the modules' own constructors, each rank keeping a slice of
         every parameter as it is built (bitwise the weights of a plain build with the same seed);
         ZeRO then shards them. With ``init_fn`` set, parameters go to the meta device instead and
-        ZeRO initialises each module with it."""
+        ZeRO initialises each module with it. With ``ep_size > 1`` the model is built whole (expert
+        parallelism keeps a block of each layer's experts before ZeRO shards the rest)."""
+        if self.plait_config.ep_size > 1:
+            yield
+            return
         with sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct"):
             yield
 
@@ -264,6 +322,7 @@ class PlaitStrategy(DDPStrategy):
         self.precision_plugin.device_type = self.root_device.type
         module = self.lightning_module
         self.model_to_device()
+        plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type, self.world_size)
         clip = getattr(trainer, "gradient_clip_val", None) or None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -274,13 +333,13 @@ class PlaitStrategy(DDPStrategy):
             if isinstance(module, ZeroModule) and type(module.zero_optimizer.inner) is not type(original):
                 raise ValueError("this LightningModule was sharded for evaluation (validate/test/predict) before "
                                  "fit; build a fresh model for training.")
-            _, zero_optimizer = shard_module(module, original, self.plait_config, self.precision_plugin.precision,
-                                             gradient_clip_val=clip)
+            _, zero_optimizer = shard_module(module, original, plan, self.precision_plugin.precision,
+                                             gradient_clip_val=clip, group=group)
             rebind_schedulers([c.scheduler for c in self.lr_scheduler_configs], original, zero_optimizer)
             self.optimizers = [zero_optimizer]
         else:
             # Evaluation only: shard with an optimizer that holds no state (SGD at lr 0).
-            shard_module(module, torch.optim.SGD, self.plait_config, self.precision_plugin.precision, lr=0.0)
+            shard_module(module, torch.optim.SGD, plan, self.precision_plugin.precision, lr=0.0, group=group)
         self.model = ShardedRoot(module)
         self.setup_precision_plugin()
 
