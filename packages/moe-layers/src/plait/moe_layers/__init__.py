@@ -6,6 +6,8 @@
   GEMMs or user expert modules, Residual MoE.
 - :func:`make_expert_parallel_groups`, :func:`apply_expert_parallel`: experts sharded over an
   ``ep`` group, tokens exchanged by uneven all-to-alls (counted by plait's byte ledger).
+- :func:`zero_param_groups`, :func:`expert_global_identity`: the ZeRO parameter groups of an
+  expert-parallel model, experts named by their global index so checkpoints reshard across ep.
 - :func:`convert_hf_moe` / :func:`restore_hf_moe`: HF Mixtral, Qwen2-MoE and Qwen3-MoE sparse
   blocks to plait MoE layers and back (weights kept).
 """
@@ -13,6 +15,7 @@
 from plait.moe_layers.config import MoEConfig
 from plait.moe_layers.dispatch import all_to_all_rows, dispatch_combine
 from plait.moe_layers.experts import GatedExperts, ModuleExperts
+from plait.moe_layers.identity import ExpertGlobalIdentity, expert_global_identity, zero_param_groups
 from plait.moe_layers.layer import MoE, collect_losses, moe_layers
 from plait.moe_layers.parallel import (
     ExpertParallelGroups,
@@ -25,8 +28,9 @@ from plait.moe_layers.parallel import (
 from plait.moe_layers.router import MoELosses, Router, Routing, capacity_keep, load_balancing_loss, router_z_loss
 
 __all__ = [
-    "ExpertParallelGroups", "GatedExperts", "MoE", "MoEConfig", "MoELosses", "ModuleExperts", "Router", "Routing",
+    "ExpertGlobalIdentity", "ExpertParallelGroups", "GatedExperts",
+    "MoE", "MoEConfig", "MoELosses", "ModuleExperts", "Router", "Routing",
     "all_to_all_rows", "apply_expert_parallel", "average_gradients", "capacity_keep", "collect_losses",
-    "dense_parameters", "dispatch_combine", "expert_parameters", "load_balancing_loss", "make_expert_parallel_groups",
-    "moe_layers", "router_z_loss",
+    "dense_parameters", "dispatch_combine", "expert_global_identity", "expert_parameters", "load_balancing_loss",
+    "make_expert_parallel_groups", "moe_layers", "router_z_loss", "zero_param_groups",
 ]
