@@ -35,7 +35,7 @@ from plait.lightning.pieces import PieceMissingError
 ULYSSES_INSTALL = "pip install plait-ulysses-sp"
 MOE_INSTALL = "pip install plait-moe-layers"
 __all__ = ["ExpertParallel", "SequenceParallel", "available", "build_mesh", "check_parallel_sizes", "check_world_size",
-           "expert_global_groups", "split_batch"]
+           "split_batch"]
 
 
 def available(module: str) -> bool:
@@ -199,37 +199,6 @@ class SequenceParallel:
         return {}
 
 
-def expert_global_groups(module: nn.Module, groups: Any) -> tuple[set[int], Any]:
-    """The expert parameters of ``module`` (ids) and their ``zero_global`` mapping.
-
-    A stacked expert tensor (``GatedExperts``: ``[E/ep, ...]``) is rows ``[first, first + E/ep)`` of the
-    global ``[E, ...]`` tensor of the same name; an expert module of ``ModuleExperts``
-    (``experts.<i>``) is expert ``first + i``, renamed so.
-    """
-    from plait.moe_layers import moe_layers
-
-    names = {id(m): n for n, m in module.named_modules()}
-    identity: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for layer in moe_layers(module):
-        experts = layer.experts
-        prefix = names[id(experts)]
-        first = experts.first_expert
-        for name, param in experts.named_parameters():
-            full = f"{prefix}.{name}"
-            if name.startswith("experts."):  # ModuleExperts: one module per expert
-                _, index, rest = name.split(".", 2)
-                identity[full] = (f"{prefix}.experts.{first + int(index)}.{rest}", tuple(param.shape), 0)
-            else:
-                shape = (param.shape[0] * groups.ep_size, *param.shape[1:])
-                identity[full] = (full, tuple(shape), first)
-    params = {id(p) for n, p in module.named_parameters() if n in identity}
-
-    def global_of(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], int]:
-        return identity.get(name, (name, tuple(shape), 0))
-
-    return params, global_of
-
-
 class ExpertParallel:
     """plait-moe-layers' expert parallelism over the mesh's ``ep`` dimension, composed with ZeRO.
 
@@ -274,9 +243,12 @@ class ExpertParallel:
         the expert-data-parallel group, with its global identity); parameters the expert split
         replaced are mapped to the new ones by name.
         """
+        from plait.moe_layers import expert_global_identity, expert_parameters
+
         assert self._module is not None, "apply() runs before regroup()"
         current = dict(self._module.named_parameters())
-        experts, global_of = expert_global_groups(self._module, self.groups)
+        experts = {id(p) for p in expert_parameters(self._module)}
+        global_of = expert_global_identity(self._module)  # stacked experts as rows of [E, ...]
         out = []
         for group in param_groups:
             params = [current.get(self._names.get(id(p), ""), p) for p in group["params"]]
