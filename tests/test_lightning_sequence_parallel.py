@@ -65,10 +65,16 @@ class HFCausalLM(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(Tokens(), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> Any:
         return torch.utils.data.DataLoader(Tokens(), batch_size=self.batch_size)
 
 
@@ -79,7 +85,7 @@ def _fit(strategy: Any, batch_size: int) -> tuple[dict[int, float], HFCausalLM, 
     recorder = LossRecorder()
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1)
     trainer.fit(module)
     return recorder.losses, module, trainer
 
@@ -111,14 +117,15 @@ def sp_session() -> dict[str, Any]:
     import plait.lightning  # noqa: F401
     from plait.lightning import PlaitStrategy
 
-    ddp, _, _ = _fit("ddp", batch_size=1)
+    ddp, _, ddp_trainer = _fit("ddp", batch_size=1)
     ours, module, trainer = _fit(PlaitStrategy(sp_size=2), batch_size=2)
     mesh = trainer.strategy.device_mesh
     from plait.ulysses_sp.hf import is_ulysses
 
     return {"ddp": ddp, "sp": ours, "lengths": module.local_lengths, "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
             "attn": module.model.config._attn_implementation, "ulysses": is_ulysses(module.model),
-            "fabric": _fabric_sp()}
+            "fabric": _fabric_sp(), "val": (float(ddp_trainer.callback_metrics["val_loss"]),
+                                            float(trainer.callback_metrics["val_loss"]))}
 
 
 @pytest.mark.timeout(300)
@@ -128,6 +135,7 @@ def test_trainer_sp2_follows_ddp_on_the_same_global_batches() -> None:
         assert result["mesh"] == (("dp", "sp"), (2, 2)), result["mesh"]
         assert result["attn"] == "plait_ulysses" and result["ulysses"]
         assert result["lengths"] == [9] * STEPS, result["lengths"]  # 17 tokens padded to 18, halves
+        assert math.isclose(*result["val"], rel_tol=RTOL), result["val"]  # validation batches are split too
         ddp, sp = result["ddp"], result["sp"]
         assert sorted(ddp) == sorted(sp) == list(range(STEPS)), (ddp, sp)
         assert ddp[STEPS - 1] < ddp[0]
