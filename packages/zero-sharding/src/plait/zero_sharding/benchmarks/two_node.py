@@ -7,7 +7,8 @@ the veth, which a ``tc`` token bucket holds to 1 Gbit/s for the second pass. In 
 0's veth address). Per pass (unthrottled, then 1 Gbit/s) every rank builds all modes and
 alternates their steps (:mod:`.two_node_worker`): DDP, FSDP2 (``fully_shard`` over the 4 ranks),
 FSDP2 HSDP (a 2 x 2 mesh: replicate across nodes, shard inside), plait ZeRO-3, plait hpZ alone
-(secondary partition of 2), plait qwZ int8 + qgZ int4, and plait ZeRO++ (all three).
+(secondary partition of 2), plait qwZ int8 + qgZ int4, and plait ZeRO++ (all three; qgZ in two
+hops across nodes), plus, informational, ZeRO++ with qgZ's one flat all-to-all.
 
 Figures per mode: bytes crossing nodes per measured step (the veth counters of both ends, the
 barriers' share taken off: wire bytes, TCP/IP headers included; the median step, on the

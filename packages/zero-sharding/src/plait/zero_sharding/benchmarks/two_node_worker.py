@@ -38,7 +38,8 @@ from plait.kernels.benchmarks.netem import interface_tx_bytes
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, tiny_llama
 
-MODES = ("DDP", "FSDP2", "FSDP2 HSDP", "plait ZeRO-3", "plait hpZ", "plait qwZ+qgZ", "plait ZeRO++")
+ONE_HOP = "plait ZeRO++, 1-hop qgZ"  # informational: ZeRO++ with the flat (one all-to-all) qgZ
+MODES = ("DDP", "FSDP2", "FSDP2 HSDP", "plait ZeRO-3", "plait hpZ", "plait qwZ+qgZ", "plait ZeRO++", ONE_HOP)
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.01)  # the paired benchmark's AdamW options
 
 
@@ -125,8 +126,23 @@ def _policies(model: nn.Module) -> str:
     return ", ".join(parts)
 
 
+def _one_hop(spec: dict[str, Any]) -> tuple[nn.Module, Any, str]:
+    """ZeRO++ with qgZ's single flat all-to-all, built by hand (hpZ over the node, qwZ int8):
+    what the two-hop qgZ saves on the link and costs in quantization work."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+    from plait.zero_sharding.zeropp import HierarchicalParamGatherer, QuantizedGradientReducer, QuantizedParamGatherer
+
+    gatherer = HierarchicalParamGatherer(partition_size=spec["per_node"], inner=QuantizedParamGatherer())
+    model, optimizer = zero_shard(build_model(spec), torch.optim.AdamW,
+                                  ZeroConfig(stage=3, param_persistence_threshold=0), gatherer=gatherer,
+                                  reducer=QuantizedGradientReducer(), **OPTIMIZER)
+    return model, optimizer, f"policies by hand; {_policies(model)}"
+
+
 def build(mode: str, spec: dict[str, Any]) -> tuple[nn.Module, Any, str]:
     """(model, optimizer, how it was built) of one mode."""
+    if mode == ONE_HOP:
+        return _one_hop(spec)
     if mode == "DDP":
         model = nn.parallel.DistributedDataParallel(build_model(spec))
         return model, torch.optim.AdamW(model.parameters(), **OPTIMIZER), "DistributedDataParallel"
