@@ -74,9 +74,11 @@ def test_bit_flip_names_file_and_hashes(pristine, tmp_path):
     path.write_bytes(data)
     err = _refuse(ckpt, uc.CheckpointIntegrityError)
     assert err.file == "data/rank-00001.bin" and err.expected in str(err) and err.actual in str(err)
-    assert err.expected != err.actual and len(err.expected) == 64
-    with pytest.raises(uc.CheckpointIntegrityError, match="rank-00001.bin"):
+    # A load checks the chunk's XXH3-64 checksum (16 hex digits); plait ckpt verify its sha256 (64).
+    assert err.expected != err.actual and len(err.expected) == 16 and "xxh3_64" in str(err)
+    with pytest.raises(uc.CheckpointIntegrityError, match="rank-00001.bin.*sha256") as full:
         uc.verify_checkpoint(ckpt)
+    assert len(full.value.expected) == 64
     # The documented switch: verify=False skips hashing and loads the flipped bytes.
     state, _ = _target()
     uc.load(state, ckpt, verify=False)

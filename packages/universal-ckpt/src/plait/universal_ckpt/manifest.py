@@ -91,6 +91,9 @@ class Piece:
         flat_range: ``[start, stop)`` into the row-major flattening of the global tensor, or None.
         slices: per-dimension ``[start, stop)`` boxes, or None (exactly one of the two is set).
         hashes: hex digests of consecutive ``chunk_bytes`` chunks of the piece (at least one).
+        checksums: optional fast checksums (the manifest's ``checksum_algorithm``) of the same
+            chunks, which loads check instead of ``hashes``; None in checkpoints written without
+            them (loads then check ``hashes``).
     """
 
     file: str
@@ -99,6 +102,7 @@ class Piece:
     flat_range: tuple[int, int] | None
     slices: tuple[tuple[int, int], ...] | None
     hashes: tuple[str, ...]
+    checksums: tuple[str, ...] | None = None
 
     @property
     def numel_local(self) -> int:
@@ -175,6 +179,8 @@ class Manifest:
         files: data file -> byte size, so truncation is caught before any read.
         chunk_bytes: hash chunk size of pieces.
         hash_algorithm: hashlib name of the digests.
+        checksum_algorithm: name of the pieces' fast ``checksums`` (``"xxh3_64"``), or None when
+            no piece has them.
         format_version: on-disk format version.
         created_unix: seconds since the epoch when rank 0 committed.
         user_meta: free-form JSON from the caller.
@@ -187,6 +193,7 @@ class Manifest:
     files: dict[str, int]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     hash_algorithm: str = HASH_ALGORITHM
+    checksum_algorithm: str | None = None
     format_version: int = FORMAT_VERSION
     created_unix: float = 0.0
     user_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -251,7 +258,9 @@ def _to_plain(manifest: Manifest) -> dict:
         return {"file": p.file, "offset": p.offset, "nbytes": p.nbytes,
                 "flat_range": list(p.flat_range) if p.flat_range is not None else None,
                 "slices": [list(s) for s in p.slices] if p.slices is not None else None,
-                "hashes": list(p.hashes)}
+                "hashes": list(p.hashes),
+                # written only when present: manifests without checksums hash as before
+                **({"checksums": list(p.checksums)} if p.checksums is not None else {})}
 
     def entry(e: TensorEntry) -> dict:
         body = {"key": e.key, "name": e.name, "kind": e.kind, "global_shape": list(e.global_shape),
@@ -266,6 +275,7 @@ def _to_plain(manifest: Manifest) -> dict:
         "created_unix": manifest.created_unix,
         "hash_algorithm": manifest.hash_algorithm,
         "chunk_bytes": manifest.chunk_bytes,
+        **({"checksum_algorithm": manifest.checksum_algorithm} if manifest.checksum_algorithm is not None else {}),
         "layout": dataclasses.asdict(manifest.layout),
         "files": dict(sorted(manifest.files.items())),
         "objects": {str(rank): {"file": o.file, "nbytes": o.nbytes, "hash": o.hash, "keys": list(o.keys)}
@@ -280,7 +290,8 @@ def _from_plain(body: dict) -> Manifest:
         return Piece(file=p["file"], offset=int(p["offset"]), nbytes=int(p["nbytes"]),
                      flat_range=tuple(p["flat_range"]) if p["flat_range"] is not None else None,
                      slices=tuple(tuple(s) for s in p["slices"]) if p["slices"] is not None else None,
-                     hashes=tuple(p["hashes"]))
+                     hashes=tuple(p["hashes"]),
+                     checksums=tuple(p["checksums"]) if p.get("checksums") is not None else None)
 
     tensors = {
         full: TensorEntry(key=e["key"], name=e["name"], kind=e["kind"], global_shape=tuple(e["global_shape"]),
@@ -293,5 +304,6 @@ def _from_plain(body: dict) -> Manifest:
                for rank, o in body["objects"].items()}
     return Manifest(step=int(body["step"]), layout=Layout(**body["layout"]), tensors=tensors, objects=objects,
                     files={k: int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),
-                    hash_algorithm=body["hash_algorithm"], format_version=int(body["format_version"]),
+                    hash_algorithm=body["hash_algorithm"], checksum_algorithm=body.get("checksum_algorithm"),
+                    format_version=int(body["format_version"]),
                     created_unix=float(body["created_unix"]), user_meta=body.get("user_meta", {}))

@@ -31,7 +31,15 @@ from plait.universal_ckpt.manifest import (
     TensorEntry,
     dtype_name,
 )
-from plait.universal_ckpt.storage import chunk_hashes, file_digest, fsync_dir, tensor_bytes, write_durable
+from plait.universal_ckpt.storage import (
+    CHECKSUM_ALGORITHM,
+    chunk_checksums,
+    chunk_hashes,
+    file_digest,
+    fsync_dir,
+    tensor_bytes,
+    write_durable,
+)
 
 DATA_FILE = "data/rank-00000.bin"
 
@@ -79,6 +87,8 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
                                        hash=file_digest(tmp / rel), keys=tuple(sorted(state)))
         manifest = Manifest(step=step, layout=layout or Layout(), tensors=entries, objects=records,
                             files={DATA_FILE: size} if entries else {}, chunk_bytes=chunk_bytes,
+                            checksum_algorithm=CHECKSUM_ALGORITHM if any(
+                                p.checksums is not None for e in entries.values() for p in e.pieces) else None,
                             created_unix=time.time(), user_meta=user_meta or {})
         fsync_dir(tmp / "data")
         fsync_dir(tmp / "objects")
@@ -106,7 +116,8 @@ def _write_tensors(tmp: Path, tensors: Iterable[tuple[str, str, str, torch.Tenso
             entries[full] = TensorEntry(
                 key=key, name=name, kind=kind, global_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
                 nbytes=len(data), pieces=(Piece(file=DATA_FILE, offset=offset, nbytes=len(data), flat_range=(0, numel),
-                                                slices=None, hashes=chunk_hashes(data, chunk_bytes, HASH_ALGORITHM)),))
+                                                slices=None, hashes=chunk_hashes(data, chunk_bytes, HASH_ALGORITHM),
+                                                checksums=chunk_checksums(data, chunk_bytes)),))
             offset += len(data)
             if progress is not None:
                 progress(len(data))

@@ -22,7 +22,7 @@ import torch
 from plait.kernels.sharded_state import ShardSpec, flat_overlap
 from plait.universal_ckpt.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
 from plait.universal_ckpt.manifest import MANIFEST_NAME, Manifest, Piece, TensorEntry
-from plait.universal_ckpt.storage import file_digest, read_verified
+from plait.universal_ckpt.storage import CHECKSUM_ALGORITHM, check_chunks, file_digest, pick_digests, read_verified
 
 
 def read_manifest(ckpt: Path) -> Manifest:
@@ -124,10 +124,11 @@ def _read(ckpt: Path, manifest: Manifest, piece: Piece, dtype: torch.dtype, firs
     target = None
     if into is not None and into.numel():
         target = memoryview(into.view(torch.uint8).numpy()).cast("B")
+    digests, algorithm = pick_digests(piece.hashes, piece.checksums, manifest.hash_algorithm)
     data = read_verified(ckpt / piece.file, piece.file, piece.offset, piece.nbytes,
                          start=first * itemsize, stop=last * itemsize,
-                         hashes=piece.hashes if verify else None, chunk_bytes=manifest.chunk_bytes,
-                         algorithm=manifest.hash_algorithm, into=target)
+                         hashes=digests if verify else None, chunk_bytes=manifest.chunk_bytes,
+                         algorithm=algorithm, into=target)
     if into is not None:
         return into
     if len(data) == 0:
@@ -162,7 +163,8 @@ def read_region(ckpt: Path, manifest: Manifest, entry: TensorEntry, target: Shar
         manifest: its manifest.
         entry: the saved tensor.
         target: the wanted piece (its global shape must match the entry's).
-        verify: check the hash of every chunk read.
+        verify: check every chunk read against its fast checksum (XXH3-64) where the manifest
+            has one, else against its sha256.
         out: optional 1-D CPU tensor of ``target.local_numel`` elements to fill.
 
     Returns:
@@ -243,7 +245,8 @@ def check_coverage(entry: TensorEntry) -> str | None:
 
 
 def verify_checkpoint(ckpt: Path, *, progress: Any = None) -> Manifest:
-    """Check everything: manifest, file sizes, coverage, and the hash of every chunk and object file.
+    """Check everything: manifest, file sizes, coverage, and the sha256 (and the checksum, where
+    stored) of every chunk, and the hash of every object file.
 
     Args:
         ckpt: a checkpoint directory (or a root; its latest is checked).
@@ -262,8 +265,13 @@ def verify_checkpoint(ckpt: Path, *, progress: Any = None) -> Manifest:
         if problem:
             raise CheckpointFormatError(problem)
         for piece in entry.pieces:
-            read_verified(ckpt / piece.file, piece.file, piece.offset, piece.nbytes, start=0, stop=piece.nbytes,
-                          hashes=piece.hashes, chunk_bytes=manifest.chunk_bytes, algorithm=manifest.hash_algorithm)
+            data = read_verified(ckpt / piece.file, piece.file, piece.offset, piece.nbytes, start=0,
+                                 stop=piece.nbytes, hashes=piece.hashes, chunk_bytes=manifest.chunk_bytes,
+                                 algorithm=manifest.hash_algorithm)
+            digests, algorithm = pick_digests(piece.hashes, piece.checksums, manifest.hash_algorithm)
+            if algorithm == CHECKSUM_ALGORITHM:  # a load checks these: they must agree with the hashes too
+                check_chunks(data, piece.file, piece.offset, piece.nbytes, 0, piece.nbytes, digests=digests,
+                             chunk_bytes=manifest.chunk_bytes, algorithm=algorithm)
             if progress is not None:
                 progress(piece.nbytes)
     for rank in manifest.objects:

@@ -44,7 +44,14 @@ from plait.universal_ckpt.manifest import (
     dtype_name,
 )
 from plait.universal_ckpt.reader import check_coverage
-from plait.universal_ckpt.storage import file_digest, fsync_dir, tensor_bytes, write_durable, write_pieces
+from plait.universal_ckpt.storage import (
+    CHECKSUM_ALGORITHM,
+    file_digest,
+    fsync_dir,
+    tensor_bytes,
+    write_durable,
+    write_pieces,
+)
 
 # Fault injection for the reliability tests: called with the name of each phase boundary.
 _fault_hook: Callable[[str], None] | None = None
@@ -128,13 +135,14 @@ def _write_rank(plan: _Plan, tmp: Path) -> dict:
     if plan.pieces:
         rel = _rank_file("data", rank)
         written = write_pieces(tmp / rel, [tensor_bytes(p.data) for p in plan.pieces], chunk_bytes=plan.chunk_bytes)
-        for piece, (offset, nbytes, hashes) in zip(plan.pieces, written):
+        for piece, (offset, nbytes, hashes, checksums) in zip(plan.pieces, written):
             record["pieces"].append((piece.full_name, piece.key, piece.name, piece.kind, piece.global_shape,
                                      dtype_name(piece.dtype), Piece(file=rel, offset=offset, nbytes=nbytes,
                                                                     flat_range=piece.flat_range,
-                                                                    slices=piece.slices, hashes=hashes),
+                                                                    slices=piece.slices, hashes=hashes,
+                                                                    checksums=checksums),
                                      piece.pattern))
-        record["files"][rel] = sum(n for _, n, _ in written)
+        record["files"][rel] = sum(n for _, n, _, _ in written)
     if plan.objects is not None:
         rel = _rank_file("objects", rank)
         write_durable(tmp / rel, plan.objects)
@@ -174,8 +182,10 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
         tensors[full] = entry
     files = {rel: size for record in records for rel, size in record["files"].items()}
     objects = {record["rank"]: record["object"] for record in records if record["object"] is not None}
+    has_checksums = any(p.checksums is not None for e in tensors.values() for p in e.pieces)
     return Manifest(step=plan.step, layout=plan.layout, tensors=tensors, objects=objects, files=files,
-                    chunk_bytes=plan.chunk_bytes, created_unix=time.time(), user_meta=plan.user_meta)
+                    chunk_bytes=plan.chunk_bytes, checksum_algorithm=CHECKSUM_ALGORITHM if has_checksums else None,
+                    created_unix=time.time(), user_meta=plan.user_meta)
 
 
 def _raise_agreed(failures: list[tuple[int, str]], what: str, group: Group, own: BaseException | None) -> None:
