@@ -9,6 +9,7 @@ from torch import nn
 from plait.universal_ckpt import CheckpointIntegrityError, CheckpointLayoutError, save
 from plait.universal_ckpt.reader import read_manifest
 from plait.vllm.checkpoint_weights import CheckpointWeights
+from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
 
 
 class _Block(nn.Module):
@@ -61,20 +62,27 @@ def test_vllm_checkpoint_weights_unknown_key_says_which_keys_exist(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_vllm_checkpoint_weights_fused_experts_stream_as_hf_files_hold_them(tmp_path):
-    """transformers keeps Mixtral's experts fused in memory; the stream must carry what its
-    save_pretrained writes (per-expert w1/w3/w2 under block_sparse_moe), name for name, bit for bit."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_vllm_checkpoint_weights_fused_experts_stream_as_hf_files_hold_them(tmp_path, family):
+    """transformers keeps the experts of Mixtral and Qwen2-MoE fused in memory; the stream must carry
+    what its save_pretrained writes (per-expert w1/w3/w2 under block_sparse_moe, per-expert
+    gate/up/down_proj under mlp beside the shared expert), name for name, bit for bit."""
     transformers = pytest.importorskip("transformers")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                        num_local_experts=3, num_experts_per_tok=2, tie_word_embeddings=False)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=False)
+    if family == "mixtral":
+        model_cls, config = transformers.MixtralForCausalLM, transformers.MixtralConfig(num_local_experts=3, **common)
+    else:
+        model_cls = transformers.Qwen2MoeForCausalLM
+        config = transformers.Qwen2MoeConfig(num_experts=3, moe_intermediate_size=24,
+                                             shared_expert_intermediate_size=40, **common)
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config)
+    model = model_cls(config)
     model.save_pretrained(tmp_path / "hf")
     save({"model": model}, tmp_path / "ckpt", step=0)
     on_disk = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
-    streamed = dict(CheckpointWeights(tmp_path / "ckpt", model_type="mixtral"))
+    streamed = dict(CheckpointWeights(tmp_path / "ckpt", model_type=family))
     assert sorted(streamed) == sorted(on_disk)
     for name, tensor in on_disk.items():
         torch.testing.assert_close(streamed[name], tensor, rtol=0, atol=0, msg=name)
@@ -87,3 +95,88 @@ def test_vllm_checkpoint_weights_unknown_fused_family_is_refused():
     assert on_disk_weights("model.layers.0.mlp.experts.gate_up_proj", weights, None)[0][0].endswith("gate_up_proj")
     with pytest.raises(CheckpointLayoutError, match="model_type='qwen9_moe'"):
         on_disk_weights("model.layers.0.mlp.experts.gate_up_proj", weights, "qwen9_moe")
+
+
+def test_vllm_rank_rows_follow_vllms_dim0_splits():
+    tp2 = [TensorParallelRank(rank=r, size=2, num_key_value_heads=2) for r in range(2)]
+    assert [rank_rows("model.layers.0.self_attn.q_proj.weight", (32, 16), t) for t in tp2] == [(0, 16), (16, 32)]
+    assert rank_rows("model.layers.0.mlp.up_proj.weight", (48, 16), tp2[1]) == (24, 48)
+    assert rank_rows("model.layers.0.self_attn.k_proj.weight", (16, 16), tp2[1]) == (8, 16)
+    # 2 KV heads on 4 ranks: each head is kept by two ranks.
+    tp4 = [TensorParallelRank(rank=r, size=4, num_key_value_heads=2) for r in range(4)]
+    assert [rank_rows("model.layers.0.self_attn.v_proj.weight", (16, 16), t) for t in tp4] == [
+        (0, 8), (0, 8), (8, 16), (8, 16)]
+    # The vocabulary is padded to 64 and split evenly; the last block is clipped (or empty).
+    assert [rank_rows("lm_head.weight", (100, 16), t) for t in tp2] == [(0, 64), (64, 100)]
+    assert [rank_rows("model.embed_tokens.weight", (100, 16), t) for t in tp4] == [(0, 32), (32, 64), (64, 96),
+                                                                                  (96, 100)]
+    # Not split along dim 0, TP=1, no KV heads known, sizes that do not divide: whole.
+    assert rank_rows("model.layers.0.self_attn.o_proj.weight", (16, 32), tp2[0]) is None
+    assert rank_rows("model.layers.0.mlp.down_proj.weight", (16, 48), tp2[0]) is None
+    assert rank_rows("model.norm.weight", (16,), tp2[0]) is None
+    assert rank_rows("model.layers.0.self_attn.q_proj.weight", (32, 16), TensorParallelRank(rank=0, size=1)) is None
+    assert rank_rows("model.layers.0.self_attn.k_proj.weight", (16, 16), TensorParallelRank(rank=0, size=2)) is None
+    assert rank_rows("model.layers.0.mlp.gate_proj.weight", (45, 16), tp2[0]) is None
+    with pytest.raises(ValueError, match="rank"):
+        TensorParallelRank(rank=2, size=2)
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def save_split(root: str, world: int) -> None:
+    """One rank of a ToyZero stage-3 save: tensors straddling a rank boundary are split in two pieces."""
+    from plait.universal_ckpt.testing import ToyZero, ToyZeroConfig
+
+    save({"model": ToyZero(_tiny_llama(), ToyZeroConfig(stage=3))}, root, step=0, chunk_bytes=4096)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("producer", ["one-process", "zero-w2"])
+def test_vllm_simulated_rank_reads_and_checks_only_its_rows(tmp_path, monkeypatch, producer):
+    from plait.kernels.testing import run_distributed
+    from plait.universal_ckpt import mapped, reader
+
+    model = _tiny_llama()
+    expected = model.state_dict()
+    root = tmp_path / "ckpt"
+    if producer == "one-process":
+        save({"model": model}, root, step=0, chunk_bytes=4096)  # small chunks: rows fall in different chunks
+    else:
+        run_distributed(save_split, 2, str(root), 2, timeout=120)
+    checked = []  # bytes checked (whole pieces: mapped) and read (split pieces)
+    original_check, original_read = mapped.check_chunks, reader.read_verified
+    monkeypatch.setattr(mapped, "check_chunks", lambda view, *a, **k: checked.append(len(view)) or
+                        original_check(view, *a, **k))
+    monkeypatch.setattr(reader, "read_verified", lambda *a, start, stop, **k: checked.append(stop - start) or
+                        original_read(*a, start=start, stop=stop, **k))
+    whole = sum(t.numel() * t.element_size() for t in expected.values())
+    split_names = set()
+    for size in (1, 2, 4):
+        for rank in range(size):
+            checked.clear()
+            tp = TensorParallelRank(rank=rank, size=size, num_key_value_heads=2)
+            weights = CheckpointWeights(root, key="model", tensor_parallel=tp)
+            streamed = dict(weights)
+            assert sorted(streamed) == sorted(expected)
+            for name, tensor in expected.items():
+                rows = weights.rows_read.get(name)
+                got = streamed[name] if rows is None else streamed[name][rows[0]:rows[1]]
+                want = tensor if rows is None else tensor[rows[0]:rows[1]]
+                assert streamed[name].shape == tensor.shape and torch.equal(got, want), (size, rank, name)
+                if rows is not None and len(weights.manifest.tensors[f"model/{name}"].pieces) > 1:
+                    split_names.add(name)
+            if size == 1:
+                assert not weights.rows_read and sum(checked) >= whole
+                continue
+            assert {n.rsplit(".", 2)[-2] for n in weights.rows_read} == {
+                "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"}
+            assert sum(checked) < whole  # the rank touched less than the whole checkpoint
+    if producer == "zero-w2":
+        assert split_names, "the W=2 save should have split at least one dim-0 tensor over two pieces"

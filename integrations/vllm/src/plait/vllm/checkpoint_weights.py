@@ -5,8 +5,12 @@ under one top-level key (``model`` by default); ZeRO producers (plait-zero-shard
 parameters as ``model.<name>`` and buffers as ``buffer.<name>``, other producers keep the model's
 own ``state_dict`` names. Either way the stream carries the HF ``state_dict`` names, which is
 what vLLM's ``load_weights`` maps onto its fused layers (qkv, gate|up) and tensor-parallel slices.
-Every tensor is consolidated from whatever pieces the producer's layout stored and checked against
-the manifest's chunk hashes as it is read.
+A tensor stored as one piece is handed over as a view of the mapped data file (no copy before
+vLLM's own copy into its parameter, as with safetensors); a tensor split over several pieces is
+consolidated, each piece read straight into its place. Every chunk handed over is first checked
+against the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums).
+With tensor parallelism, a rank reads and checks only the rows of dim 0 it keeps of the weights
+vLLM splits that way (:mod:`plait.vllm.tensor_parallel`) and whole tensors otherwise.
 
 One layout differs between a model in memory and its HF checkpoint files: transformers >= 5 keeps
 an MoE block's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with the gate
@@ -30,7 +34,9 @@ from plait.universal_ckpt.directory import resolve
 from plait.universal_ckpt.errors import CheckpointIntegrityError, CheckpointLayoutError
 from plait.universal_ckpt.interop.hf import ZERO_MARKER, model_name
 from plait.universal_ckpt.manifest import Manifest, TensorEntry
-from plait.universal_ckpt.reader import check_files, read_full, read_manifest
+from plait.universal_ckpt.mapped import MappedReader
+from plait.universal_ckpt.reader import check_files, read_manifest
+from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
 
 WEIGHT_KINDS = ("parameter", "buffer")
 
@@ -45,7 +51,8 @@ class OnDiskExperts:
     down: str
 
 
-ON_DISK_EXPERTS = {"mixtral": OnDiskExperts(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+ON_DISK_EXPERTS = {"mixtral": OnDiskExperts(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+                   "qwen2_moe": OnDiskExperts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")}
 """``config.model_type`` -> on-disk expert names, for checkpoints that hold transformers' fused experts."""
 
 _FUSED = re.compile(r"^(?P<prefix>.*)\.mlp\.(?P<rest>experts\.(?P<which>gate_up_proj|down_proj)|gate\.weight)$")
@@ -96,9 +103,13 @@ class CheckpointWeights:
         path: a checkpoint directory (holds ``manifest.json``) or a checkpoint root (its latest
             committed step is used).
         key: the top-level key holding the model (default: the only key holding parameters).
-        verify: check every chunk hash while reading (default True).
+        verify: check every chunk read against the manifest (default True).
         model_type: the HF ``config.model_type``; fused experts of the families in
             :data:`ON_DISK_EXPERTS` are then streamed in their on-disk per-expert form.
+        tensor_parallel: the vLLM tensor-parallel rank reading (default: TP=1, whole tensors).
+            Tensors split along dim 0 are then whole-shaped with only this rank's rows read and
+            checked (the others are the file's unchecked bytes, or NaN where the tensor had to be
+            consolidated from several pieces).
 
     Raises:
         CheckpointNotFoundError: no plait checkpoint at ``path``.
@@ -108,13 +119,15 @@ class CheckpointWeights:
     """
 
     def __init__(self, path: str | os.PathLike, *, key: str | None = None, verify: bool = True,
-                 model_type: str | None = None) -> None:
+                 model_type: str | None = None, tensor_parallel: TensorParallelRank | None = None) -> None:
         self.directory: Path = resolve(path)
         self.manifest: Manifest = read_manifest(self.directory)
         check_files(self.directory, self.manifest)  # stat only: a truncated file fails before any read
         self.key = self._pick_key(key)
         self.verify = verify
         self.model_type = model_type
+        self.tensor_parallel = tensor_parallel
+        self.rows_read: dict[str, tuple[int, int]] = {}  # name -> rows, for the tensors read in part
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -139,20 +152,35 @@ class CheckpointWeights:
         """The model's own ``state_dict`` name of ``entry`` (the ZeRO producer's prefix removed)."""
         return model_name(entry.name, entry.kind, zero=self._zero)
 
+    def rows_for(self, entry: TensorEntry) -> tuple[int, int] | None:
+        """The rows of dim 0 this rank reads of ``entry``, or None for all of it."""
+        if self.tensor_parallel is None:
+            return None
+        rows = rank_rows(self.name_of(entry), entry.global_shape, self.tensor_parallel)
+        return None if rows == (0, entry.global_shape[0] if entry.global_shape else 0) else rows
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, consolidated tensor)`` one tensor at a time, in the HF on-disk form.
+        """Yield ``(name, tensor)`` one tensor at a time, in the HF on-disk form.
+
+        A yielded tensor may be a view of the mapped checkpoint file: copy it (as vLLM's weight
+        loaders do), do not write to it.
 
         Raises:
             CheckpointIntegrityError: a chunk's hash differs from the manifest's. The message names
                 the file, the checkpoint directory and the fix.
         """
+        reader = MappedReader(self.directory, self.manifest, verify=self.verify)
         for entry in self.entries():
+            rows = self.rows_for(entry)
             try:
-                tensor = read_full(self.directory, self.manifest, entry, verify=self.verify)
+                tensor = reader.tensor(entry) if rows is None else reader.tensor_for_rows(entry, *rows)
             except CheckpointIntegrityError as exc:
                 raise CheckpointIntegrityError(
                     f"plait_universal: checkpoint file {exc.file} in {self.directory} is corrupt ({exc}); "
                     f"while reading {entry.full_name}. Restore the file from a good copy or re-save the checkpoint.",
                     file=exc.file, expected=exc.expected, actual=exc.actual) from exc
+            if rows is not None:
+                self.rows_read[self.name_of(entry)] = rows
             yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
+        reader.close()
 

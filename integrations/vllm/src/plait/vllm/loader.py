@@ -8,24 +8,42 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
     LLM(model="serve/", load_format="plait_universal",
         model_loader_extra_config={"checkpoint": "runs/ckpt", "key": "model"})
 
-Every tensor is consolidated from the producer's layout and hash-checked as it is read; a
-corrupted file stops start-up with an error naming it. vLLM's own ``model.load_weights`` then does
-its qkv and gate|up fusion and tensor-parallel slicing.
+Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
+producer's pieces) after its chunks pass their checksums; a corrupted file stops start-up with an
+error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion and
+tensor-parallel slicing. With tensor parallelism each rank reads and checks only the rows it
+keeps of the weights split along dim 0 (``"rank_rows": False`` reads every tensor whole).
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from plait.vllm.checkpoint_weights import CheckpointWeights
+from plait.vllm.tensor_parallel import TensorParallelRank
 
 LOAD_FORMAT = "plait_universal"
-EXTRA_CONFIG_KEYS = ("checkpoint", "key", "verify")
+EXTRA_CONFIG_KEYS = ("checkpoint", "key", "verify", "rank_rows")
+
+
+def _tensor_parallel_rank(model_config: ModelConfig) -> TensorParallelRank | None:
+    """This process's TP rank, or None outside an initialised vLLM engine (TP=1: whole tensors)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return None
+    heads = getattr(model_config.hf_text_config, "num_key_value_heads", None)
+    return TensorParallelRank(rank=parallel_state.get_tensor_model_parallel_rank(), size=size,
+                              num_key_value_heads=heads)
 
 
 class PlaitUniversalLoader(BaseModelLoader):
@@ -34,7 +52,9 @@ class PlaitUniversalLoader(BaseModelLoader):
     Args:
         load_config: vLLM's ``LoadConfig``; its ``model_loader_extra_config`` may hold
             ``checkpoint`` (path; default: the model directory), ``key`` (the state-dict key of
-            the model; default: the only key holding parameters) and ``verify`` (default True).
+            the model; default: the only key holding parameters), ``verify`` (default True) and
+            ``rank_rows`` (default True: a tensor-parallel rank reads only its rows of the weights
+            vLLM splits along dim 0).
 
     Raises:
         ValueError: ``model_loader_extra_config`` is not a dict or has keys other than those above.
@@ -53,10 +73,12 @@ class PlaitUniversalLoader(BaseModelLoader):
         self.extra = extra
         self.last_load_seconds: float | None = None
 
-    def _weights(self, model_config: ModelConfig) -> CheckpointWeights:
+    def _weights(self, model_config: ModelConfig, tensor_parallel: TensorParallelRank | None = None
+                 ) -> CheckpointWeights:
         path = self.extra.get("checkpoint") or model_config.model
         return CheckpointWeights(path, key=self.extra.get("key"), verify=bool(self.extra.get("verify", True)),
-                                 model_type=getattr(model_config.hf_config, "model_type", None))
+                                 model_type=getattr(model_config.hf_config, "model_type", None),
+                                 tensor_parallel=tensor_parallel)
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: checks that the checkpoint is there and its manifest and file sizes are sound."""
@@ -67,11 +89,16 @@ class PlaitUniversalLoader(BaseModelLoader):
 
         Raises:
             CheckpointIntegrityError: a file fails its hash or size check (the message names it).
-            ValueError: parameters of the model that the checkpoint does not hold (names them).
+            ValueError: parameters of the model that the checkpoint does not hold (names them), or
+                NaN in a parameter after a tensor-parallel rank read only its rows (the rows vLLM
+                took differ from the rows read: says to pass ``"rank_rows": False``).
         """
         start = time.perf_counter()
-        weights = self._weights(model_config)
+        tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
+        weights = self._weights(model_config, tensor_parallel)
         loaded = model.load_weights(iter(weights))
+        if weights.rows_read:
+            _check_no_nan(model, weights)
         self.last_load_seconds = time.perf_counter() - start
         if loaded is None:  # a model that does not report what it loaded: nothing to check
             return
@@ -81,6 +108,17 @@ class PlaitUniversalLoader(BaseModelLoader):
             raise ValueError(f"plait_universal: {weights.directory} (key {weights.key!r}) has no tensor for "
                              f"{len(missing)} parameter(s) of {type(model).__name__}: {shown}. Save the whole model, "
                              f"or pass model_loader_extra_config={{'key': ...}} naming the key that holds it.")
+
+
+def _check_no_nan(model: nn.Module, weights: CheckpointWeights) -> None:
+    """A rank that read only some rows of a tensor split over several pieces got NaN elsewhere: if
+    vLLM's loader took other rows than :mod:`plait.vllm.tensor_parallel` says, they show up here."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and bool(torch.isnan(param).any()):
+            raise ValueError(
+                f"plait_universal: parameter {name} holds NaN after loading {weights.directory} with per-rank row "
+                f"reads ({len(weights.rows_read)} tensors read in part); pass model_loader_extra_config="
+                "{'rank_rows': False} to read whole tensors, and report the model to plait-vllm.")
 
 
 def register_loader() -> tuple[str, ...]:
