@@ -8,6 +8,8 @@ rows). The checkpoint holds every expert under its global name and shape; it loa
 differently initialised model at ``ep=1`` (W=2 ZeRO-2, W=1) and at ``ep=4`` (W=4, ZeRO-3): the loaded
 model's full state equals the saved one exactly, and 2 more steps give the source run's losses
 (the global-batch mean; within the fp32 summation-order tolerance: the per-rank slices differ).
+The same for a MoE layer of user expert modules (``ModuleExperts``), whose experts are whole
+modules renamed by their global index rather than rows of a stacked tensor.
 """
 
 from __future__ import annotations
@@ -111,3 +113,85 @@ def test_ep2_checkpoint_loads_at_another_ep_and_training_continues(saved, world,
     tol = tolerance("moe_expert_parallel", torch.float32)
     torch.testing.assert_close(torch.tensor(target["losses"]), torch.tensor(source["losses"]),
                                atol=tol.atol, rtol=tol.rtol)
+
+
+H, E = 16, 4
+
+
+class ModuleMoE(torch.nn.Module):
+    """A regression model around a MoE layer of user expert modules (``ModuleExperts``: experts
+    named ``experts.experts.<i>``, renamed ``<first + i>`` under EP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from plait.moe_layers import MoE, MoEConfig
+
+        self.embed = torch.nn.Linear(8, H)
+        self.moe = MoE(MoEConfig(hidden_size=H, num_experts=E, intermediate_size=24, top_k=2),
+                       experts=[torch.nn.Sequential(torch.nn.Linear(H, 24), torch.nn.GELU(), torch.nn.Linear(24, H))
+                                for _ in range(E)])
+        self.head = torch.nn.Linear(H, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.head(self.moe(self.embed(x))).squeeze(-1) - y).square().mean()
+
+
+def _module_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch (16 rows) sliced to this rank."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 8, generator=generator), torch.randn(16, generator=generator)
+    rows = 16 // dist.get_world_size()
+    start = dist.get_rank() * rows
+    return x[start:start + rows], y[start:start + rows]
+
+
+def _module_model(stage: int, ep_size: int, seed: int) -> tuple:
+    torch.manual_seed(seed)
+    model = ModuleMoE()
+    groups = make_expert_parallel_groups(ep_size)
+    apply_expert_parallel(model, groups)
+    return zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=stage, param_persistence_threshold=0), lr=LR,
+                      param_groups=zero_param_groups(model, groups))
+
+
+def _module_train(model, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model(*_module_batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return _global_mean(losses)
+
+
+def module_save_worker(root: str) -> dict:
+    model, optimizer = _module_model(3, 2, 0)
+    _module_train(model, optimizer, range(SAVE_AT))
+    uc.save({"model": model}, root, step=SAVE_AT)
+    state = model.state_dict()
+    losses = _module_train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE))
+    return {"state": state, "losses": losses} if dist.get_rank() == 0 else {}
+
+
+def module_load_worker(root: str, stage: int, ep_size: int) -> dict:
+    model, optimizer = _module_model(stage, ep_size, 5)
+    uc.load({"model": model}, root)
+    state = model.state_dict()
+    losses = _module_train(model, optimizer, range(SAVE_AT, SAVE_AT + MORE))
+    return {"state": state, "losses": losses} if dist.get_rank() == 0 else {}
+
+
+def test_user_expert_modules_reshard_by_global_index(tmp_path) -> None:
+    root = str(tmp_path / "ckpt")
+    source = run_distributed(module_save_worker, 4, root, timeout=240)[0]
+    torch.manual_seed(0)
+    assert sorted(source["state"]) == sorted(ModuleMoE().state_dict())  # experts.experts.0-3, whole model
+    tol = tolerance("moe_expert_parallel", torch.float32)
+    for world, stage, ep_size in ((2, 2, 1), (4, 3, 4)):
+        target = run_distributed(module_load_worker, world, root, stage, ep_size, timeout=240)[0]
+        assert sorted(target["state"]) == sorted(source["state"])
+        for name, value in source["state"].items():
+            assert torch.equal(target["state"][name], value), (ep_size, name)
+        torch.testing.assert_close(torch.tensor(target["losses"]), torch.tensor(source["losses"]),
+                                   atol=tol.atol, rtol=tol.rtol, msg=lambda m, e=ep_size: f"ep={e}: {m}")
