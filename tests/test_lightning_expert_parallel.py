@@ -6,7 +6,8 @@ The model is tiny-llama-MoE with its loop MoE MLPs converted to plait MoE layers
 dropless), as in ``test_moe_zero.py``. Under ``ep_size=2`` each rank keeps 2 of the 4 experts of
 every MoE layer; ZeRO-3 shards the dense parameters over the 4 ranks and the experts over their
 expert-data-parallel pair. ``ddp`` holds every expert on every rank. Both see the same data (each
-rank its own sequence of the step's 4).
+rank its own sequence of the step's 4). Last, ``sp_size=2`` with ``ep_size=2`` (dp 1 x ep 2 x sp 2,
+needs plait-ulysses-sp and transformers too) on a tiny HF Mixtral converted to plait MoE layers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ STEPS, SEQ, ITEMS = 3, 16, 4  # the same 4 sequences every step, so the loss fal
 MODEL = dict(num_layers=2, hidden_size=32, num_heads=2, intermediate_size=48, vocab_size=300, num_experts=4)
 # fp32, same data and seed; experts run on rows gathered from the ep group (moe_expert_parallel:
 # grouped by source rank, router gradient summed over ranks), so the last bits differ from ddp's.
-# Measured here: the 3 losses equal ddp's bitwise (max relative difference 0.0).
+# Measured here: the 3 losses equal ddp's bitwise (max relative difference 0.0); sp 2 x ep 2 on a
+# tiny Mixtral: 2.2e-7.
 RTOL = 2e-5
 EXPERTS = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
 
@@ -183,3 +185,91 @@ def test_ep_size_not_dividing_the_world_is_refused_before_processes_start() -> N
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match=r"ep_size=4 does not divide the world size 2"):
         trainer.fit(MoELM())
+
+
+MIXTRAL = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=96,
+               num_hidden_layers=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2)
+
+
+class MixtralTokens(torch.utils.data.Dataset):
+    """Fixed random 15-token sequences for the Mixtral model (odd: padded to 16 under sp=2)."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(0, MIXTRAL["vocab_size"], (ITEMS, 15), generator=gen)
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class MixtralLM(L.LightningModule):
+    """A tiny HF Mixtral whose sparse blocks are converted to plait MoE layers; a plain user module."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        import transformers
+
+        from plait.moe_layers.hf import convert_hf_moe
+
+        torch.manual_seed(0)
+        config = transformers.MixtralConfig(**MIXTRAL)
+        config._attn_implementation = "sdpa"
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+        convert_hf_moe(self.model)
+        self.batch_size = batch_size
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(MixtralTokens(), batch_size=self.batch_size)
+
+
+def sp_ep_session() -> dict[str, Any]:
+    """ddp (4 ranks x 1 sequence), then PlaitStrategy(sp_size=2, ep_size=2): dp 1 x ep 2 x sp 2."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import plait.lightning  # noqa: F401
+    from plait.lightning import PlaitStrategy
+    from plait.lightning.demo import LossRecorder
+
+    out: dict[str, Any] = {}
+    for key, strategy, batch_size in (("ddp", "ddp", 1), ("sp_ep", PlaitStrategy(sp_size=2, ep_size=2), 2)):
+        module, recorder = MixtralLM(batch_size), LossRecorder()
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(module)
+        out[key] = recorder.losses
+    from plait.moe_layers import moe_layers
+    from plait.ulysses_sp.hf import is_ulysses
+
+    mesh = trainer.strategy.device_mesh
+    out["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape))
+    out["applied"] = (is_ulysses(module.model), [layer.ep_size for layer in moe_layers(module)])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_trainer_sp2_with_ep2_follows_ddp() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("plait.ulysses_sp")
+    results = run_distributed(sp_ep_session, 4, timeout=240)
+    for rank, result in enumerate(results):
+        assert result["mesh"] == (("dp", "ep", "sp"), (1, 2, 2)), result["mesh"]
+        assert result["applied"] == (True, [2, 2]), result["applied"]  # Ulysses, and 2 MoE layers at ep 2
+        ddp, ours = result["ddp"], result["sp_ep"]
+        assert sorted(ddp) == sorted(ours) == list(range(STEPS)), (ddp, ours)
+        assert ddp[STEPS - 1] < ddp[0]
+        for step in range(STEPS):
+            assert math.isclose(ours[step], ddp[step], rel_tol=RTOL), (rank, step, ours, ddp)
+    print("ddp", results[0]["ddp"], "sp+ep", results[0]["sp_ep"],
+          "max rel", max(abs(results[0]["sp_ep"][s] / results[0]["ddp"][s] - 1) for s in range(STEPS)))

@@ -22,11 +22,6 @@ def test_bad_sizes_are_refused_naming_the_field(field: str, value: object) -> No
             build(**{field: value})
 
 
-def test_sp_and_ep_together_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"sp_size=2 and ep_size=2: .* set one of them to 1"):
-        PlaitStrategy(sp_size=2, ep_size=2)
-
-
 @pytest.mark.parametrize(("field", "module", "line"), [
     ("sp_size", "plait.ulysses_sp", "pip install plait-ulysses-sp"),
     ("ep_size", "plait.moe_layers", "pip install plait-moe-layers"),
@@ -49,6 +44,9 @@ def test_sizes_must_divide_the_world() -> None:
         parallel.check_world_size(3, 1, 4)
     with pytest.raises(ValueError, match=r"^ep_size=4 does not divide the world size 6"):
         parallel.check_world_size(1, 4, 6)
+    parallel.check_world_size(2, 2, 8)
+    with pytest.raises(ValueError, match=r"^sp_size=2 x ep_size=2 = 4 does not divide the world size 6"):
+        parallel.check_world_size(2, 2, 6)
 
 
 def test_config_and_sizes_are_not_given_twice() -> None:

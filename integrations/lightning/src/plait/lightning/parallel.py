@@ -53,16 +53,13 @@ def check_parallel_sizes(sp_size: Any, ep_size: Any) -> None:
     """Refuse bad ``sp_size``/``ep_size`` values and missing packages (before any process starts).
 
     Raises:
-        ValueError: not a positive int, or both above 1 (not supported together yet).
+        ValueError: not a positive int.
         PieceMissingError: plait-ulysses-sp (``sp_size > 1``) or plait-moe-layers (``ep_size > 1``)
             is not installed; the message has the pip line.
     """
     for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{field}={value!r} must be a positive int (1: off) dividing the world size.")
-    if sp_size > 1 and ep_size > 1:
-        raise ValueError(f"sp_size={sp_size} and ep_size={ep_size}: sequence and expert parallelism together are not "
-                         "supported by the plait strategies yet; set one of them to 1.")
     if sp_size > 1:
         _require("plait.ulysses_sp", ULYSSES_INSTALL, "sp_size", sp_size)
     if ep_size > 1:
@@ -70,20 +67,25 @@ def check_parallel_sizes(sp_size: Any, ep_size: Any) -> None:
 
 
 def check_world_size(sp_size: int, ep_size: int, world_size: int) -> None:
-    """Refuse an ``sp_size``/``ep_size`` that does not divide the world size.
+    """Refuse an ``sp_size``/``ep_size`` (or their product) that does not divide the world size.
 
     Raises:
         ValueError: naming the field, the world size and the sizes that would work.
     """
+    choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
         if world_size % value:
-            choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(f"{field}={value} does not divide the world size {world_size} (devices x num_nodes); "
                              f"use one of {choices}.")
+    if world_size % (sp_size * ep_size):
+        raise ValueError(f"sp_size={sp_size} x ep_size={ep_size} = {sp_size * ep_size} does not divide the world "
+                         f"size {world_size} (devices x num_nodes); make the product one of {choices}.")
 
 
 def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
-    """The strategy's ``DeviceMesh``: ``("dp", "sp")``, ``("dp", "ep")`` or ``None`` (both 1).
+    """The strategy's ``DeviceMesh``: ``("dp", "sp")``, ``("dp", "ep")``, ``("dp", "ep", "sp")`` or
+    ``None`` (both 1). ``sp`` is innermost, so an sp group is consecutive ranks (ulysses-sp's
+    ``dp_coordinates``: ``global_rank // sp`` is the data replica).
 
     Collective: every rank calls it at the same point.
     """
@@ -91,7 +93,8 @@ def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
         return None
     from plait.kernels.mesh import make_mesh
 
-    return make_mesh(device_type=device_type, dp=-1, **({"sp": sp_size} if sp_size > 1 else {"ep": ep_size}))
+    sizes = {**({"ep": ep_size} if ep_size > 1 else {}), **({"sp": sp_size} if sp_size > 1 else {})}
+    return make_mesh(device_type=device_type, dp=-1, **sizes)
 
 
 def split_batch(batch: Any, mesh: Any) -> Any:

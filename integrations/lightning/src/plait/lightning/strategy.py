@@ -115,8 +115,9 @@ def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple
 
     Returns:
         ``(plan with the extensions, mesh or None, what ZeRO shards over)``: the ``dp x sp`` mesh
-        (ZeRO's default ``shard_dims``) with sp, the world with ep (experts go to their own
-        expert-data-parallel groups through the parameter groups).
+        (ZeRO's default ``shard_dims``) with sp alone, the world with ep (every rank is data
+        parallel for the dense parameters; experts go to their own expert-data-parallel groups
+        through the parameter groups).
 
     Raises:
         ValueError: a size that does not divide ``world_size``.
@@ -125,12 +126,13 @@ def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple
     mesh = parallel.build_mesh(plan.sp_size, plan.ep_size, device_type)
     if mesh is None:
         return plan, None, None
+    added: list[Any] = []
     if plan.sp_size > 1:
-        extension: Any = parallel.SequenceParallel(mesh)
-    else:
-        extension = parallel.ExpertParallel(mesh)
-    plan = dataclasses.replace(plan, extensions=(*plan.extensions, extension))
-    return plan, mesh, (mesh if plan.sp_size > 1 else None)
+        added.append(parallel.SequenceParallel(mesh))
+    if plan.ep_size > 1:
+        added.append(parallel.ExpertParallel(mesh))
+    plan = dataclasses.replace(plan, extensions=(*plan.extensions, *added))
+    return plan, mesh, (mesh if plan.ep_size == 1 else None)
 
 
 def rebind_schedulers(schedulers: list[Any], old: Any, new: Any) -> None:
