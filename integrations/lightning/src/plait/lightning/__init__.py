@@ -21,6 +21,7 @@ from plait.lightning.config import NAMES, PRECISIONS, PlaitConfig, register_name
 from plait.lightning.fabric import PlaitFabricStrategy
 from plait.lightning.pieces import PieceMissingError, ShardingExtension
 from plait.lightning.precision import PlaitFabricPrecision, PlaitPrecision
+from plait.lightning.preemption import PreemptionCheckpoint
 from plait.lightning.strategy import PlaitStrategy
 from plait.zero_sharding import ZeroConfig
 
@@ -38,6 +39,6 @@ register_all()
 
 __all__ = [
     "NAMES", "PRECISIONS", "PieceMissingError", "PlaitConfig", "PlaitFabricPrecision", "PlaitFabricStrategy",
-    "PlaitPrecision", "PlaitStrategy", "ShardingExtension", "ZeroConfig", "checkpoint_bytes",
+    "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension", "ZeroConfig", "checkpoint_bytes",
     "consolidated_state_dict", "export_weights", "is_directory_checkpoint", "register_all",
 ]
