@@ -28,6 +28,7 @@ from plait.kernels.testing.tiny_llama import MoEMLP  # noqa: E402
 from plait.moe_layers import MoE, MoEConfig  # noqa: E402
 
 STEPS, SEQ, ITEMS = 3, 16, 4  # the same 4 sequences every step, so the loss falls
+RESUMED = 5  # the checkpoint saved after STEPS is resumed up to this step
 MODEL = dict(num_layers=2, hidden_size=32, num_heads=2, intermediate_size=48, vocab_size=300, num_experts=4)
 # fp32, same data and seed; experts run on rows gathered from the ep group (moe_expert_parallel:
 # grouped by source rank, router gradient summed over ranks), so the last bits differ from ddp's.
@@ -87,15 +88,15 @@ class MoELM(L.LightningModule):
         return torch.utils.data.DataLoader(Tokens(), batch_size=1)
 
 
-def _fit(strategy: Any) -> tuple[dict[int, float], MoELM, Any]:
+def _fit(strategy: Any, steps: int = STEPS, ckpt_path: str | None = None) -> tuple[dict[int, float], MoELM, Any]:
     from plait.lightning.demo import LossRecorder
 
     module = MoELM()
     recorder = LossRecorder()
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, callbacks=[recorder],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return recorder.losses, module, trainer
 
 
@@ -129,13 +130,17 @@ def ep_session(root: str) -> dict[str, Any]:
 
     ddp, ddp_module, _ = _fit("ddp")
     ddp_experts = {name: ddp_module.state_dict()[name].clone() for name in EXPERTS}
+    ddp_longer = _fit("ddp", steps=RESUMED)[0]
     ours, module, trainer = _fit(PlaitStrategy(ep_size=2))
     trainer.save_checkpoint(f"{root}/ep2.ckpt")
     layers = moe_layers(module)
     mesh = trainer.strategy.device_mesh
+    # the ep=2 checkpoint resumed at ep=4 (one expert per rank) continues ddp's curve
+    resumed = _fit(PlaitStrategy(ep_size=4), steps=RESUMED, ckpt_path=f"{root}/ep2.ckpt")[0]
     return {"ddp": ddp, "ep": ours, "ddp_experts": ddp_experts, "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
             "local_experts": [(layer.ep_size, layer.experts.first_expert, layer.experts.local_experts)
-                              for layer in layers], "fabric": _fabric_ep()}
+                              for layer in layers], "fabric": _fabric_ep(), "ddp_longer": ddp_longer,
+            "resumed_ep4": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +180,16 @@ def test_ep2_checkpoint_holds_every_expert_under_its_global_name(ep_run: tuple[l
         # all 4 experts, each equal to ddp's trained one (so the blocks sit at their global rows)
         torch.testing.assert_close(weights[name], results[0]["ddp_experts"][name], rtol=1e-4, atol=1e-6)
         assert not torch.equal(weights[name], want[name])  # trained, not the initial weights
+
+
+@pytest.mark.timeout(300)
+def test_ep2_checkpoint_resumes_at_ep4_on_the_ddp_curve(ep_run: tuple[list[dict[str, Any]], Path]) -> None:
+    results, _ = ep_run
+    for rank, result in enumerate(results):
+        resumed, ddp = result["resumed_ep4"], result["ddp_longer"]
+        assert sorted(resumed) == list(range(STEPS, RESUMED)), resumed
+        for step in resumed:
+            assert math.isclose(resumed[step], ddp[step], rel_tol=RTOL), (rank, step, resumed, ddp)
 
 
 def test_ep_size_not_dividing_the_world_is_refused_before_processes_start() -> None:

@@ -50,14 +50,22 @@ class Tokens(torch.utils.data.Dataset):
 class HFCausalLM(L.LightningModule):
     """A user's plain HF LightningModule (nothing sequence-parallel in it)."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, in_configure_model: bool = False) -> None:
         super().__init__()
+        self.model = None if in_configure_model else self.build()
+        self.batch_size = batch_size
+        self.local_lengths: list[int] = []
+
+    @staticmethod
+    def build() -> Any:
         torch.manual_seed(0)
         config = transformers.LlamaConfig(**CONFIG)
         config._attn_implementation = "sdpa"
-        self.model = transformers.AutoModelForCausalLM.from_config(config)
-        self.batch_size = batch_size
-        self.local_lengths: list[int] = []
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    def configure_model(self) -> None:
+        if self.model is None:  # under the strategy's sharded construction: no rank holds it whole
+            self.model = self.build()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.local_lengths.append(int(batch["input_ids"].shape[1]))
@@ -78,10 +86,10 @@ class HFCausalLM(L.LightningModule):
         return torch.utils.data.DataLoader(Tokens(), batch_size=self.batch_size)
 
 
-def _fit(strategy: Any, batch_size: int) -> tuple[dict[int, float], HFCausalLM, Any]:
+def _fit(strategy: Any, batch_size: int, **module_kwargs: Any) -> tuple[dict[int, float], HFCausalLM, Any]:
     from plait.lightning.demo import LossRecorder
 
-    module = HFCausalLM(batch_size)
+    module = HFCausalLM(batch_size, **module_kwargs)
     recorder = LossRecorder()
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -124,6 +132,7 @@ def sp_session() -> dict[str, Any]:
 
     return {"ddp": ddp, "sp": ours, "lengths": module.local_lengths, "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
             "attn": module.model.config._attn_implementation, "ulysses": is_ulysses(module.model),
+            "configure_model": _fit(PlaitStrategy(sp_size=2), batch_size=2, in_configure_model=True)[0],
             "fabric": _fabric_sp(), "val": (float(ddp_trainer.callback_metrics["val_loss"]),
                                             float(trainer.callback_metrics["val_loss"]))}
 
@@ -142,6 +151,8 @@ def test_trainer_sp2_follows_ddp_on_the_same_global_batches() -> None:
         for step in range(STEPS):
             assert math.isclose(sp[step], ddp[step], rel_tol=RTOL), (rank, step, sp, ddp)
             assert math.isclose(result["fabric"][step], ddp[step], rel_tol=RTOL), (rank, step, result["fabric"], ddp)
+            built = result["configure_model"]  # the HF model built in configure_model (sliced), then Ulysses
+            assert math.isclose(built[step], ddp[step], rel_tol=RTOL), (rank, step, built, ddp)
     print("ddp", results[0]["ddp"], "sp", results[0]["sp"],
           "max rel", max(abs(results[0]["sp"][s] / results[0]["ddp"][s] - 1) for s in range(STEPS)))
 
