@@ -1,4 +1,5 @@
-"""Fault injection for failure tests: hang, kill, SIGTERM, raise or slow down one rank at one step.
+"""Fault injection for failure tests: hang, kill, SIGTERM, raise, slow down or fill the disk of one
+rank at one step.
 
 The failure tests (docs/reliability.md, R8 and R9) all need the same thing: at step ``k`` on rank
 ``r``, something goes wrong, and every other rank must end with a clear error. One small helper,
@@ -11,6 +12,11 @@ called once per step from a test's training loop, keeps those tests short and al
 
 A fault can also travel as text (a script's argument, an environment variable of a launched job):
 ``Fault.parse("hang:rank=1:step=5:seconds=60")``.
+
+A full disk is stood in for by a file-size limit (``RLIMIT_FSIZE``, no privileges or loop devices
+needed): from the fault's step on, this process cannot write any file past ``nbytes`` bytes, and
+such a write fails with ``OSError(EFBIG)`` (SIGXFSZ is ignored, so it is an error, not a kill),
+as a write to a full disk fails with ``ENOSPC``. :func:`lift_disk_full` gives the space back.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 
-KINDS = ("hang", "kill", "sigterm", "raise", "slow")
+KINDS = ("hang", "kill", "sigterm", "raise", "slow", "diskfull")
 
 
 class InjectedFaultError(RuntimeError):
@@ -35,16 +42,19 @@ class Fault:
         kind: ``hang`` (sleep ``seconds``, never entering the next collective), ``kill`` (SIGKILL
             itself: a dead rank), ``sigterm`` (SIGTERM itself, as a scheduler's preemption does),
             ``raise`` (raise :class:`InjectedFaultError`), ``slow`` (sleep ``seconds`` at this step and
-            every later one: a straggler).
+            every later one: a straggler), ``diskfull`` (from this step on, no file of this process
+            can grow past ``nbytes``: writes fail with ``OSError(EFBIG)``; Linux and macOS).
         rank: the global rank that misbehaves.
         step: the first step at which it does.
         seconds: how long a ``hang`` lasts or how much a ``slow`` rank is late each step.
+        nbytes: the largest file a ``diskfull`` rank can still write.
     """
 
     kind: str
     rank: int
     step: int
     seconds: float = 3600.0
+    nbytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -53,10 +63,14 @@ class Fault:
             raise ValueError(f"Fault rank={self.rank} and step={self.step} must be >= 0.")
         if self.seconds < 0:
             raise ValueError(f"Fault.seconds={self.seconds} must be >= 0.")
+        if not isinstance(self.nbytes, int) or self.nbytes < 0:
+            raise ValueError(f"Fault.nbytes={self.nbytes!r} must be an int >= 0.")
+        if self.kind == "diskfull" and sys.platform == "win32":
+            raise ValueError("Fault(kind='diskfull') needs RLIMIT_FSIZE (Linux or macOS).")
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """A fault from ``kind:rank=R:step=S[:seconds=T]`` (as :meth:`__str__` writes it).
+        """A fault from ``kind:rank=R:step=S[:seconds=T][:nbytes=N]`` (as :meth:`__str__` writes it).
 
         Raises:
             ValueError: the text is not in that form; the message shows the form.
@@ -65,13 +79,14 @@ class Fault:
         try:
             values = dict(field.split("=", 1) for field in fields)
             return cls(kind=kind, rank=int(values.pop("rank")), step=int(values.pop("step")),
-                       **{key: float(value) for key, value in values.items()})
+                       **{key: int(value) if key == "nbytes" else float(value) for key, value in values.items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"fault {text!r} is not of the form kind:rank=R:step=S[:seconds=T] "
                              f"(e.g. hang:rank=1:step=5:seconds=60): {exc}") from exc
 
     def __str__(self) -> str:
-        return f"{self.kind}:rank={self.rank}:step={self.step}:seconds={self.seconds:g}"
+        text = f"{self.kind}:rank={self.rank}:step={self.step}:seconds={self.seconds:g}"
+        return f"{text}:nbytes={self.nbytes}" if self.nbytes else text
 
     def fires(self, step: int, rank: int) -> bool:
         """Whether this fault acts on ``rank`` at ``step``."""
@@ -97,8 +112,27 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.kind == "diskfull":
+            fill_disk(self.nbytes)
         else:
             raise InjectedFaultError(f"injected fault on rank {self.rank} at step {step}")
+
+
+def fill_disk(nbytes: int) -> None:
+    """Make every later write of this process past ``nbytes`` bytes of a file fail with EFBIG."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then returns EFBIG instead of killing us
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+
+
+def lift_disk_full() -> None:
+    """Undo a ``diskfull`` fault in this process (the soft file-size limit back to the hard one)."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 
 
 def _rank() -> int:
