@@ -130,8 +130,14 @@ def sp_session() -> dict[str, Any]:
     mesh = trainer.strategy.device_mesh
     from plait.ulysses_sp.hf import is_ulysses
 
+    applied = (module.model.config._attn_implementation, is_ulysses(module.model))
+    from plait.lightning.parallel import remove_sequence_parallel
+
+    remove_sequence_parallel(module)
+    removed = (module.model.config._attn_implementation, is_ulysses(module.model),
+               "_loss_function" in vars(module.model))
     return {"ddp": ddp, "sp": ours, "lengths": module.local_lengths, "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
-            "attn": module.model.config._attn_implementation, "ulysses": is_ulysses(module.model),
+            "applied": applied, "removed": removed,
             "configure_model": _fit(PlaitStrategy(sp_size=2), batch_size=2, in_configure_model=True)[0],
             "fabric": _fabric_sp(), "val": (float(ddp_trainer.callback_metrics["val_loss"]),
                                             float(trainer.callback_metrics["val_loss"]))}
@@ -142,7 +148,8 @@ def test_trainer_sp2_follows_ddp_on_the_same_global_batches() -> None:
     results = run_distributed(sp_session, 4, timeout=240)
     for rank, result in enumerate(results):
         assert result["mesh"] == (("dp", "sp"), (2, 2)), result["mesh"]
-        assert result["attn"] == "plait_ulysses" and result["ulysses"]
+        assert result["applied"] == ("plait_ulysses", True), result["applied"]
+        assert result["removed"] == ("sdpa", False, False), result["removed"]  # own attention and loss back
         assert result["lengths"] == [9] * STEPS, result["lengths"]  # 17 tokens padded to 18, halves
         assert math.isclose(*result["val"], rel_tol=RTOL), result["val"]  # validation batches are split too
         ddp, sp = result["ddp"], result["sp"]

@@ -35,7 +35,7 @@ from plait.lightning.pieces import PieceMissingError
 ULYSSES_INSTALL = "pip install plait-ulysses-sp"
 MOE_INSTALL = "pip install plait-moe-layers"
 __all__ = ["ExpertParallel", "SequenceParallel", "available", "build_mesh", "check_parallel_sizes", "check_world_size",
-           "split_batch"]
+           "remove_sequence_parallel", "split_batch"]
 
 
 def available(module: str) -> bool:
@@ -200,6 +200,26 @@ class SequenceParallel:
     def zero_kwargs(self) -> dict[str, Any]:
         """Nothing: ZeRO shards over ``dp x sp`` (its default ``shard_dims``) with its own reducer."""
         return {}
+
+
+def remove_sequence_parallel(module: nn.Module) -> nn.Module:
+    """Undo :class:`SequenceParallel` on the HF models inside ``module`` (for ``generate`` or a plain
+    evaluation after training): their own attention (``remove_ulysses``) and loss function back.
+    A no-op where it was not applied.
+
+    Returns:
+        ``module``.
+    """
+    from transformers import PreTrainedModel
+
+    from plait.ulysses_sp.hf import remove_ulysses
+
+    for model in _top_models(module, PreTrainedModel):
+        loss = vars(model).get("_loss_function")
+        if isinstance(getattr(loss, "__self__", None), SequenceParallel):
+            del model._loss_function  # back to the class's loss (transformers' loss_function property)
+        remove_ulysses(model)
+    return module
 
 
 class ExpertParallel:
