@@ -1,5 +1,6 @@
-"""End to end on vLLM's CPU platform: greedy tokens equal HF ``generate`` for a tiny random Llama
-and a tiny random Mixtral (head_dim 64), with the plugin on (plait's layers, weights from universal
+"""End to end on vLLM's CPU platform: greedy tokens equal HF ``generate`` for a tiny random Llama,
+Mixtral, Gemma (GeGLU: vLLM's ``GeluAndMul``) and Qwen2-MoE (routed experts plus a gated shared
+expert in the fused-MoE method), all head_dim 64, with the plugin on (plait's layers, weights from universal
 checkpoints through ``load_format="plait_universal"``) and off (vLLM's layers, the same weights as
 safetensors); a flipped byte in a checkpoint stops start-up with an error naming the file.
 
@@ -39,6 +40,13 @@ def _tiny(family: str):
     if family == "mixtral":
         config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
         cls = transformers.MixtralForCausalLM
+    elif family == "gemma":  # tanh-GELU GeGLU; Gemma ties its LM head to the embedding, as vLLM's Gemma does
+        config = transformers.GemmaConfig(**{**common, "tie_word_embeddings": True})
+        cls = transformers.GemmaForCausalLM
+    elif family == "qwen2_moe":  # every layer sparse: 4 routed experts, top-2, plus the gated shared expert
+        config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                             shared_expert_intermediate_size=256, **common)
+        cls = transformers.Qwen2MoeForCausalLM
     else:
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(0)
@@ -72,7 +80,15 @@ def _run_engine(tmp: Path, name: str, env: dict, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-FAMILIES = ("llama", "mixtral")
+FAMILIES = ("llama", "mixtral", "gemma", "qwen2_moe")
+PLAIT_LAYERS = {  # plait's layers each family must run with the plugin on, and vLLM's they replace
+    "llama": {"PlaitRMSNorm": "RMSNorm", "PlaitRotaryEmbedding": "RotaryEmbedding", "PlaitSiluAndMul": "SiluAndMul"},
+    "mixtral": {"PlaitRMSNorm": "RMSNorm", "PlaitRotaryEmbedding": "RotaryEmbedding",
+                "PlaitUnquantizedFusedMoEMethod": "UnquantizedFusedMoEMethod"},
+    "gemma": {"PlaitGeluAndMul": "GeluAndMul", "PlaitRotaryEmbedding": "RotaryEmbedding"},  # GemmaRMSNorm is vLLM's
+    "qwen2_moe": {"PlaitRMSNorm": "RMSNorm", "PlaitRotaryEmbedding": "RotaryEmbedding",
+                  "PlaitSiluAndMul": "SiluAndMul", "PlaitUnquantizedFusedMoEMethod": "UnquantizedFusedMoEMethod"},
+}
 
 
 def _save_both(model, tmp: Path, family: str) -> tuple[Path, Path]:
@@ -122,12 +138,9 @@ def test_vllm_plugin_on_universal_checkpoint_tokens_equal_hf(runs, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_plugin_on_builds_plaits_layers(runs, family):
     layers = set(runs["on"][family]["layers"])
-    assert {"PlaitRMSNorm", "PlaitRotaryEmbedding"} <= layers, sorted(layers)
-    assert "RMSNorm" not in layers and "RotaryEmbedding" not in layers
-    if family == "llama":
-        assert "PlaitSiluAndMul" in layers
-    else:  # the experts run plait's fused_experts (PLAIT_VLLM_CPU_PATH=plait)
-        assert "PlaitUnquantizedFusedMoEMethod" in layers and "UnquantizedFusedMoEMethod" not in layers
+    # MoE experts run plait's fused_experts (PLAIT_VLLM_CPU_PATH=plait), Qwen2-MoE's shared expert beside them.
+    assert set(PLAIT_LAYERS[family]) <= layers, sorted(layers)
+    assert not set(PLAIT_LAYERS[family].values()) & layers, sorted(layers)
 
 
 @pytest.mark.timeout(900)
@@ -135,9 +148,8 @@ def test_vllm_plugin_on_builds_plaits_layers(runs, family):
 def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs, family):
     assert runs["off"][family]["tokens"] == runs["hf"][family]
     layers = set(runs["off"][family]["layers"])
-    assert {"RMSNorm", "RotaryEmbedding"} <= layers and not any(n.startswith("Plait") for n in layers)
-    if family == "mixtral":
-        assert "UnquantizedFusedMoEMethod" in layers
+    assert set(PLAIT_LAYERS[family].values()) <= layers and not any(n.startswith("Plait") for n in layers), sorted(
+        layers)
 
 
 @pytest.mark.timeout(900)
