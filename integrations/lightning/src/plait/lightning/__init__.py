@@ -22,6 +22,7 @@ from plait.lightning.fabric import PlaitFabricStrategy
 from plait.lightning.pieces import PieceMissingError, ShardingExtension
 from plait.lightning.precision import PlaitFabricPrecision, PlaitPrecision
 from plait.lightning.preemption import PreemptionCheckpoint
+from plait.lightning.stragglers import StragglerMonitor
 from plait.lightning.strategy import PlaitStrategy
 from plait.zero_sharding import ZeroConfig
 
@@ -39,6 +40,6 @@ register_all()
 
 __all__ = [
     "NAMES", "PRECISIONS", "PieceMissingError", "PlaitConfig", "PlaitFabricPrecision", "PlaitFabricStrategy",
-    "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension", "ZeroConfig", "checkpoint_bytes",
-    "consolidated_state_dict", "export_weights", "is_directory_checkpoint", "register_all",
+    "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension", "StragglerMonitor", "ZeroConfig",
+    "checkpoint_bytes", "consolidated_state_dict", "export_weights", "is_directory_checkpoint", "register_all",
 ]
