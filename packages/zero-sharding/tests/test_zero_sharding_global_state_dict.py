@@ -130,3 +130,32 @@ def _colliding_identity() -> str:
 def test_colliding_global_identities_are_refused_on_every_rank():
     for message in run_distributed(_colliding_identity, WORLD, timeout=90):
         assert "zero_global" in message
+
+
+def _without_identity() -> dict:
+    """Each rank's own expert in a group of one, without ``zero_global``: every rank's expert is
+    called ``experts.0``."""
+    from test_zero_sharding_composition import _expert_parallel_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    singles = [dist.new_group([r]) for r in range(world)]
+    model = _expert_parallel_model(world, rank)
+    experts = list(model.experts.parameters())
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+    model, _ = zero_shard(model, torch.optim.SGD, ZeroConfig(stage=3, param_persistence_threshold=0), lr=0.5,
+                          param_groups=[{"params": dense}, {"params": experts, "zero_group": singles[rank]}])
+    with pytest.raises(ValueError, match=r"sharded_state_dict: several ranks hold \['experts.0.0.bias'") as info:
+        model.sharded_state_dict()  # a checkpoint would keep one rank's expert for both
+    state = model.state_dict()
+    with model.gathered_parameters():
+        own = model.experts[0][0].weight.detach().clone()
+    return {"message": str(info.value), "own": torch.equal(state["experts.0.0.weight"], own),
+            "experts": sorted(k for k in state if k.startswith("experts."))}
+
+
+def test_differing_parameters_without_identity_stay_rank_local_and_are_not_checkpointed():
+    results = run_distributed(_without_identity, 2, timeout=90)
+    for result in results:
+        assert "zero_global" in result["message"]
+        assert result["own"]  # state_dict(): this rank's own expert, under its local name
+        assert result["experts"] == sorted(f"experts.0.{k}" for k in ("0.weight", "0.bias", "2.weight", "2.bias"))

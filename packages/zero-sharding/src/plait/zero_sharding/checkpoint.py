@@ -20,7 +20,8 @@ as rows of its global shape: the sharded state dict describes it as a flat range
 tensor, the export gathers every rank's part to rank 0, ``state_dict()`` broadcasts every part to
 every rank, and ``load_state_dict`` takes the global tensors (each rank copies its own rows). A
 group that differs across ranks without ``zero_global`` keeps rank-local names in
-``state_dict()`` (each rank its own parameters: a per-rank state) and is refused by the export.
+``state_dict()`` (each rank its own parameters: a per-rank state) and is refused by the export
+and the sharded state dict (whose pieces would describe the same elements with different values).
 """
 
 from __future__ import annotations
@@ -167,7 +168,19 @@ def ensure_optimizer_state(optimizer: Any) -> None:
 
 
 def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
-    """Masters, optimizer state and loss scaler as described pieces (see the module docstring)."""
+    """Masters, optimizer state and loss scaler as described pieces (see the module docstring).
+    Collective (one exchange of names over the world) when some parameters live on some ranks
+    only: their pieces must describe distinct parts of global tensors, else a checkpoint would
+    keep one rank's experts in place of another's.
+
+    Raises:
+        ValueError: parameters that differ across ranks share a name and elements (a group without
+            ``zero_global``), or their identities leave part of a global tensor uncovered.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    spread_units = [u for u in engine.units if spread(u, world)]
+    if spread_units:  # the same answer on every rank
+        spread_pieces(engine, spread_units, values=False).check("sharded_state_dict")
     ensure_optimizer_state(optimizer)
     out: dict[str, ShardedTensor] = {}
     masters = engine.placement.masters()
@@ -295,7 +308,8 @@ class SpreadPieces:
 
 
 @torch.no_grad()
-def spread_pieces(engine: Any, units: list[FlatUnit], *, keep_all: bool = False) -> SpreadPieces:
+def spread_pieces(engine: Any, units: list[FlatUnit], *, keep_all: bool = False,
+                  values: bool = True) -> SpreadPieces:
     """Gather ``units`` (each over its own group) and exchange which rank holds which part of
     which global tensor (metadata only: one ``all_gather_object`` over the world).
 
@@ -303,18 +317,19 @@ def spread_pieces(engine: Any, units: list[FlatUnit], *, keep_all: bool = False)
         engine: the model's engine.
         units: the units holding parameters that differ across groups (:func:`spread`).
         keep_all: keep this rank's values of every unit (not only where it is its group's rank 0).
+        values: gather the units' values at all (``False``: the metadata exchange alone).
     """
     mine: list[tuple[str, tuple[int, ...], int, int, bool, str]] = []
-    values: dict[tuple[str, int], torch.Tensor] = {}
+    own: dict[tuple[str, int], torch.Tensor] = {}
     local: list[tuple[str, str, int, tuple[int, ...]]] = []
     for unit in units:
-        flat = gather_unit_masters(engine, unit)  # collective over the unit's group
+        flat = gather_unit_masters(engine, unit) if values else None  # collective over the unit's group
         for slot in unit.slots:
             if unit.group_rank == 0:
                 mine.append((slot.global_name, slot.global_shape, slot.global_offset, slot.numel,
                              not slot.is_global, str(slot.param.dtype).removeprefix("torch.")))
-            if unit.group_rank == 0 or keep_all:
-                values[(slot.global_name, slot.global_offset)] = flat[slot.offset:slot.offset + slot.numel].cpu()
+            if flat is not None and (unit.group_rank == 0 or keep_all):
+                own[(slot.global_name, slot.global_offset)] = flat[slot.offset:slot.offset + slot.numel].cpu()
             if keep_all:
                 local.append((slot.name, slot.global_name, slot.global_offset, slot.shape))
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -326,16 +341,16 @@ def spread_pieces(engine: Any, units: list[FlatUnit], *, keep_all: bool = False)
         if nxt is not None and nxt[0] == row[0] and nxt[2] < row[2] + row[3]:
             colliding[row[0]] = colliding.get(row[0], False) or row[5] or nxt[5]
     return SpreadPieces(pieces=[row[:5] for row in rows], dtypes={row[0]: getattr(torch, row[6]) for row in rows},
-                        colliding=colliding, values=values, local=local)
+                        colliding=colliding, values=own, local=local)
 
 
 @torch.no_grad()
 def iter_global_parameters(engine: Any, units: list[FlatUnit]) -> Iterator[tuple[str, torch.Tensor, torch.dtype]]:
     """Yield ``(global name, whole fp32 tensor, the parameter's dtype)`` for the parameters of
     ``units`` that live on some ranks only, on every rank (each part broadcast from a rank holding
-    it), sorted by name; a
-    parameter group without ``zero_global`` whose names collide across ranks yields this rank's
-    own tensors under their local names instead (its state is per rank). Collective over the world.
+    it), sorted by name; a parameter group without ``zero_global`` whose names collide across
+    ranks yields this rank's own tensors under their local names instead (its state is per rank).
+    Collective over the world.
 
     Raises:
         ValueError: identities given by ``zero_global`` collide or leave a global tensor uncovered.
