@@ -17,7 +17,6 @@ from plait.kernels.collectives.compressed import (
 from plait.kernels.collectives.flight import (
     CollectiveEvent,
     clear_history,
-    current_label,
     history,
     named,
     set_step,
@@ -43,7 +42,7 @@ from plait.kernels.collectives.peers import count_ddp, count_torch_distributed
 from plait.kernels.collectives.stragglers import WaitSummary, wait_summary
 
 __all__ = [
-    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history", "current_label",
+    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history",
     "ensure_publisher", "group_timeout",
     "history", "named", "set_step", "wait_seconds", "wait_summary",
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
