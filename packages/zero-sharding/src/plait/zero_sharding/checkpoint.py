@@ -270,8 +270,8 @@ class SpreadPieces:
             of them was given an identity by ``zero_global`` (``False``: a group without one,
             whose parameters keep rank-local names).
         values: this rank's own parts, ``(global name, flat offset) -> fp32 values``.
-        local: ``(local name, global name, flat offset, local shape)`` of this rank's parameters (only with
-            ``keep_all``).
+        local: ``(local name, global name, flat offset, local shape)`` of this rank's
+            parameters (only with ``keep_all``).
     """
 
     pieces: list[tuple[str, tuple[int, ...], int, int, int]]
