@@ -98,3 +98,19 @@ def test_sigterm_on_one_rank_saves_exits_cleanly_and_resumes_bit_for_bit(tmp_pat
         assert sorted(resumed) == list(range(6, 12))
         assert resumed == {step: reference[step] for step in range(6, 12)}
     assert saved.is_dir()  # kept after the resumed run finished
+
+
+def test_checkpoint_names_never_reuse_a_path(tmp_path):
+    from plait.lightning import PreemptionCheckpoint
+    from plait.lightning.preemption import _free_path
+
+    assert PreemptionCheckpoint().ckpt_path == ""  # no directory yet: Lightning must not look in the cwd
+    assert _free_path(str(tmp_path), "preempted") == str(tmp_path / "preempted.ckpt")
+    (tmp_path / "preempted.ckpt").mkdir()
+    (tmp_path / "preempted-v1.ckpt").write_text("user")
+    assert _free_path(str(tmp_path), "preempted") == str(tmp_path / "preempted-v2.ckpt")
+    (tmp_path / "preempted-vx.ckpt").write_text("not ours")
+    os.utime(tmp_path / "preempted.ckpt", (1, 1))
+    assert PreemptionCheckpoint(tmp_path).ckpt_path == str(tmp_path / "preempted-v1.ckpt")  # newest of its names
+    with pytest.raises(ValueError, match="check_every_n_steps"):
+        PreemptionCheckpoint(check_every_n_steps=0)

@@ -87,9 +87,13 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
     @property
     def ckpt_path(self) -> str:
         """The checkpoint this callback saved, else the newest one of its name in ``dirpath``
-        (what ``fit(ckpt_path="last")`` resumes from), else where it would save first."""
+        (what ``fit(ckpt_path="last")`` resumes from), else where it would save first; ``""``
+        before a save without ``dirpath`` (so Lightning never takes a file of the working
+        directory for it)."""
         if self.saved_path is not None:
             return self.saved_path
+        if not self.dirpath:
+            return ""
         found = [p for p in _own_paths(self.dirpath, self.filename) if os.path.exists(p)]
         if found:
             return max(found, key=os.path.getmtime)
