@@ -124,3 +124,19 @@ def test_the_slow_rank_is_named_by_the_summary():
     assert slowest0 == slowest1 == 1
     assert text0.startswith("rank 1 is the one the others wait on most")
     assert wait0 > 0.3 > wait1  # 10 late steps x 50 ms kept rank 0 waiting; rank 1 hardly waited
+
+
+def _mesh_group_timeouts() -> list[str]:
+    from plait.kernels.mesh import flat_group, make_mesh
+
+    dist.distributed_c10d._set_pg_timeout(SHORT)  # the job's timeout, as init_process_group(timeout=) sets it
+    mesh, mesh3 = make_mesh(dp=2, sp=2), make_mesh(dp=1, sp=2, ep=2)
+    groups = (mesh.get_group("sp"), mesh.get_group("dp"), flat_group(mesh3, ("dp", "sp")), mesh3.get_group("ep"))
+    return [str(collectives.group_timeout(group)) for group in groups]
+
+
+def test_mesh_groups_take_the_job_timeout():
+    # DeviceMesh groups would otherwise get torch's 30-minute default: a hung rank would hold the
+    # others in an sp or ep collective for half an hour whatever timeout the job set.
+    for timeouts in run_distributed(_mesh_group_timeouts, 4, timeout=60):
+        assert timeouts == [str(SHORT)] * 4

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.kernels.collectives.hangs import group_timeout
+
 
 def resolve_mesh_sizes(world_size: int, **sizes: int) -> dict[str, int]:
     """Check named sizes against ``world_size``; one size may be ``-1`` meaning "the rest".
@@ -68,7 +70,14 @@ def make_mesh(*, device_type: str = "cpu", **sizes: int) -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs torch.distributed initialised first (torchrun or init_process_group).")
     resolved = resolve_mesh_sizes(dist.get_world_size(), **sizes)
-    return init_device_mesh(device_type, tuple(resolved.values()), mesh_dim_names=tuple(resolved))
+    mesh = init_device_mesh(device_type, tuple(resolved.values()), mesh_dim_names=tuple(resolved))
+    # A DeviceMesh's groups get torch's default timeout (30 minutes on gloo), not the job's: a
+    # hung rank would hold the others that long in an sp or ep collective. Give them the job's.
+    timeout = group_timeout()
+    if timeout is not None:
+        for name in resolved:
+            dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(name))
+    return mesh
 
 
 _flat_groups: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, Any]] = {}
@@ -133,7 +142,8 @@ def flat_group(mesh: DeviceMesh, dims: Sequence[str]) -> Any:
         layout = tuple(tuple(group) for part in _all_slices(mesh)
                        for group in torch.tensor(part).reshape(shape).permute(*rest, *keep).reshape(-1, size).tolist())
         if layout not in _groups_by_layout:  # the same on every rank, so a hit is too
-            _groups_by_layout[layout], _ = dist.new_subgroups_by_enumeration([list(g) for g in layout])
+            _groups_by_layout[layout], _ = dist.new_subgroups_by_enumeration([list(g) for g in layout],
+                                                                             timeout=group_timeout())
         _flat_groups[key] = (mesh, _groups_by_layout[layout])  # the mesh is kept alive so its id is not reused
     return _flat_groups[key][1]
 
