@@ -194,3 +194,20 @@ def test_vllm_loader_names_the_parameters_a_checkpoint_lacks(tmp_path):
 def test_vllm_loader_refuses_unknown_extra_config_keys():
     with pytest.raises(ValueError, match=r"\['chekpoint'\].*use only"):
         _loader({"chekpoint": "/tmp/x"})
+
+
+@pytest.mark.timeout(60)
+def test_vllm_loader_refuses_nan_after_per_rank_row_reads():
+    """A rank that read only its rows of a consolidated tensor left NaN elsewhere: if vLLM took other
+    rows than plait.vllm.tensor_parallel says, start-up stops naming the parameter and the switch."""
+    from types import SimpleNamespace
+
+    from plait.vllm.loader import _check_no_nan
+
+    model = torch.nn.Linear(4, 3)
+    weights = SimpleNamespace(directory="/ckpt", rows_read={"weight": (0, 2)})
+    _check_no_nan(model, weights)  # no NaN: nothing to say
+    with torch.no_grad():
+        model.weight[2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"parameter weight holds NaN.*'rank_rows': False"):
+        _check_no_nan(model, weights)
