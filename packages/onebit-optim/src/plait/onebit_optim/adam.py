@@ -41,6 +41,9 @@ class OnebitAdam(CompressedOptimizer):
         config: the 1-bit settings (:class:`OnebitAdamConfig`).
         process_group: the data-parallel group (``None``: the default group).
         momentum_masks: ``{parameter: 0/1 mask}`` applied to the exchanged momentum.
+        onebit_config: another name for ``config``, for calls through functions that take a
+            ``config`` of their own (``zero_shard(model, OnebitAdam, ZeroConfig(stage=2),
+            onebit_config=...)``, Lightning's plait strategies).
 
     Raises:
         ValueError: invalid hyperparameters, config or masks (naming the field and the fix).
@@ -50,7 +53,12 @@ class OnebitAdam(CompressedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitAdamConfig | None = None,
-                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None,
+                 onebit_config: OnebitAdamConfig | None = None):
+        if onebit_config is not None:
+            if config is not None and config != onebit_config:
+                raise ValueError("OnebitAdam: config and onebit_config differ; pass one of them.")
+            config = onebit_config
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
                          momentum_masks=momentum_masks)
 

@@ -65,8 +65,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     """
 
     CONFIG: type = object
-    # Read by plait-zero-sharding (by name, no import): this optimizer all-reduces (compressed)
-    # momentum over the whole model itself, so ZeRO must not shard or reduce for it.
+    # Read by plait-zero-sharding (by name, no import): this optimizer exchanges (compressed)
+    # momentum itself; under ZeRO it composes through compose_with_zero instead.
     owns_gradient_exchange = True
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
@@ -83,6 +83,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         self.exchanges: list[CompressedExchange | None] = [None] * len(self.param_groups)
         self.masks = self._check_masks(momentum_masks or {})
+        # Not per-group options (torch copies defaults into groups only in __init__): kept here so
+        # that code rebuilding an optimizer from its class and defaults (Lightning's plait
+        # strategies, zero_shard) keeps the 1-bit settings and masks.
+        self.defaults["onebit_config"] = self.config
+        self.defaults["momentum_masks"] = momentum_masks
+
+    @classmethod
+    def compose_with_zero(cls, optimizer: Any, zero_config: Any, **kwargs: Any) -> Any:
+        """Called by plait-zero-sharding's ``zero_shard`` (by name): the reducer and inner
+        optimizer of 1-bit Adam under ZeRO-1/2, or a refusal naming what works
+        (:func:`plait.onebit_optim.zero.compose_with_zero`)."""
+        from plait.onebit_optim.zero import compose_with_zero
+
+        return compose_with_zero(optimizer, zero_config, **kwargs)
 
     def _check_masks(self, masks: dict[torch.Tensor, torch.Tensor]) -> dict[int, torch.Tensor]:
         owned = {id(p): p for group in self.param_groups for p in group["params"]}

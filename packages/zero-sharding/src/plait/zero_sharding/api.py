@@ -260,6 +260,10 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         raise ValueError("model is already sharded with a different ZeroConfig; build a fresh model to re-shard.")
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     check_optimizer(cls, config)
+    compose = getattr(cls, "compose_with_zero", None)
+    if callable(compose):  # an optimizer bringing its own exchange (plait-onebit-optim's 1-bit Adam) or refusing
+        optimizer, param_groups, optimizer_kwargs, reducer = compose(
+            optimizer, config, param_groups=param_groups, reducer=reducer, **optimizer_kwargs)
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
     group, replicate = resolve_groups(mesh, config)

@@ -28,6 +28,8 @@ def check_optimizer(cls: Any, config: ZeroConfig) -> None:
         raise ValueError(f"optimizer={cls!r} is neither an optimizer class nor an instance; pass e.g. "
                          "torch.optim.AdamW.")
     name = getattr(cls, "__name__", type(cls).__name__)
+    if callable(getattr(cls, "compose_with_zero", None)):
+        return  # it builds its own reducer and inner optimizer (or refuses), see zero_shard
     if getattr(cls, "owns_gradient_exchange", False):
         # plait-onebit-optim's optimizers. Checked first: elementwise_optimizer=True must not let them
         # through either.

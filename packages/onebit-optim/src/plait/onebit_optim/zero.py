@@ -1,0 +1,526 @@
+"""1-bit Adam under ZeRO stages 1 and 2: the owner of a shard is the server of the 1-bit exchange.
+
+``zero_shard(model, OnebitAdam, ZeroConfig(stage=2), lr=..., onebit_config=OnebitAdamConfig(...))`` (or
+an ``OnebitAdam`` instance) calls :func:`compose_with_zero` (plait-zero-sharding looks the hook up
+by name; this module imports nothing from it). It returns an engine-wide reducer,
+:class:`OnebitZeroExchange`, and the inner optimizer class, :class:`ShardedOnebitAdam`, built
+over the fp32 master shards. Per step, per ZeRO unit (a flat bucket, padded so rank ``r`` owns
+``[r * shard, (r + 1) * shard)``):
+
+* warm-up (``step <= freeze_step``): the reducer is ZeRO's plain reduce-scatter and the inner
+  optimizer is torch's AdamW kernel on the averaged shards, so parameters equal ZeRO +
+  ``torch.optim.AdamW`` bit for bit;
+* after it the reducer receives this rank's local gradient bucket and runs the worker side of
+  the compressed all-reduce on its local momentum ``beta1 m + (1 - beta1) g`` (``m`` the full
+  synchronised momentum of the unit, decoded from the 1-bit form every rank kept from the last
+  step): per-tensor RMS scaling, worker error feedback, all-to-all of packed signs; the owner of
+  each shard averages its chunk, adds its server error and recompresses (server error feedback);
+  the server signs are all-gathered (``n / 8`` bytes) so every rank keeps the synchronised
+  momentum of the whole unit in 1 bit for the next step. The owner's decoded chunk is the
+  averaged momentum of its shard; the inner optimizer steps the shard's master with it and the
+  frozen variance; ZeRO's exact post-step parameter all-gather follows unchanged.
+
+This is plain-data-parallel 1-bit Adam with one exchange per ZeRO unit (instead of one per
+param group) and the server chunks equal to the ZeRO shards: with the same grouping the results
+are bitwise equal (``tests/test_onebit_zero.py``).
+
+Checkpoints: the reducer's ``sharded_state_dict`` adds ``ext.onebit.*`` pieces (the step
+counter, each unit's worker error as rows of a ``[world, n]`` tensor, its server error, the
+momentum masks); the momentum itself is the optimizer's sharded ``exp_avg``. Resharding the
+worker error to another world size: :func:`expect_checkpoint_world`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels import collectives
+from plait.kernels.ops.sign import compress_with_error_feedback, scaled_signs, unpack_bits
+from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
+from plait.onebit_optim.base import check_hyperparameters, run_closure
+from plait.onebit_optim.config import OnebitAdamConfig
+
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+# Why the other two stay plain-data-parallel only.
+REFUSED = {
+    "OnebitLamb": "1-bit LAMB's trust ratio and its frozen-coefficient factor need whole-tensor norms of the "
+                  "parameter, the update and the fresh variance, which a flat ZeRO shard cuts across (they would "
+                  "need partial-norm all-reduces per tensor, not built)",
+    "ZeroOneAdam": "0/1 Adam's local steps skip synchronisation, but ZeRO reduces gradients and all-gathers the "
+                   "parameters at every step (its sharded masters cannot take a local step)",
+}
+
+
+def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[dict[str, Any]] | None,
+                      reducer: Any, **kwargs: Any) -> tuple[type, list[dict[str, Any]] | None, dict[str, Any], Any]:
+    """What ``zero_shard`` builds for a 1-bit optimizer (see the module docstring).
+
+    Args:
+        optimizer: ``OnebitAdam`` (the class) or an instance without state.
+        zero_config: the ``ZeroConfig``.
+        param_groups: ``zero_shard``'s ``param_groups`` (class form only).
+        reducer: ``zero_shard``'s ``reducer`` (must be ``None``: the exchange is the reducer).
+        **kwargs: the optimizer's keyword arguments (class form): hyperparameters, ``config``,
+            ``momentum_masks``.
+
+    Returns:
+        ``(inner optimizer class, param_groups, hyperparameter kwargs, reducer)`` for ``zero_shard``.
+
+    Raises:
+        ValueError: ZeRO-3, ZeRO++, fp16, gradient clipping by the engine, another reducer, a
+            ``process_group``, or a 1-bit optimizer other than 1-bit Adam (naming what works).
+    """
+    cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    name = cls.__name__
+    if name != "OnebitAdam":
+        why = REFUSED.get(name, "it exchanges its own compressed momentum over the whole model")
+        raise ValueError(
+            f"optimizer {name} does not compose with ZeRO sharding (any stage); only OnebitAdam does, at stages 1 "
+            f"and 2: {why}. Use {name} on the plain, unwrapped model (no zero_shard, no DDP), or OnebitAdam / "
+            "torch.optim.AdamW with ZeRO.")
+    stage = zero_config.stage
+    if stage not in (1, 2):
+        raise ValueError(
+            f"OnebitAdam composes with ZeroConfig(stage=1) and stage=2, not stage={stage}: after warm-up every rank "
+            "needs the whole unit's momentum (held in 1 bit) and its own local gradient bucket at each step, and "
+            "stage 3 frees parameters and gathers them per module; use stage=1 or 2 (the fp32 masters and Adam "
+            "state are sharded there too), or torch.optim.AdamW with stage 3.")
+    problems = []
+    if reducer is not None:
+        problems.append("reducer= is given, but OnebitAdam's 1-bit exchange is the reducer; drop it")
+    if getattr(zero_config, "zeropp", None) is not None:
+        problems.append("ZeroConfig.zeropp is set; its quantized reduce replaces the 1-bit exchange: use one of them")
+    if zero_config.compute_dtype == torch.float16 or zero_config.reduce_dtype == torch.float16:
+        problems.append("fp16 compute needs loss scaling, which the 1-bit exchange does not integrate yet; "
+                        "use fp32 or bf16")
+    if zero_config.max_grad_norm is not None:
+        problems.append("ZeroConfig.max_grad_norm is set; after warm-up the engine sees the exchanged momentum, not "
+                        "gradients, so there is nothing it could clip; leave it None")
+    if problems:
+        raise ValueError("zero_shard with OnebitAdam: " + "; ".join(problems) + ".")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("optimizer OnebitAdam already has state; shard before the first step.")
+        if param_groups is not None or kwargs:
+            raise ValueError("pass either an optimizer instance or an optimizer class with options, not both.")
+        param_groups = [dict(g) for g in optimizer.param_groups]
+        config = optimizer.config
+        masks = {pid: mask for pid, mask in optimizer.masks.items()}
+        hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
+    else:
+        config = kwargs.pop("onebit_config", None) or kwargs.pop("config", None) or OnebitAdamConfig()
+        if not isinstance(config, OnebitAdamConfig):
+            raise ValueError(f"OnebitAdam: config must be a OnebitAdamConfig, got {type(config).__name__}.")
+        if kwargs.pop("process_group", None) is not None:
+            raise ValueError("OnebitAdam under ZeRO exchanges over ZeRO's sharding group; drop process_group= "
+                             "(pass mesh= to zero_shard instead).")
+        masks = {id(p): m.to(torch.float32) for p, m in (kwargs.pop("momentum_masks", None) or {}).items()}
+        unknown = sorted(set(kwargs) - set(HYPERPARAMETERS))
+        if unknown:
+            raise ValueError(f"OnebitAdam: unknown option(s) {unknown}; it takes {list(HYPERPARAMETERS)}, "
+                             "onebit_config, momentum_masks.")
+        hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
+    for g in param_groups or []:
+        for key in ("zero_reducer", "zero_group"):
+            if key in g:
+                raise ValueError(f"OnebitAdam under ZeRO: param_groups carry {key!r}; the 1-bit exchange shards "
+                                 "every group over ZeRO's group with its own reducer: drop the key.")
+        check_hyperparameters("OnebitAdam", *(g.get(k, hyper[k]) for k in HYPERPARAMETERS))
+    check_hyperparameters("OnebitAdam", *(hyper[k] for k in HYPERPARAMETERS))
+    if param_groups is not None:
+        param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
+                        for g in param_groups]
+    exchange = OnebitZeroExchange(config, masks)
+    inner = type("OnebitAdam", (ShardedOnebitAdam,), {"EXCHANGE": exchange, "__module__": __name__})
+    return inner, param_groups, hyper, exchange
+
+
+def expect_checkpoint_world(optimizer_or_model: Any, world: int) -> None:
+    """Before loading a checkpoint saved at another world size: read its worker errors as rows of
+    a ``[world, n]`` tensor and reshard them (new rank ``r`` takes the mean of the saved rows
+    ``r, r + W', r + 2W', ...`` when shrinking, row ``r mod W`` when growing: either way the mean
+    over ranks, which is what the servers average, is kept); server errors reshard with the
+    parameters, exactly. Without this call a load at another world size is refused by the
+    checkpoint's shape check.
+
+    Args:
+        optimizer_or_model: the ``ZeroOptimizer`` or the sharded model.
+        world: the world size the checkpoint was saved at.
+    """
+    engine = getattr(optimizer_or_model, "zero_engine", None) or getattr(optimizer_or_model, "engine", None)
+    exchange = engine.reducer if engine is not None else None
+    if not isinstance(exchange, OnebitZeroExchange):
+        raise ValueError("expect_checkpoint_world needs a model or ZeroOptimizer sharded with OnebitAdam.")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"expect_checkpoint_world(world={world!r}): pass the saved world size, an integer >= 1.")
+    exchange.checkpoint_world = world
+
+
+class _UnitState:
+    """One unit's exchange layout and error feedback (chunk ``r`` of ``cp`` elements holds shard ``r``)."""
+
+    def __init__(self, unit: Any) -> None:
+        self.unit = unit
+        self.world, self.rank, self.shard = unit.group_size, unit.group_rank, unit.shard_numel
+        self.chunk = chunk_of(self.shard)
+        device = unit.device
+        self.worker_error = torch.zeros(self.world * self.chunk, dtype=torch.float32, device=device)
+        self.server_error = torch.zeros(self.chunk, dtype=torch.float32, device=device)
+        self.signs: torch.Tensor | None = None  # all-gathered server signs: the synchronised momentum in 1 bit
+        self.scales: torch.Tensor | None = None
+        self.factors: list[float] = []
+        self.momentum: torch.Tensor | None = None  # this step's averaged momentum shard, for the inner step
+
+
+def chunk_of(shard: int) -> int:
+    """Server chunk size for a ZeRO shard of ``shard`` elements: rounded up to whole sign bytes."""
+    return -(-shard // 8) * 8
+
+
+def exchange_nbytes(unit_numels: list[tuple[int, int]], world: int) -> int:
+    """Logical bytes one compressed step's exchanges record per rank, from ``(shard_numel, tensors)``
+    per unit: all-to-all and all-gather of signs (``W x chunk / 8`` each), the two scale
+    all-gathers (``4 W`` each) and the per-tensor RMS all-reduce (``4 x tensors``)."""
+    total = 0
+    for shard, tensors in unit_numels:
+        n = world * chunk_of(shard)
+        total += 2 * (n // 8) + 2 * 4 * world + 4 * tensors
+    return total
+
+
+class OnebitZeroExchange:
+    """The engine-wide ``GradientReducer`` of 1-bit Adam under ZeRO (see the module docstring).
+
+    Args:
+        config: the ``OnebitAdamConfig``.
+        masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
+    """
+
+    def __init__(self, config: OnebitAdamConfig, masks: dict[int, torch.Tensor]) -> None:
+        self.config, self.masks = config, masks
+        self.optimizer: ShardedOnebitAdam | None = None
+        self.engine: Any = None
+        self.units: dict[str, _UnitState] = {}
+        self.steps = torch.zeros(1, dtype=torch.int64)  # updates taken (a tensor: a checkpoint piece)
+        self.reduced: set[str] = set()
+        self.gather_momentum = True  # the 1-bit form is missing (first compressed step, or after a load)
+        self.checkpoint_world: int | None = None
+        self._staged: dict[str, Any] = {}
+
+    # ---- engine hooks -------------------------------------------------------------------------
+    def bind(self, engine: Any) -> None:
+        """Lay out every unit's exchange and error buffers (called once by ``zero_shard``)."""
+        self.engine = engine
+        self.units = {unit.key: _UnitState(unit) for unit in engine.units}
+        params = {id(slot.param) for unit in engine.units for slot in unit.slots}
+        stray = [pid for pid in self.masks if pid not in params]
+        if stray:
+            raise ValueError("momentum_masks: a mask is given for a tensor that is not a parameter of the sharded "
+                             "model; key the dict by the model's parameters.")
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step is past warm-up (the momentum is exchanged in 1 bit)."""
+        return int(self.steps[0]) + 1 > self.config.freeze_step
+
+    def on_step(self, step: int) -> None:
+        """An update was taken: count it (the freeze state) and forget this step's reductions."""
+        self.steps += 1
+        self.reduced.clear()
+        for state in self.units.values():
+            state.momentum = None
+
+    def on_skipped_step(self, step: int) -> None:
+        """A skipped step (never under the refused fp16): nothing was updated."""
+        self.reduced.clear()
+
+    def all_reduce(self, tensor: torch.Tensor, *, group: Any, key: str) -> Any:
+        """Plain sum (the engine calls it only for HSDP replicas, which 1-bit Adam does not use)."""
+        return collectives.all_reduce(tensor, group=group, async_op=True)
+
+    def reduce_scatter(self, full: torch.Tensor, shard_out: torch.Tensor, *, group: Any, key: str) -> Any:
+        """Warm-up: ZeRO's reduce-scatter. After it: the 1-bit momentum exchange of the unit;
+        ``shard_out`` gets zeros (the inner step reads the averaged momentum shard from here)."""
+        if not self.compressing:
+            return collectives.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
+        if key in self.reduced:
+            raise RuntimeError(
+                f"OnebitAdam under ZeRO: unit {key!r} was reduced twice before one step; after warm-up the momentum "
+                "is exchanged once per step, so accumulate gradients inside model.no_sync() (stage 2) and let the "
+                "last backward of the step reduce.")
+        self.reduced.add(key)
+        state = self.units[key]
+        if self.gather_momentum:  # the first reduction of the step, in the same order on every rank
+            self._gather_all_momenta()
+        with torch.no_grad():
+            state.momentum = self._exchange(state, full, group)
+        shard_out.zero_()
+        return None
+
+    # ---- the exchange -------------------------------------------------------------------------
+    def _gather_all_momenta(self) -> None:
+        """Exact all-gather of every unit's ``exp_avg`` shard into its 1-bit-free full form (once:
+        at the first compressed step and after a checkpoint load), kept as fp32 until used."""
+        inner = self.optimizer
+        masters = self.engine.placement.masters()
+        for key, state in self.units.items():
+            unit = state.unit
+            master = masters[key]
+            shard = inner.state[master]["exp_avg"] if master in inner.state and inner.state[master] \
+                else torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
+            full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.device)
+            collectives.all_gather_into_tensor(full, shard.detach().contiguous(), group=unit.group,
+                                               name=f"OnebitAdam momentum all-gather of `{key}` (once)")
+            state.signs, state.scales, state.factors = None, full, []
+        self.gather_momentum = False
+
+    def _full_momentum(self, state: _UnitState) -> torch.Tensor:
+        """The unit's synchronised momentum (padded flat fp32), decoded from the 1-bit form."""
+        unit = state.unit
+        if state.signs is None:  # gathered in fp32 (first compressed step / after a load)
+            assert state.scales is not None
+            return state.scales
+        decoded = scaled_signs(unpack_bits(state.signs, state.world * state.chunk).view(state.world, state.chunk),
+                               state.scales[:, None])
+        flat = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
+        flat.view(state.world, state.shard).copy_(decoded[:, :state.shard])
+        for slot, factor in zip(unit.slots, state.factors):
+            part = flat[slot.offset:slot.offset + slot.numel]
+            part.copy_(part / factor)
+            mask = self.masks.get(id(slot.param))
+            if mask is not None:
+                part.mul_(mask.reshape(-1))
+        flat[unit.numel:].zero_()
+        return flat
+
+    def _exchange(self, state: _UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor:
+        unit, world = state.unit, state.world
+        group_options = self.optimizer.param_groups[unit.option_index]
+        beta1 = group_options["betas"][0]
+        momentum = self._full_momentum(state)
+        local = momentum.view(-1)[:unit.padded_numel]
+        local.mul_(beta1).add_(grads.to(torch.float32), alpha=1 - beta1)
+        local[unit.numel:].zero_()
+        if world == 1:  # the average of one value is the value: nothing to compress
+            for slot in unit.slots:
+                mask = self.masks.get(id(slot.param))
+                if mask is not None:
+                    local[slot.offset:slot.offset + slot.numel].mul_(mask.reshape(-1))
+            state.signs, state.scales, state.factors = None, local, []
+            return local[:unit.shard_numel].clone()
+        tensors = [local[s.offset:s.offset + s.numel].view(s.shape) for s in unit.slots]
+        rms = torch.stack([torch.linalg.vector_norm(t.float()) / math.sqrt(max(t.numel(), 1)) for t in tensors])
+        collectives.all_reduce(rms, group=group, name=f"OnebitAdam per-tensor RMS all-reduce of `{unit.key}`")
+        rms.mul_(1.0 / world)
+        united = rms.mean()
+        factors = torch.where(rms > 0, united / rms, 1.0).tolist()
+        logical = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
+        for slot, tensor, factor in zip(unit.slots, tensors, factors):
+            logical[slot.offset:slot.offset + slot.numel] = tensor.reshape(-1) * factor
+        buffer = torch.zeros(world, state.chunk, dtype=torch.float32, device=unit.device)
+        buffer[:, :state.shard].copy_(logical.view(world, state.shard))
+        del logical, local, momentum, tensors
+        signs, scales, own = self._compressed_allreduce(state, buffer.view(-1), group, unit.key)
+        state.signs, state.scales, state.factors = signs, scales, factors
+        # The owner's averaged momentum shard, in the unit's coordinates, unscaled and masked.
+        shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
+        shard.copy_(own[:state.shard])
+        for slot, (plo, phi), (slo, shi) in unit.local_pieces():
+            factor = factors[unit.slots.index(slot)]
+            part = shard[slo:shi]
+            part.copy_(part / factor)
+            mask = self.masks.get(id(slot.param))
+            if mask is not None:
+                part.mul_(mask.reshape(-1)[plo:phi])
+        lo, _ = unit.shard_range
+        shard[max(0, unit.numel - lo):].zero_()
+        return shard
+
+    def _compressed_allreduce(self, state: _UnitState, buffer: torch.Tensor, group: Any,
+                              key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``plait.kernels.collectives.compressed_allreduce``'s algorithm, keeping the packed server
+        signs (the 1-bit momentum every rank holds) and decoding only this rank's chunk."""
+        world, chunk = state.world, state.chunk
+        packed, worker_scale = compress_with_error_feedback(buffer, state.worker_error)
+        received = torch.empty_like(packed)
+        label = f"OnebitAdam 1-bit exchange of `{key}`"
+        collectives.all_to_all_single(received, packed, group=group, name=f"{label}: worker-sign all-to-all")
+        worker_scales = buffer.new_empty(world)
+        collectives.all_gather_into_tensor(worker_scales, worker_scale.reshape(1), group=group,
+                                           name=f"{label}: worker-scale all-gather")
+        received = received.view(world, -1)
+        total = torch.zeros(chunk, dtype=torch.float32, device=buffer.device)
+        for worker in range(world):  # rank order, as the kernels' server average
+            total += scaled_signs(unpack_bits(received[worker], chunk), worker_scales[worker])
+        server = total.mul_(1.0 / world)
+        server_packed, server_scale = compress_with_error_feedback(server, state.server_error)
+        signs = torch.empty(world * server_packed.numel(), dtype=torch.uint8, device=buffer.device)
+        collectives.all_gather_into_tensor(signs, server_packed, group=group, name=f"{label}: server-sign all-gather")
+        scales = buffer.new_empty(world)
+        collectives.all_gather_into_tensor(scales, server_scale.reshape(1), group=group,
+                                           name=f"{label}: server-scale all-gather")
+        own = scaled_signs(unpack_bits(server_packed, chunk), scales[state.rank])
+        return signs, scales, own
+
+    def take_momentum(self, key: str) -> torch.Tensor | None:
+        """This step's averaged momentum shard of unit ``key`` (``None``: not exchanged)."""
+        state = self.units.get(key)
+        return None if state is None else state.momentum
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict[str, ShardedTensor]:
+        """``ext.onebit.*`` pieces: the step counter (freeze state), per unit the worker error
+        (row ``rank`` of ``[world, W x chunk]``) and server error (chunk ``rank`` of ``[W x chunk]``),
+        the momentum masks (whole, on every rank)."""
+        everyone = tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        out = {"ext.onebit.steps": ShardedTensor(ShardSpec.full("ext.onebit.steps", self.steps, kind="other",
+                                                                replica_ranks=everyone), self.steps)}
+        saved_world = self.checkpoint_world
+        self._staged = {}
+        for key, state in self.units.items():
+            w_name, s_name = f"ext.onebit.{key}.worker_error", f"ext.onebit.{key}.server_error"
+            if saved_world is None or saved_world == state.world:
+                n = state.world * state.chunk
+                out[w_name] = ShardedTensor(ShardSpec(
+                    name=w_name, kind="optimizer_state", global_shape=(state.world, n), dtype=torch.float32,
+                    slices=((state.rank, state.rank + 1), (0, n)), replica_ranks=(me,)), state.worker_error.view(1, n))
+                out[s_name] = ShardedTensor(ShardSpec(
+                    name=s_name, kind="optimizer_state", global_shape=(n,), dtype=torch.float32,
+                    flat_range=(state.rank * state.chunk, (state.rank + 1) * state.chunk), replica_ranks=(me,)),
+                    state.server_error)
+                continue
+            # Resharding: stage the saved rows this rank averages, and the whole saved server error.
+            old_shard = -(-state.unit.numel // saved_world)
+            n_old = saved_world * chunk_of(old_shard)
+            rows = [r for r in range(saved_world) if r % state.world == state.rank] or [state.rank % saved_world]
+            staged_rows = torch.zeros(len(rows), n_old, device=state.unit.device)
+            for i, row in enumerate(rows):
+                out[piece_key(w_name, i)] = ShardedTensor(ShardSpec(
+                    name=w_name, kind="optimizer_state", global_shape=(saved_world, n_old), dtype=torch.float32,
+                    slices=((row, row + 1), (0, n_old)), replica_ranks=(me,)), staged_rows[i].view(1, n_old))
+            staged_server = torch.zeros(n_old, device=state.unit.device)
+            out[s_name] = ShardedTensor(ShardSpec.full(s_name, staged_server, kind="optimizer_state",
+                                                       replica_ranks=(me,)), staged_server)
+            self._staged[key] = (old_shard, staged_rows, staged_server)
+        for unit_state in self.units.values():
+            for slot in unit_state.unit.slots:
+                mask = self.masks.get(id(slot.param))
+                if mask is not None:
+                    name = f"ext.onebit.mask.{slot.global_name}"
+                    out[name] = ShardedTensor(ShardSpec.full(name, mask, kind="other", replica_ranks=everyone),
+                                              mask.reshape(-1))
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
+        """After a load filled the pieces: reshard staged errors, and re-derive the 1-bit momentum
+        from the loaded ``exp_avg`` shards at the next compressed step (one exact all-gather)."""
+        for key, (old_shard, rows, server) in self._staged.items():
+            unit_state = self.units[key]
+            world_old = self.checkpoint_world
+            assert world_old is not None
+            logical_worker = _to_logical(rows.mean(dim=0), world_old, old_shard, unit_state.unit.numel)
+            logical_server = _to_logical(server, world_old, old_shard, unit_state.unit.numel)
+            unit_state.worker_error.copy_(_from_logical(logical_worker, unit_state))
+            lo, hi = unit_state.unit.shard_range
+            mine = torch.zeros(unit_state.chunk, device=unit_state.unit.device)
+            part = logical_server[lo:min(hi, unit_state.unit.numel)]
+            mine[:part.numel()] = part
+            unit_state.server_error.copy_(mine)
+        self._staged = {}
+        self.checkpoint_world = None
+        self.gather_momentum = True
+        self.reduced.clear()
+        for unit_state in self.units.values():
+            unit_state.signs = unit_state.scales = None
+            unit_state.momentum = None
+
+
+def _to_logical(exchange_layout: torch.Tensor, world: int, shard: int, numel: int) -> torch.Tensor:
+    """Exchange-layout values (``world`` chunks, each a shard and padding) as the unit's ``numel``
+    elements."""
+    chunk = chunk_of(shard)
+    return exchange_layout.view(world, chunk)[:, :shard].reshape(-1)[:numel]
+
+
+def _from_logical(values: torch.Tensor, state: _UnitState) -> torch.Tensor:
+    flat = torch.zeros(state.world * state.shard, device=values.device)
+    flat[:values.numel()] = values
+    out = torch.zeros(state.world, state.chunk, device=values.device)
+    out[:, :state.shard] = flat.view(state.world, state.shard)
+    return out.view(-1)
+
+
+class ShardedOnebitAdam(torch.optim.Optimizer):
+    """The inner optimizer of 1-bit Adam under ZeRO, over the fp32 master shards.
+
+    Warm-up: torch's AdamW kernel on the averaged gradient shards. After it: the averaged
+    momentum shard from :class:`OnebitZeroExchange` and the frozen variance. ``zero_shard``
+    builds it (through :func:`compose_with_zero`); it is not meant to be built by hand.
+    """
+
+    EXCHANGE: OnebitZeroExchange
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.exchange = self.EXCHANGE
+        self.exchange.optimizer = self
+        self.config = self.exchange.config
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of the master shards (see the class docstring)."""
+        loss = run_closure(closure)
+        keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()} if self.exchange.engine else {}
+        compressed = self.exchange.compressing and any(
+            self.exchange.take_momentum(k) is not None for k in keys.values())
+        for group in self.param_groups:
+            if compressed:
+                self._compressed_step(group, keys)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        from torch.optim.adam import adam as torch_adam
+
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self._state(p) for p in params]
+        beta1, beta2 = group["betas"]
+        torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                   [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _compressed_step(self, group: dict[str, Any], keys: dict[int, str]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        frozen_correction = math.sqrt(1 - beta2 ** self.config.freeze_step)
+        for p in group["params"]:
+            momentum = self.exchange.take_momentum(keys.get(id(p), ""))
+            if momentum is None:
+                continue
+            state = self._state(p)
+            state["exp_avg"].copy_(momentum)
+            state["step"] += 1
+            step_size = lr / (1 - beta1 ** state["step"].item())
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            denom = (state["exp_avg_sq"].sqrt() / frozen_correction).add_(eps)
+            p.addcdiv_(state["exp_avg"], denom, value=-step_size)
