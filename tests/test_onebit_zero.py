@@ -137,6 +137,36 @@ def test_bytes_after_warmup_are_the_one_bit_exchange_plus_the_exact_gather(world
     assert "reduce_scatter" not in by_op
 
 
+# ---- memory and masks --------------------------------------------------------------------------------
+def _held_and_masked() -> tuple[list[tuple[int, int, int, int, int]], bool, bool]:
+    model = _model()
+    masked = model.norm.weight
+    mask = torch.ones_like(masked)
+    mask[::2] = 0.0
+    model, opt = zero_shard(model, OnebitAdam, ZeroConfig(stage=2, reduce_bucket_elements=BUCKET), lr=1e-3,
+                            onebit_config=OnebitAdamConfig(freeze_step=FREEZE), momentum_masks={masked: mask})
+    train_losses(model, opt, FREEZE + 1, batch=BATCH, seq=SEQ)
+    before = masked.detach().clone()
+    train_losses(model, opt, 3, batch=BATCH, seq=SEQ, start=FREEZE + 1)
+    still = torch.equal(masked.detach()[::2], before[::2]) and not torch.equal(masked.detach()[1::2], before[1::2])
+    exchange = model.zero_engine.reducer
+    held = [(s.unit.numel, s.worker_error.numel(), s.server_error.numel(), s.signs.numel(), s.scales.numel())
+            for s in exchange.units.values()]
+    return held, still, "ext.onebit.mask.norm.weight" in model.sharded_state_dict()
+
+
+@pytest.mark.timeout(240)
+def test_state_held_per_rank_and_momentum_masks_under_zero() -> None:
+    world = 2
+    for held, still, mask_saved in run_distributed(_held_and_masked, world, timeout=200):
+        for numel, worker, server, sign_bytes, scales in held:
+            chunk = -(-(-(-numel // world)) // 8) * 8  # the ZeRO shard rounded up to whole sign bytes
+            assert worker == world * chunk  # fp32 worker error: the whole unit (padded)
+            assert server == chunk  # fp32 server error: the chunk this rank serves, i.e. its shard
+            assert sign_bytes == worker // 8 and scales == world  # the synchronised momentum, 1 bit per element
+        assert still and mask_saved
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 K, AFTER = FREEZE + 3, 5
 
