@@ -20,6 +20,8 @@ engine's reducer, with the owner of each ZeRO shard as the server of its chunk
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,7 +162,7 @@ def test_state_held_per_rank_and_momentum_masks_under_zero() -> None:
     world = 2
     for held, still, mask_saved in run_distributed(_held_and_masked, world, timeout=200):
         for numel, worker, server, sign_bytes, scales in held:
-            chunk = -(-(-(-numel // world)) // 8) * 8  # the ZeRO shard rounded up to whole sign bytes
+            chunk = math.ceil(math.ceil(numel / world) / 8) * 8  # the ZeRO shard rounded up to whole sign bytes
             assert worker == world * chunk  # fp32 worker error: the whole unit (padded)
             assert server == chunk  # fp32 server error: the chunk this rank serves, i.e. its shard
             assert sign_bytes == worker // 8 and scales == world  # the synchronised momentum, 1 bit per element
