@@ -174,3 +174,40 @@ def test_target_cannot_hold_state(pristine, tmp_path):
     with pytest.raises(uc.CheckpointExistsError):
         uc.save({"t": torch.zeros(3)}, root, step=1)
     assert _tree_digest(root / pristine.name) == tree
+
+
+class _OwnCopy:
+    """A producer whose every rank names itself the writer of a whole tensor ``w`` (as ZeRO does for
+    a unit each rank holds whole), here with each rank's own values: not in fact a replica."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.w = rank, torch.full((4, 3), float(rank))
+
+    def sharded_state_dict(self) -> dict:
+        from plait.kernels.sharded_state import ShardedTensor, ShardSpec
+
+        spec = ShardSpec.full("w", self.w, kind="parameter", replica_ranks=(self.rank,))
+        return {"w": ShardedTensor(spec, self.w.reshape(-1))}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.w.copy_(state["w"].local.view(4, 3))
+
+
+def _save_diverged_replica(root: str) -> str:
+    import torch.distributed as dist
+
+    from plait.universal_ckpt.errors import CheckpointError
+
+    try:
+        uc.save({"model": _OwnCopy(dist.get_rank())}, root, step=1)
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(90)
+def test_replicas_with_different_values_are_refused_not_dropped(tmp_path):
+    errors = run_distributed(_save_diverged_replica, 2, str(tmp_path / "root"), timeout=60)
+    for error in errors:
+        assert "ranks wrote different values for the same part" in error and "global identity" in error, errors
+    assert not list((tmp_path / "root").glob("step-*")), "nothing may be committed"

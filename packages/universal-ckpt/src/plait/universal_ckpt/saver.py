@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.kernels import collectives
 from plait.universal_ckpt import directory
 from plait.universal_ckpt.adapters import NO_OBJECT, Adapter, adapt
 from plait.universal_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
@@ -170,10 +171,18 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
         for size in shape:
             numel *= size
         # Pieces with the same coordinates from several ranks are replicas whose producer named
-        # each rank as its own writer; they hold the same values, so the lowest rank's is kept.
+        # each rank as its own writer; the lowest rank's is kept. Their hashes must agree: ranks
+        # holding different values under one name (a rank-local expert saved without its global
+        # identity) would otherwise lose every rank's values but one, silently.
         unique: dict[tuple, Piece] = {}
         for item in items:
-            unique.setdefault((item[5].flat_range, item[5].slices), item[5])
+            kept = unique.setdefault((item[5].flat_range, item[5].slices), item[5])
+            if kept.hashes != item[5].hashes:
+                raise CheckpointError(
+                    f"{full}: ranks wrote different values for the same part of it "
+                    f"(range {item[5].flat_range or item[5].slices}): it is not replicated, so saving one rank's "
+                    f"copy would lose the others'. Give such tensors a global identity (ZeRO's zero_global param-"
+                    f"group key, plait.moe_layers.zero_param_groups for experts) or distinct names per rank.")
         entry = TensorEntry(key=key, name=name, kind=kind, global_shape=shape, dtype=dtype,
                             nbytes=numel * itemsize, pieces=tuple(unique.values()), pattern=items[0][6])
         problem = check_coverage(entry)
@@ -334,7 +343,9 @@ def async_group(group: Group) -> Group:
     if not group.distributed:
         return group
     if group.ranks not in _async_groups:
-        _async_groups[group.ranks] = dist.new_group(ranks=list(group.ranks), backend="gloo")
+        # The job's collective timeout, not torch's 30 minutes: a rank dying mid-save fails fast.
+        _async_groups[group.ranks] = dist.new_group(ranks=list(group.ranks), backend="gloo",
+                                                    timeout=collectives.group_timeout())
     return group.with_handle(_async_groups[group.ranks])
 
 
