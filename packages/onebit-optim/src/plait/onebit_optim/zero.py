@@ -208,7 +208,6 @@ class OnebitZeroExchange:
         self.units: dict[str, _UnitState] = {}
         self.steps = torch.zeros(1, dtype=torch.int64)  # updates taken (a tensor: a checkpoint piece)
         self.reduced: set[str] = set()
-        self.gather_momentum = True  # the 1-bit form is missing (first compressed step, or after a load)
         self.checkpoint_world: int | None = None
         self._staged: dict[str, Any] = {}
 
@@ -255,29 +254,27 @@ class OnebitZeroExchange:
                 "last backward of the step reduce.")
         self.reduced.add(key)
         state = self.units[key]
-        if self.gather_momentum:  # the first reduction of the step, in the same order on every rank
-            self._gather_all_momenta()
+        if state.signs is None and state.scales is None:  # no 1-bit form yet (first compressed step, a load)
+            self._gather_momentum(state)
         with torch.no_grad():
             state.momentum = self._exchange(state, full, group)
         shard_out.zero_()
         return None
 
     # ---- the exchange -------------------------------------------------------------------------
-    def _gather_all_momenta(self) -> None:
-        """Exact all-gather of every unit's ``exp_avg`` shard into its 1-bit-free full form (once:
-        at the first compressed step and after a checkpoint load), kept as fp32 until used."""
-        inner = self.optimizer
-        masters = self.engine.placement.masters()
-        for key, state in self.units.items():
-            unit = state.unit
-            master = masters[key]
-            shard = inner.state[master]["exp_avg"] if master in inner.state and inner.state[master] \
-                else torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
-            full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.device)
-            collectives.all_gather_into_tensor(full, shard.detach().contiguous(), group=unit.group,
-                                               name=f"OnebitAdam momentum all-gather of `{key}` (once)")
-            state.signs, state.scales, state.factors = None, full, []
-        self.gather_momentum = False
+    def _gather_momentum(self, state: _UnitState) -> None:
+        """Exact all-gather of a unit's ``exp_avg`` shards (once: at its first compressed step and
+        after a checkpoint load); the full fp32 momentum is used right away by the exchange."""
+        unit = state.unit
+        master = self.engine.placement.masters()[unit.key]
+        inner_state = self.optimizer.state.get(master) or {}
+        shard = inner_state.get("exp_avg")
+        if shard is None:
+            shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
+        full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.device)
+        collectives.all_gather_into_tensor(full, shard.detach().contiguous(), group=unit.group,
+                                           name=f"OnebitAdam momentum all-gather of `{unit.key}` (once)")
+        state.signs, state.scales, state.factors = None, full, []
 
     def _full_momentum(self, state: _UnitState) -> torch.Tensor:
         """The unit's synchronised momentum (padded flat fp32), decoded from the 1-bit form."""
@@ -434,7 +431,6 @@ class OnebitZeroExchange:
             unit_state.server_error.copy_(mine)
         self._staged = {}
         self.checkpoint_world = None
-        self.gather_momentum = True
         self.reduced.clear()
         for unit_state in self.units.values():
             unit_state.signs = unit_state.scales = None
