@@ -226,6 +226,26 @@ def test_resume_after_warmup_at_four_ranks_is_bitwise_and_reshards_to_two(tmp_pa
     assert max(abs(a - b) / b for a, b in zip(halved, uninterrupted)) < 0.1, (halved, uninterrupted)
 
 
+def _hsdp() -> str:
+    from plait.kernels.mesh import make_mesh
+
+    try:
+        _zero_on(make_mesh(dp=1, ep=2))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _zero_on(mesh: object) -> None:
+    zero_shard(_model(), OnebitAdam, ZeroConfig(stage=2, reduce_bucket_elements=BUCKET), mesh=mesh, lr=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_meshes_are_refused() -> None:
+    for message in run_distributed(_hsdp, 2, timeout=100):
+        assert "HSDP" in message
+
+
 # ---- refusals -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", [OnebitLamb, ZeroOneAdam])

@@ -93,8 +93,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def compose_with_zero(cls, optimizer: Any, zero_config: Any, **kwargs: Any) -> Any:
         """Called by plait-zero-sharding's ``zero_shard`` (by name): the reducer and inner
         optimizer of 1-bit Adam under ZeRO-1/2, or a refusal naming what works
-        (:func:`plait.onebit_optim.zero.compose_with_zero`)."""
-        from plait.onebit_optim.zero import compose_with_zero
+        (:func:`plait.onebit_optim.zero_optimizer.compose_with_zero`)."""
+        from plait.onebit_optim.zero_optimizer import compose_with_zero
 
         return compose_with_zero(optimizer, zero_config, **kwargs)
 

@@ -1,11 +1,11 @@
 """1-bit Adam under ZeRO stages 1 and 2: the owner of a shard is the server of the 1-bit exchange.
 
 ``zero_shard(model, OnebitAdam, ZeroConfig(stage=2), lr=..., onebit_config=OnebitAdamConfig(...))`` (or
-an ``OnebitAdam`` instance) calls :func:`compose_with_zero` (plait-zero-sharding looks the hook up
-by name; this module imports nothing from it). It returns an engine-wide reducer,
-:class:`OnebitZeroExchange`, and the inner optimizer class, :class:`ShardedOnebitAdam`, built
-over the fp32 master shards. Per step, per ZeRO unit (a flat bucket, padded so rank ``r`` owns
-``[r * shard, (r + 1) * shard)``):
+an ``OnebitAdam`` instance) calls :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`
+(plait-zero-sharding looks the hook up by name; nothing here imports it). It returns an
+engine-wide reducer, :class:`OnebitZeroExchange` (this module), and the inner optimizer class,
+``ShardedOnebitAdam``, built over the fp32 master shards. Per step, per ZeRO unit (a flat
+bucket, padded so rank ``r`` owns ``[r * shard, (r + 1) * shard)``):
 
 * warm-up (``step <= freeze_step``): the reducer is ZeRO's plain reduce-scatter and the inner
   optimizer is torch's AdamW kernel on the averaged shards, so parameters equal ZeRO +
@@ -33,8 +33,7 @@ worker error to another world size: :func:`expect_checkpoint_world`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,103 +41,10 @@ import torch.distributed as dist
 from plait.kernels import collectives
 from plait.kernels.ops.sign import compress_with_error_feedback, scaled_signs, unpack_bits
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
-from plait.onebit_optim.base import check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
 
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
-# Why the other two stay plain-data-parallel only.
-REFUSED = {
-    "OnebitLamb": "1-bit LAMB's trust ratio and its frozen-coefficient factor need whole-tensor norms of the "
-                  "parameter, the update and the fresh variance, which a flat ZeRO shard cuts across (they would "
-                  "need partial-norm all-reduces per tensor, not built)",
-    "ZeroOneAdam": "0/1 Adam's local steps skip synchronisation, but ZeRO reduces gradients and all-gathers the "
-                   "parameters at every step (its sharded masters cannot take a local step)",
-}
-
-
-def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[dict[str, Any]] | None,
-                      reducer: Any, **kwargs: Any) -> tuple[type, list[dict[str, Any]] | None, dict[str, Any], Any]:
-    """What ``zero_shard`` builds for a 1-bit optimizer (see the module docstring).
-
-    Args:
-        optimizer: ``OnebitAdam`` (the class) or an instance without state.
-        zero_config: the ``ZeroConfig``.
-        param_groups: ``zero_shard``'s ``param_groups`` (class form only).
-        reducer: ``zero_shard``'s ``reducer`` (must be ``None``: the exchange is the reducer).
-        **kwargs: the optimizer's keyword arguments (class form): hyperparameters, ``config``,
-            ``momentum_masks``.
-
-    Returns:
-        ``(inner optimizer class, param_groups, hyperparameter kwargs, reducer)`` for ``zero_shard``.
-
-    Raises:
-        ValueError: ZeRO-3, ZeRO++, fp16, gradient clipping by the engine, another reducer, a
-            ``process_group``, or a 1-bit optimizer other than 1-bit Adam (naming what works).
-    """
-    cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-    name = cls.__name__
-    if name != "OnebitAdam":
-        why = REFUSED.get(name, "it exchanges its own compressed momentum over the whole model")
-        raise ValueError(
-            f"optimizer {name} does not compose with ZeRO sharding (any stage); only OnebitAdam does, at stages 1 "
-            f"and 2: {why}. Use {name} on the plain, unwrapped model (no zero_shard, no DDP), or OnebitAdam / "
-            "torch.optim.AdamW with ZeRO.")
-    stage = zero_config.stage
-    if stage not in (1, 2):
-        raise ValueError(
-            f"OnebitAdam composes with ZeroConfig(stage=1) and stage=2, not stage={stage}: after warm-up every rank "
-            "needs the whole unit's momentum (held in 1 bit) and its own local gradient bucket at each step, and "
-            "stage 3 frees parameters and gathers them per module; use stage=1 or 2 (the fp32 masters and Adam "
-            "state are sharded there too), or torch.optim.AdamW with stage 3.")
-    problems = []
-    if reducer is not None:
-        problems.append("reducer= is given, but OnebitAdam's 1-bit exchange is the reducer; drop it")
-    if getattr(zero_config, "zeropp", None) is not None:
-        problems.append("ZeroConfig.zeropp is set; its quantized reduce replaces the 1-bit exchange: use one of them")
-    if zero_config.compute_dtype == torch.float16 or zero_config.reduce_dtype == torch.float16:
-        problems.append("fp16 compute needs loss scaling, which the 1-bit exchange does not integrate yet; "
-                        "use fp32 or bf16")
-    if zero_config.max_grad_norm is not None:
-        problems.append("ZeroConfig.max_grad_norm is set; after warm-up the engine sees the exchanged momentum, not "
-                        "gradients, so there is nothing it could clip; leave it None")
-    if problems:
-        raise ValueError("zero_shard with OnebitAdam: " + "; ".join(problems) + ".")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer.state:
-            raise ValueError("optimizer OnebitAdam already has state; shard before the first step.")
-        if param_groups is not None or kwargs:
-            raise ValueError("pass either an optimizer instance or an optimizer class with options, not both.")
-        param_groups = [dict(g) for g in optimizer.param_groups]
-        config = optimizer.config
-        masks = {pid: mask for pid, mask in optimizer.masks.items()}
-        hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
-    else:
-        config = kwargs.pop("onebit_config", None) or kwargs.pop("config", None) or OnebitAdamConfig()
-        if not isinstance(config, OnebitAdamConfig):
-            raise ValueError(f"OnebitAdam: config must be a OnebitAdamConfig, got {type(config).__name__}.")
-        if kwargs.pop("process_group", None) is not None:
-            raise ValueError("OnebitAdam under ZeRO exchanges over ZeRO's sharding group; drop process_group= "
-                             "(pass mesh= to zero_shard instead).")
-        masks = {id(p): m.to(torch.float32) for p, m in (kwargs.pop("momentum_masks", None) or {}).items()}
-        unknown = sorted(set(kwargs) - set(HYPERPARAMETERS))
-        if unknown:
-            raise ValueError(f"OnebitAdam: unknown option(s) {unknown}; it takes {list(HYPERPARAMETERS)}, "
-                             "onebit_config, momentum_masks.")
-        hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
-    for g in param_groups or []:
-        for key in ("zero_reducer", "zero_group"):
-            if key in g:
-                raise ValueError(f"OnebitAdam under ZeRO: param_groups carry {key!r}; the 1-bit exchange shards "
-                                 "every group over ZeRO's group with its own reducer: drop the key.")
-        check_hyperparameters("OnebitAdam", *(g.get(k, hyper[k]) for k in HYPERPARAMETERS))
-    check_hyperparameters("OnebitAdam", *(hyper[k] for k in HYPERPARAMETERS))
-    if param_groups is not None:
-        param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
-                        for g in param_groups]
-    exchange = OnebitZeroExchange(config, masks)
-    inner = type("OnebitAdam", (ShardedOnebitAdam,), {"EXCHANGE": exchange, "__module__": __name__})
-    return inner, param_groups, hyper, exchange
-
+if TYPE_CHECKING:
+    from plait.onebit_optim.zero_optimizer import ShardedOnebitAdam
 
 def expect_checkpoint_world(optimizer_or_model: Any, world: int) -> None:
     """Before loading a checkpoint saved at another world size: read its worker errors as rows of
@@ -214,6 +120,11 @@ class OnebitZeroExchange:
     # ---- engine hooks -------------------------------------------------------------------------
     def bind(self, engine: Any) -> None:
         """Lay out every unit's exchange and error buffers (called once by ``zero_shard``)."""
+        hsdp = [unit.key for unit in engine.units if unit.replicate_group is not None]
+        if hsdp:
+            raise ValueError("OnebitAdam under ZeRO shards over one group; the mesh leaves dimensions outside "
+                             "ZeroConfig.shard_dims (HSDP replicas), whose gradients the 1-bit exchange would not "
+                             "average. Shard over every data-parallel dimension (shard_dims) or pass mesh['dp'].")
         self.engine = engine
         self.units = {unit.key: _UnitState(unit) for unit in engine.units}
         params = {id(slot.param) for unit in engine.units for slot in unit.slots}
@@ -450,73 +361,3 @@ def _from_logical(values: torch.Tensor, state: _UnitState) -> torch.Tensor:
     out = torch.zeros(state.world, state.chunk, device=values.device)
     out[:, :state.shard] = flat.view(state.world, state.shard)
     return out.view(-1)
-
-
-class ShardedOnebitAdam(torch.optim.Optimizer):
-    """The inner optimizer of 1-bit Adam under ZeRO, over the fp32 master shards.
-
-    Warm-up: torch's AdamW kernel on the averaged gradient shards. After it: the averaged
-    momentum shard from :class:`OnebitZeroExchange` and the frozen variance. ``zero_shard``
-    builds it (through :func:`compose_with_zero`); it is not meant to be built by hand.
-    """
-
-    EXCHANGE: OnebitZeroExchange
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.exchange = self.EXCHANGE
-        self.exchange.optimizer = self
-        self.config = self.exchange.config
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of the master shards (see the class docstring)."""
-        loss = run_closure(closure)
-        keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()} if self.exchange.engine else {}
-        compressed = self.exchange.compressing and any(
-            self.exchange.take_momentum(k) is not None for k in keys.values())
-        for group in self.param_groups:
-            if compressed:
-                self._compressed_step(group, keys)
-            else:
-                self._adamw_step(group)
-        return loss
-
-    def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        from torch.optim.adam import adam as torch_adam
-
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        states = [self._state(p) for p in params]
-        beta1, beta2 = group["betas"]
-        torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                   [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-
-    def _compressed_step(self, group: dict[str, Any], keys: dict[int, str]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        frozen_correction = math.sqrt(1 - beta2 ** self.config.freeze_step)
-        for p in group["params"]:
-            momentum = self.exchange.take_momentum(keys.get(id(p), ""))
-            if momentum is None:
-                continue
-            state = self._state(p)
-            state["exp_avg"].copy_(momentum)
-            state["step"] += 1
-            step_size = lr / (1 - beta1 ** state["step"].item())
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            denom = (state["exp_avg_sq"].sqrt() / frozen_correction).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-step_size)
