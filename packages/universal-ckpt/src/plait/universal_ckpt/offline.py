@@ -53,7 +53,8 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
     Args:
         root: the checkpoint root (created); the checkpoint lands in ``root/step-<step>``.
         step: its step.
-        tensors: ``(key, name, kind, tensor)`` tuples, consumed one at a time.
+        tensors: ``(key, name, kind, tensor)`` tuples, consumed one at a time; a fifth item, when
+            present, is the tensor's model-parallel pattern (:class:`TensorLayout` JSON) or None.
         objects: rank -> {key: picklable object} (non-tensor state per rank).
         layout: the layout to record (default: world size 1).
         user_meta: JSON-able dict for the manifest.
@@ -106,7 +107,7 @@ def _write_tensors(tmp: Path, tensors: Iterable[tuple[str, str, str, torch.Tenso
     entries: dict[str, TensorEntry] = {}
     offset = 0
     with open(tmp / DATA_FILE, "xb", buffering=0) as file:
-        for key, name, kind, tensor in tensors:
+        for key, name, kind, tensor, *rest in tensors:
             data = tensor_bytes(tensor)
             view = data
             while len(view):
@@ -117,7 +118,8 @@ def _write_tensors(tmp: Path, tensors: Iterable[tuple[str, str, str, torch.Tenso
                 key=key, name=name, kind=kind, global_shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
                 nbytes=len(data), pieces=(Piece(file=DATA_FILE, offset=offset, nbytes=len(data), flat_range=(0, numel),
                                                 slices=None, hashes=chunk_hashes(data, chunk_bytes, HASH_ALGORITHM),
-                                                checksums=chunk_checksums(data, chunk_bytes)),))
+                                                checksums=chunk_checksums(data, chunk_bytes)),),
+                pattern=rest[0] if rest else None)
             offset += len(data)
             if progress is not None:
                 progress(len(data))

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from plait.universal_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from plait.universal_ckpt.interop import deepspeed_mp
 from plait.universal_ckpt.manifest import Layout
 from plait.universal_ckpt.offline import write_offline
 
@@ -169,13 +170,15 @@ def import_deepspeed(src: str | os.PathLike, dst_root: str | os.PathLike, *, tag
 
     Raises:
         CheckpointNotFoundError: ``src`` is not a DeepSpeed checkpoint.
-        CheckpointFormatError: a layout this importer does not understand (pipeline or tensor
-            parallelism, partitions that do not add up).
+        CheckpointFormatError: a layout this importer does not understand (ZeRO-3 or pipeline x
+            tensor parallelism, partitions that do not add up) or a missing model-parallel file
+            (named with its tensors and the fix, before anything is written).
     """
     path = _tag_dir(Path(src), tag)
+    if deepspeed_mp.is_model_parallel(path):
+        return deepspeed_mp.import_model_parallel(path, Path(dst_root), key=key, load=_load, split=_stage12,
+                                                  loss_scale=_loss_scale, progress=progress)
     optim_files = sorted(path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
-    if any(path.glob("*mp_rank_01*")):
-        raise CheckpointFormatError(f"{path}: tensor/pipeline-parallel DeepSpeed checkpoints are not supported.")
     optims = [_load(f)["optimizer_state_dict"] for f in optim_files]
     model_file = path / "mp_rank_00_model_states.pt"
     if not model_file.exists():
