@@ -246,6 +246,32 @@ def test_hsdp_meshes_are_refused() -> None:
         assert "HSDP" in message
 
 
+# ---- convergence ---------------------------------------------------------------------------------------
+def _hf_llama_losses(stage: int, onebit: bool, steps: int) -> list[float]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=SEQ))
+    if onebit:
+        optimizer = OnebitAdam(model.parameters(), lr=1e-3, weight_decay=0.01,
+                               config=OnebitAdamConfig(freeze_step=steps // 2))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, optimizer = zero_shard(model, optimizer, ZeroConfig(stage=stage))
+    return _mean(train_losses(model, optimizer, steps, batch=BATCH, seq=SEQ))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hf_llama_300_steps_under_zero2_within_2_percent_of_zero_adamw() -> None:
+    # The package's plain-data-parallel setup (tiny HF Llama, half the run as warm-up), under ZeRO-2.
+    onebit = run_distributed(_hf_llama_losses, 2, 2, True, 300, timeout=250)[0]
+    adamw = run_distributed(_hf_llama_losses, 2, 2, False, 300, timeout=250)[0]
+    tail_onebit, tail_adamw = sum(onebit[-20:]) / 20, sum(adamw[-20:]) / 20
+    assert tail_onebit < 1.02 * tail_adamw, (tail_onebit, tail_adamw)
+
+
 # ---- refusals -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("optimizer", [OnebitLamb, ZeroOneAdam])
