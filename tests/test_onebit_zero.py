@@ -139,6 +139,43 @@ def test_bytes_after_warmup_are_the_one_bit_exchange_plus_the_exact_gather(world
     assert "reduce_scatter" not in by_op
 
 
+# ---- gradient accumulation ---------------------------------------------------------------------------
+def _accumulate(stage: int, sync_first: bool) -> list[float] | str:
+    from plait.kernels.testing import global_batch, rank_slice
+
+    model, opt = _zero(stage)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    try:
+        for step in range(FREEZE + 3):
+            for micro in range(2):
+                batch = rank_slice(global_batch(2 * step + micro, BATCH, SEQ), rank, world)
+                if micro == 0 and not sync_first:
+                    with model.no_sync():
+                        model(**batch).loss.backward()
+                else:
+                    loss = model(**batch).loss
+                    loss.backward()
+                    if micro == 1:
+                        losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_gradient_accumulation_after_warmup() -> None:
+    # ZeRO-2 with no_sync on the first micro-batch = ZeRO-1 (which reduces once, in step) bit for bit.
+    stage1 = run_distributed(_accumulate, 2, 1, True, timeout=200)
+    stage2 = run_distributed(_accumulate, 2, 2, False, timeout=200)
+    assert stage1 == stage2
+    # ZeRO-2 reducing every micro-batch: refused once the momentum is exchanged.
+    refused = run_distributed(_accumulate, 2, 2, True, timeout=200)
+    assert all("reduced twice before one step" in message and "no_sync" in message for message in refused)
+
+
 # ---- memory and masks --------------------------------------------------------------------------------
 def _held_and_masked() -> tuple[list[tuple[int, int, int, int, int]], bool, bool]:
     model = _model()
