@@ -1,5 +1,9 @@
 """Import model-parallel DeepSpeed checkpoints written here on CPU by deepspeed itself (issue 20).
 
+Megatron-DeepSpeed 3-D: a pp=2 x tp=2 PipelineModule of Megatron-style parallel MLP blocks
+(``ds_3d_models``), which DeepSpeed saves as ``layer_LL-model_TT-model_states.pt``; the client's
+``universal_checkpoint_info`` patterns are the only layout information, as in Megatron-DeepSpeed.
+
 AutoTP: a tiny HF Llama trained with ``tensor_parallel.autotp_size=2`` + ZeRO-1 at W=2 (TP=2) and
 W=4 (TP=2 x DP=2). PipelineModule: eight plain layers (a ReLU among them) at 2 and 4 stages. DeepSpeed's own
 ``ds_to_universal`` is the oracle for every tensor (moments and step included); for pipelines it
@@ -24,8 +28,13 @@ from plait.kernels.testing import run_distributed
 from plait.universal_ckpt.interop.deepspeed import import_deepspeed
 from plait.universal_ckpt.interop.hf import export_hf
 
+sys.path.insert(0, str(Path(__file__).parent))
+import ds_3d_models
+
 VOCAB = 64
 STEPS = 2
+# name -> (world size, ZeRO stage, bf16): TP=2 at W=2; TP=2 x DP=2 at W=4 (fp32 ZeRO-1, bf16 ZeRO-2).
+AUTOTP_RUNS = {"w2": (2, 1, False), "w4": (4, 1, False), "w4_zero2_bf16": (4, 2, True)}
 
 
 def _init_deepspeed():
@@ -51,14 +60,14 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(7))
 
 
-def make_autotp(root: str) -> torch.Tensor:
-    """Train 2 steps under AutoTP=2 + ZeRO-1 and save; returns the trained parallel model's logits."""
+def make_autotp(root: str, stage: int, bf16: bool) -> torch.Tensor:
+    """Train 2 steps under AutoTP=2 + ZeRO-``stage`` and save; returns the trained parallel model's logits."""
     deepspeed = _init_deepspeed()
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_config())
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
               "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -105,9 +114,9 @@ def autotp(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("autotp")
     logits = {}
-    for world in (2, 4):
-        logits[world] = run_distributed(make_autotp, world, str(root / f"w{world}"), timeout=120,
-                                        env={"DS_ACCELERATOR": "cpu"})[0]
+    for name, (world, stage, bf16) in AUTOTP_RUNS.items():
+        logits[name] = run_distributed(make_autotp, world, str(root / name), stage, bf16, timeout=120,
+                                       env={"DS_ACCELERATOR": "cpu"})[0]
     return root, logits
 
 
@@ -121,6 +130,21 @@ def pipelines(tmp_path_factory):
                                    env={"DS_ACCELERATOR": "cpu"})
         weights[stages] = {name: tensor for rank in per_rank for name, tensor in rank.items()}
     return root, weights
+
+
+def make_3d(*args):
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    return ds_3d_models.make_3d(*args)
+
+
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("three_d")
+    per_rank = run_distributed(make_3d, 4, str(root / "ds"), 2, 2, 4, timeout=120,
+                               env={"DS_ACCELERATOR": "cpu"})
+    stages = [[weights for stage, weights in per_rank if stage == s] for s in (0, 1)]
+    return root / "ds", {n: t for shards in stages for n, t in ds_3d_models.assemble(shards).items()}
 
 
 def _ds_to_universal(tag_dir: Path, out: Path) -> Path:
@@ -148,17 +172,18 @@ def _assert_equals_ds_to_universal(ckpt: Path, reference: Path) -> int:
     return compared
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_autotp_matches_ds_to_universal(autotp, tmp_path, world):
+@pytest.mark.parametrize("run", list(AUTOTP_RUNS))
+def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
     root, _ = autotp
-    ckpt = import_deepspeed(root / f"w{world}", tmp_path / "uc")
+    world, stage, _ = AUTOTP_RUNS[run]
+    ckpt = import_deepspeed(root / run, tmp_path / "uc")
     manifest = uc.read_manifest(ckpt)
-    assert manifest.layout.mesh == {"tp": 2, "pp": 1, "dp": world // 2} and manifest.layout.zero_stage == 1
+    assert manifest.layout.mesh == {"tp": 2, "pp": 1, "dp": world // 2} and manifest.layout.zero_stage == stage
     patterns = {e.name: e.pattern for e in manifest.tensors.values()}
     assert patterns["model.model.layers.0.self_attn.o_proj.weight"] == {"dim": 1, "group": "tp"}  # row-parallel
     assert patterns["model.model.layers.0.mlp.gate_proj.weight"] == {"dim": 0, "group": "tp"}
     assert patterns["model.model.norm.weight"] == {"dim": None, "group": "tp"}
-    reference = _ds_to_universal(root / f"w{world}" / "step2", tmp_path / "ds_universal")
+    reference = _ds_to_universal(root / run / "step2", tmp_path / "ds_universal")
     assert _assert_equals_ds_to_universal(ckpt, reference) == 4 * 21  # 21 Llama parameters
 
 
@@ -173,8 +198,8 @@ def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path):
     with torch.no_grad():
         ours = model.eval()(input_ids=_tokens()).logits
     # TP=2 sums the row-parallel halves in another order than one matmul does: float32 rounding.
-    torch.testing.assert_close(ours, logits[2], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits[4], logits[2], rtol=1e-5, atol=1e-5)  # same run under DP=2
+    torch.testing.assert_close(ours, logits["w2"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["w4"], logits["w2"], rtol=1e-5, atol=1e-5)  # same run under DP=2
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -225,3 +250,22 @@ def test_cli_detects_model_parallel_source_and_inspect_shows_sizes(autotp, pipel
     assert plait("ckpt", "inspect", str(tmp_path / "tp")) == 0
     out = capsys.readouterr().out
     assert "tp=2 pp=1 dp=2" in out and "tp:dim1" in out and "tp:replicated" in out, out
+
+
+def test_megatron_deepspeed_3d_to_single_process(three_d, tmp_path):
+    src, trained = three_d
+    assert (src / "step2" / "layer_03-model_01-model_states.pt").exists()  # the 3-D file layout
+    ckpt = import_deepspeed(src, tmp_path / "uc")
+    manifest = uc.read_manifest(ckpt)
+    assert manifest.layout.mesh == {"tp": 2, "pp": 2, "dp": 1}
+    single = ds_3d_models.full_model(4)
+    single.load_state_dict({name: uc.read_full(ckpt, manifest, manifest.tensors[f"model/model.{name}"])
+                            for name in single.state_dict()}, strict=True)
+    for name, tensor in trained.items():  # the shards each rank trained, concatenated by hand
+        assert torch.equal(single.state_dict()[name], tensor), name
+    reference = ds_3d_models.full_model(4)
+    reference.load_state_dict(trained)
+    x = torch.randn(4, ds_3d_models.HIDDEN, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(single(x), reference(x))
+    oracle = _ds_to_universal(src / "step2", tmp_path / "ds_universal")
+    assert _assert_equals_ds_to_universal(ckpt, oracle) == 4 * 24  # 4 blocks x 6 tensors

@@ -223,34 +223,35 @@ def model_parallel_tensors(path: Path, load: Callable[[Path], dict], split: Call
     pipeline = any(path.glob("layer_*-model_states.pt"))
     pp = int(dims.get("pp_degree", mp_world if pipeline else 1))
     tp = int(dims.get("tp_degree", 1 if pipeline else mp_world))
-    if pp > 1 and tp > 1:
-        raise CheckpointFormatError(f"{path}: DeepSpeed pipeline x tensor parallelism (pp={pp}, tp={tp}) is not "
-                                    "supported yet; see the plait-universal-ckpt README's limits.")
+    if pp * tp != mp_world:
+        raise CheckpointFormatError(f"{path}: pp_degree={pp} x tp_degree={tp} != mp_world_size={mp_world}; "
+                                    "the checkpoint's metadata is inconsistent.")
     locals_ = [_local_tensors(optims[mp], states[mp], split) for mp in range(mp_world)]
     stage = int(optims[0][0]["zero_stage"])
     dp = len(optims[0])
     layout = Layout(world_size=mp_world * dp, zero_stage=stage, mesh={"tp": tp, "pp": pp, "dp": dp})
+    if tp > 1 and not any(states[mp].get("universal_checkpoint_info") for mp in range(mp_world)):
+        raise CheckpointFormatError(
+            f"{path}: a tensor-parallel checkpoint (tp={tp}) without universal_checkpoint_info: which tensors are "
+            "row-parallel or replicated is not recorded. Save with DeepSpeed AutoTP (it records it) or pass "
+            "client_state={'universal_checkpoint_info': {...patterns...}} to save_checkpoint.")
 
     def tensors() -> Iterator[tuple[str, str, torch.Tensor, dict | None]]:
-        if tp > 1:
-            info = first.get("universal_checkpoint_info") or {}
-            for name, fields in locals_[0].items():
-                for prefix, tensor in fields.items():
-                    shards = [rank[name][prefix] for rank in locals_]
-                    merged, pattern = _merge_tp(name, info, shards, tensor.dim() == 0)
-                    yield prefix, name, merged, pattern
-            return
         seen: dict[str, torch.Tensor] = {}
-        for rank in locals_:
-            for name, fields in rank.items():
+        for pipe in range(pp):  # DeepSpeed's model-parallel rank is pipe stage * tp + tp rank
+            ranks = [locals_[pipe * tp + t] for t in range(tp)]
+            info = states[pipe * tp].get("universal_checkpoint_info") or {}
+            for name, fields in ranks[0].items():
+                merged = {prefix: _merge_tp(name, info, [rank[name][prefix] for rank in ranks], tensor.dim() == 0)
+                          if tp > 1 else (tensor, None) for prefix, tensor in fields.items()}
                 if name in seen:  # a tied layer: each stage holding it must agree
-                    if not torch.equal(seen[name], fields["model"]):
+                    if not torch.equal(seen[name], merged["model"][0]):
                         raise CheckpointFormatError(f"tensor {name}: stages hold different copies of a tied "
                                                     "parameter; resave from a consistent run.")
                     continue
-                seen[name] = fields["model"]
-                for prefix, tensor in fields.items():
-                    yield prefix, name, tensor, None
+                seen[name] = merged["model"][0]
+                for prefix, (tensor, pattern) in merged.items():
+                    yield prefix, name, tensor, pattern
 
     return tensors(), first, layout, optims[0]
 
@@ -259,6 +260,8 @@ def pipeline_buffers(path: Path, load: Callable[[Path], dict],
                      param_names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Buffers of a ``PipelineModule`` checkpoint: entries of ``layer_LL-model_states.pt`` that are not parameters."""
     for file in sorted(path.glob("layer_*-model_states.pt")):
+        if re.search(r"-model_(\d+)-", file.name) and not re.search(r"-model_0+-", file.name):
+            continue  # Megatron-DeepSpeed 3-D: buffers are taken from tensor-parallel rank 0's files
         index = int(re.search(r"layer_(\d+)", file.name).group(1))
         for local, tensor in load(file).items():
             name = f"{index}.{local}"
