@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 
 from plait.inference_kernels import fused_moe, paged_decode_attention, write_kv_rotary
@@ -78,3 +79,56 @@ def test_gpu_rows_code_path_runs_on_cpu():
     liger = [row for row in rows if row.peer == "Liger-Kernel"]
     assert liger and all(row.passed is None for row in liger if row.peer_value is None)
     assert all(row.ours > 0 for row in rows if row.figure == "fraction of copy BW")
+
+
+def test_transformers_peers_compute_what_the_ops_compute():
+    """The HF peers are transformers' own modules and functions, and agree with plait's ops."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from plait.inference_kernels.benchmarks import hf_peers
+
+    x = torch.randn(19, 32, generator=torch.Generator().manual_seed(2))
+    for impl in ("eager", "grouped_mm"):
+        block = hf_peers.mixtral_block(32, 24, 6, 2, experts_implementation=impl)
+        assert type(block) is MixtralSparseMoeBlock
+        with torch.no_grad():
+            ours = fused_moe(x, block.experts.gate_up_proj, block.experts.down_proj,
+                             hf_peers.router_logits(block, x), top_k=2)
+            tolerance("fused_moe_reference", torch.float32).assert_close(ours, block(x[None])[0])
+    args = _paged_case(3, 40, 8, 2, 64, 8)
+    tolerance("paged_decode_attention_reference", torch.float32).assert_close(
+        paged_decode_attention(*args, scale=0.125), hf_peers.sdpa_on_gathered_cache(*args, 0.125))
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 5, 2, 32, generator=gen)
+    q = torch.randn(5, 4, 32, generator=gen)
+    positions, slots = torch.tensor([0, 3, 9, 2, 7]), torch.tensor([4, 0, 13, 31, 8])
+    angles = torch.arange(16.0)[:, None] * 10000.0 ** (-torch.arange(0, 32, 2).float() / 32)
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    caches = [torch.zeros(4, 8, 2, 32) for _ in range(4)]
+    q_ours = write_kv_rotary(k, v, positions, table, caches[0], caches[1], slots, q=q)
+    q_hf = hf_peers.rotary_then_cache_write(k, v, positions, table, caches[2], caches[3], slots, q)
+    tol = tolerance("write_kv_rotary_fwd", torch.float32)
+    tol.assert_close(q_ours, q_hf)
+    tol.assert_close(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+
+
+def test_suite_rows_name_transformers_peers_or_say_why_not(monkeypatch):
+    from plait.inference_kernels.benchmarks import hf_peers, suite
+
+    rows = suite.paged_rows(True, steps=1) + suite.kv_write_rows(True, steps=1)
+    if hf_peers.transformers_version() is not None:
+        assert all(row.peer.startswith("transformers ") and row.peer_value is not None for row in rows)
+    monkeypatch.setattr(hf_peers, "transformers_version", lambda: None)
+    rows = suite.paged_rows(True, steps=1) + suite.kv_write_rows(True, steps=1)
+    assert rows and all(row.peer_value is None and "transformers not installed" in row.note for row in rows)
+
+
+def test_patching_rows_time_transformers_own_modules():
+    pytest.importorskip("transformers")
+    from plait.inference_kernels.patching import benchmark
+
+    rows = benchmark.module_rows(True, steps=1)
+    assert {row.peer for row in rows} == {"transformers LlamaRMSNorm (unpatched)", "transformers LlamaMLP (unpatched)"}
+    assert all(row.peer_value is not None and row.ratio is not None for row in rows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import urllib.parse
@@ -76,12 +77,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         out = args.out or default_results_path(stem)
+    load_before = _load_average()
     rows = suites[args.name].load()(quick=args.quick)
     print(format_table(rows))
     now = datetime.datetime.now(datetime.UTC)
     meta = {"suite": args.name, "quick": args.quick, "date": now.isoformat(timespec="seconds"),
             "machine": platform.platform(), "processor": platform.processor(),
-            "command": f"plait bench {args.name}" + (" --quick" if args.quick else "")}
+            "command": f"plait bench {args.name}" + (" --quick" if args.quick else ""),
+            "cpus": os.cpu_count(), "load_average": [load_before, _load_average()]}
     print(f"\nwrote {write_json(rows, out, meta=meta)}")
     if not args.update_results:
         print(f"(the committed results are updated only with: plait bench {args.name}"
@@ -114,8 +117,12 @@ def committed_results(name: str, stem: str) -> Path | None:
     """
     dist_name = "plait-kernels" if name == "kernels" else f"plait-{name}"
     try:
-        direct = json.loads(metadata.distribution(dist_name).read_text("direct_url.json") or "{}")
-    except (metadata.PackageNotFoundError, json.JSONDecodeError):
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:  # a second suite of a package (offload-io-capacity): its entry point's
+        dist = getattr(entry_points("plait.benchmarks").get(name), "dist", None)
+    try:
+        direct = json.loads((dist.read_text("direct_url.json") if dist else None) or "{}")
+    except json.JSONDecodeError:
         direct = {}
     url = direct.get("url", "")
     if direct.get("dir_info", {}).get("editable") and url.startswith("file://"):
@@ -128,13 +135,35 @@ def _print_table(path: Path | None) -> int:
         print(f"plait bench --table: no results file at {path or 'a source checkout of this package'}; "
               "run the suite with --update-results (or pass --out PATH of a run's JSON).")
         return 2
+    print(results_markdown(path))
+    return 0
+
+
+def results_markdown(path: Path) -> str:
+    """What ``plait bench NAME --table`` prints for a results file: the markdown table, a blank
+    line, then one line with the run's date, machine, CPU count and load average (when recorded),
+    command and file name. README benchmark tables are this text pasted verbatim.
+
+    Args:
+        path: a JSON file ``plait bench`` wrote.
+    """
     from plait.kernels.bench import format_markdown, read_json
 
     rows, meta = read_json(path)
-    print(format_markdown(rows))
-    print(f"\n{meta.get('date', 'date unknown')}, {meta.get('machine', 'machine unknown')}, "
-          f"`{meta.get('command', 'command unknown')}` ({path.name})")
-    return 0
+    load = meta.get("load_average")
+    cpus = f", {meta['cpus']} CPUs" if meta.get("cpus") else ""
+    load_text = (f"{cpus}, 1-min load average {load[0]:.1f} before / {load[1]:.1f} after (other jobs' CPU use; "
+                 "the timings are as noisy as that)" if load and None not in load else "")
+    return (f"{format_markdown(rows)}\n\n{meta.get('date', 'date unknown')}, {meta.get('machine', 'machine unknown')}"
+            f"{load_text}, `{meta.get('command', 'command unknown')}` ({Path(path).name})")
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (other jobs' CPU use: timings on a shared machine need it)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not available on this platform
+        return None
 
 
 def _bench_options(suite: str, argv: Sequence[str]) -> argparse.Namespace | None:

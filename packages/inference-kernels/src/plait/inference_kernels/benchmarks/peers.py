@@ -1,7 +1,8 @@
-"""The eager baselines the benchmarks measure against, written in plain torch.
+"""plait's own plain-torch copies of Hugging Face's eager code (not transformers' code).
 
-They mirror what Hugging Face's eager code does (without importing transformers, so the suite
-runs wherever plait-inference-kernels is installed):
+The benchmark's HF peers are transformers' own modules (:mod:`.hf_peers`). These copies are kept
+as a labelled extra row (the MoE loop: the older HF Mixtral layout, separate ``w1``/``w3``/``w2``
+linears per expert) and as test oracles; they import nothing from transformers:
 
 * :class:`EagerMixtralMoE` - Mixtral's sparse MoE block: a router, softmax/top-k/renormalise,
   then a Python loop over experts, each with separate ``w1`` (gate), ``w3`` (up) and ``w2``
@@ -21,7 +22,7 @@ from torch import nn
 
 
 class EagerMixtralMoE(nn.Module):
-    """Mixtral-style eager MoE block over ``[T, H]`` tokens (the HF-eager peer).
+    """Mixtral-style eager MoE block over ``[T, H]`` tokens (plait's copy of the older HF loop).
 
     Args:
         hidden_size, intermediate_size, num_experts, top_k: the block's shape.
@@ -64,7 +65,7 @@ class EagerMixtralMoE(nn.Module):
 
 
 def dense_sdpa_on_gathered_cache(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Decode attention by gathering a dense padded cache and running eager SDPA (the peer).
+    """Decode attention by gathering a dense padded cache and running eager SDPA (a test oracle).
 
     Args and Returns: as :func:`plait.inference_kernels.paged_decode_attention`.
     """
@@ -87,7 +88,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def eager_rotary_then_cache_write(k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q):
-    """HF-style RoPE (full rotary, NeoX layout) on q and k, then ``index_copy_`` into the cache (the peer).
+    """HF-style RoPE (full rotary, NeoX layout) on q and k, then ``index_copy_`` into the cache (a test oracle).
 
     Returns:
         The rotated q.

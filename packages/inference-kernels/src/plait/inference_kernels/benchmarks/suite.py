@@ -1,8 +1,13 @@
 """``plait bench inference-kernels``: the package's benchmark suite.
 
-On any machine: the reference (CPU) path of each op against the eager baseline Hugging Face
-code would run (:mod:`~plait.inference_kernels.benchmarks.peers`), fp32, one thread, interleaved
-A B A B in one run, after checking both give the same output. Target: no slower (ratio <= 1.0).
+On any machine: the reference (CPU) path of each op against the installed transformers' own code
+(:mod:`~plait.inference_kernels.benchmarks.hf_peers`: its ``MixtralSparseMoeBlock`` with the eager
+and the ``grouped_mm`` experts, its ``sdpa_attention_forward`` on the gathered cache, its Llama
+``apply_rotary_pos_emb``), fp32, one thread, interleaved A B C ... in one run, after checking every
+side gives the same output. Target: no slower (ratio <= 1.0). The MoE rows also keep plait's own
+torch copy of the older HF Mixtral loop (:class:`~plait.inference_kernels.benchmarks.peers.EagerMixtralMoE`,
+separate ``w1``/``w3``/``w2`` linears per expert), labelled as such and without a target. Without
+transformers the transformers rows say so (peer n/a) instead of timing anything.
 
 With CUDA: additionally :func:`~plait.inference_kernels.benchmarks.gpu.gpu_rows` - each op's
 Triton path in bf16 against torch eager, torch.compile and Liger-Kernel, as fractions of the copy
@@ -16,11 +21,8 @@ import math
 
 import torch
 
-from plait.inference_kernels.benchmarks.peers import (
-    EagerMixtralMoE,
-    dense_sdpa_on_gathered_cache,
-    eager_rotary_then_cache_write,
-)
+from plait.inference_kernels.benchmarks import hf_peers
+from plait.inference_kernels.benchmarks.peers import EagerMixtralMoE
 from plait.inference_kernels.moe.fused_moe import fused_moe
 from plait.inference_kernels.paged_attention import paged_decode_attention
 from plait.inference_kernels.paged_attention_kv_write import write_kv_rotary
@@ -47,22 +49,78 @@ def _checked_row(name, ours_fn, peer_fn, peer_name, tol_key, *, steps):
     return timing_row(name, stats["ours"], peer_name, stats["peer"], target_ratio=1.0)
 
 
+def _checked_rows(name, ours_fn, peers, *, steps):
+    """Like :func:`_checked_row` for several peers timed in one interleaved run (A B C A B C ...).
+
+    Args:
+        peers: label -> (callable, tolerance key, target ratio or None).
+    """
+    with torch.no_grad():
+        ours_out = ours_fn()
+    rows, timed = [], {}
+    for label, (fn, tol_key, _) in peers.items():
+        with torch.no_grad():
+            peer_out = fn()
+        try:
+            tolerance(tol_key, torch.float32).assert_close(ours_out, peer_out, what=f"{name} vs {label}")
+        except AssertionError as exc:
+            rows.append(BenchRow(benchmark=name, figure="time (ms)", ours=float("nan"), peer=label, passed=False,
+                                 note=f"outputs differ: {str(exc).splitlines()[0]}"))
+            continue
+        timed[label] = fn
+    with torch.no_grad():
+        stats = interleaved_timing({"ours": ours_fn, **timed}, warmup=3, steps=steps)
+    for label in timed:
+        rows.append(timing_row(name, stats["ours"], label, stats[label], target_ratio=peers[label][2]))
+    return rows
+
+
+def _no_transformers_row(name: str, peer: str) -> BenchRow:
+    return BenchRow(benchmark=name, figure="time (ms)", ours=float("nan"), peer=peer,
+                    note="transformers not installed: pip install 'plait-inference-kernels[hf]'")
+
+
+HF_MOE = "transformers MixtralSparseMoeBlock, {} experts"
+OWN_MOE = "plait's torch copy of the older HF Mixtral loop (w1/w3/w2 per expert; not transformers)"
+
+
 def moe_rows(quick: bool, *, steps: int) -> list[BenchRow]:
-    """fused_moe (reference path) against the Mixtral-style eager block, fp32 CPU."""
+    """fused_moe (reference path) against transformers' Mixtral sparse-MoE block, fp32 CPU."""
     rows = []
-    torch.manual_seed(0)
     s = MOE_SHAPE
-    peer = EagerMixtralMoE(s["hidden"], s["intermediate"], s["experts"], s["top_k"])
-    w_gate_up, w_down = peer.stacked_weights()
+    have_hf = hf_peers.transformers_version() is not None
+    torch.manual_seed(0)
+    own = EagerMixtralMoE(s["hidden"], s["intermediate"], s["experts"], s["top_k"])
+    if have_hf:  # the same weights everywhere: transformers' block holds them in plait's fused layout
+        blocks = {impl: hf_peers.mixtral_block(s["hidden"], s["intermediate"], s["experts"], s["top_k"],
+                                               experts_implementation=impl) for impl in ("eager", "grouped_mm")}
+        ref = blocks["eager"]
+        for block in blocks.values():
+            block.load_state_dict(ref.state_dict())
+        w_gate_up, w_down = ref.experts.gate_up_proj.detach(), ref.experts.down_proj.detach()
+        with torch.no_grad():
+            own.gate.weight.copy_(ref.gate.weight)
+            for e in range(s["experts"]):
+                own.w1[e].weight.copy_(w_gate_up[e, :s["intermediate"]])
+                own.w3[e].weight.copy_(w_gate_up[e, s["intermediate"]:])
+                own.w2[e].weight.copy_(w_down[e])
+    else:
+        w_gate_up, w_down = own.stacked_weights()
     for tokens in (16, 512) if quick else (1, 16, 128, 512, 2048):
         x = torch.randn(tokens, s["hidden"])
+        name = f"fused_moe ref T={tokens} H={s['hidden']} E={s['experts']} k={s['top_k']} fp32"
 
         def ours(x=x):
-            return fused_moe(x, w_gate_up, w_down, peer.gate(x), top_k=s["top_k"])
+            return fused_moe(x, w_gate_up, w_down, own.gate(x), top_k=s["top_k"])
 
-        rows.append(_checked_row(f"fused_moe ref T={tokens} H={s['hidden']} E={s['experts']} k={s['top_k']} fp32",
-                                 ours, lambda x=x: peer(x), "HF-eager Mixtral loop", "fused_moe_reference",
-                                 steps=steps))
+        peers = {}
+        if have_hf:
+            for impl, block in blocks.items():
+                peers[HF_MOE.format(impl)] = (lambda x=x, b=block: b(x[None])[0], "fused_moe_reference", 1.0)
+        else:
+            rows += [_no_transformers_row(name, HF_MOE.format(impl)) for impl in ("eager", "grouped_mm")]
+        peers[OWN_MOE] = (lambda x=x: own(x), "fused_moe_reference", None)
+        rows += _checked_rows(name, ours, peers, steps=steps)
     return rows
 
 
@@ -79,8 +137,12 @@ def _paged_case(batch, context, q_heads, kv_heads, head_dim, block_size, seed=0)
     return q, k_cache, v_cache, tables, seq_lens
 
 
+HF_SDPA = "transformers sdpa_attention_forward (repeat_kv) on the gathered cache"
+HF_ROTARY = "transformers apply_rotary_pos_emb + index_copy_"
+
+
 def paged_rows(quick: bool, *, steps: int) -> list[BenchRow]:
-    """paged_decode_attention (reference path) against dense SDPA on the gathered cache, fp32 CPU."""
+    """paged_decode_attention (reference path) against transformers' SDPA on the gathered cache, fp32 CPU."""
     rows = []
     configs = [(8, 512, 8, 2, 64, 16)] if quick else [(8, 512, 8, 2, 64, 16), (8, 2048, 8, 2, 64, 16),
                                                       (8, 1024, 4, 4, 64, 16)]
@@ -88,15 +150,17 @@ def paged_rows(quick: bool, *, steps: int) -> list[BenchRow]:
         args = _paged_case(batch, context, q_heads, kv_heads, head_dim, block_size)
         scale = 1 / math.sqrt(head_dim)
         name = f"paged_decode ref B={batch} ctx<={context} Hq={q_heads} Hkv={kv_heads} D={head_dim} fp32"
+        if hf_peers.transformers_version() is None:
+            rows.append(_no_transformers_row(name, HF_SDPA))
+            continue
         rows.append(_checked_row(name, lambda a=args, s=scale: paged_decode_attention(*a, scale=s),
-                                 lambda a=args, s=scale: dense_sdpa_on_gathered_cache(*a, s),
-                                 "dense eager SDPA (repeat_kv)", "paged_decode_attention_reference",
-                                 steps=steps))
+                                 lambda a=args, s=scale: hf_peers.sdpa_on_gathered_cache(*a, s),
+                                 HF_SDPA, "paged_decode_attention_reference", steps=steps))
     return rows
 
 
 def kv_write_rows(quick: bool, *, steps: int) -> list[BenchRow]:
-    """write_kv_rotary (reference path) against eager rotate_half RoPE + index_copy_, fp32 CPU."""
+    """write_kv_rotary (reference path) against transformers' apply_rotary_pos_emb + index_copy_, fp32 CPU."""
     rows = []
     gen = torch.Generator().manual_seed(0)
     kv_heads, q_heads, head_dim, block_size = 2, 8, 64, 16
@@ -116,11 +180,13 @@ def kv_write_rows(quick: bool, *, steps: int) -> list[BenchRow]:
             return write_kv_rotary(k, v, p, t, c[0], c[1], s, q=q)
 
         def peer(c=caches, k=k, v=v, q=q, p=positions, s=slots, t=table):
-            return eager_rotary_then_cache_write(k, v, p, t, c[2], c[3], s, q)
+            return hf_peers.rotary_then_cache_write(k, v, p, t, c[2], c[3], s, q)
 
         name = f"write_kv_rotary ref T={tokens} Hkv={kv_heads} Hq={q_heads} D={head_dim} fp32"
-        rows.append(_checked_row(name, ours, peer, "eager rotate_half + index_copy_", "write_kv_rotary_fwd",
-                                 steps=steps))
+        if hf_peers.transformers_version() is None:
+            rows.append(_no_transformers_row(name, HF_ROTARY))
+            continue
+        rows.append(_checked_row(name, ours, peer, HF_ROTARY, "write_kv_rotary_fwd", steps=steps))
     return rows
 
 

@@ -12,6 +12,9 @@ Rows:
   input, at tiny-llama's SwiGLU width (688).
 * ``rotary``: ``apply_rotary`` (in place, reference path) against the family's own
   ``apply_rotary_pos_emb`` on HF's ``[b, h, s, d]`` q/k with GQA (4 q heads, 2 kv heads of 64).
+* ``LlamaRMSNorm`` / ``LlamaMLP``: one decoder layer's ``input_layernorm`` and SwiGLU ``mlp``
+  modules of a transformers ``LlamaForCausalLM`` at the shared shape, patched by plait
+  (``PatchConfig(policy="always")``) against the same transformers module unpatched, same weights.
 * ``tiny-llama forward``: a whole ``LlamaForCausalLM`` at the shared benchmark shape (vocab 4096,
   hidden 256, 8 layers, 4 heads of 64, SwiGLU 688), patched against an unpatched copy with the
   same weights, for a prefill and for one decode step with a KV cache, patched with
@@ -56,7 +59,7 @@ def silu_rows(quick: bool, *, steps: int) -> list[BenchRow]:
             return act(gate) * up
 
         rows.append(_checked(f"silu_and_mul ref T={tokens} d=688 fp32", lambda x=x: silu_and_mul(x), hf,
-                             "HF eager act_fn(gate)*up", "gated_activation_fwd", steps=steps))
+                             "transformers ACT2FN[silu](gate)*up", "gated_activation_fwd", steps=steps))
     return rows
 
 
@@ -93,8 +96,32 @@ def rotary_rows(quick: bool, *, steps: int) -> list[BenchRow]:
         }
         with torch.no_grad():
             stats = interleaved_timing(candidates, warmup=3, steps=steps)
-        rows.append(timing_row(name, stats["ours"], "HF eager apply_rotary_pos_emb", stats["peer"],
+        rows.append(timing_row(name, stats["ours"], "transformers apply_rotary_pos_emb", stats["peer"],
                                target_ratio=1.0))
+    return rows
+
+
+def module_rows(quick: bool, *, steps: int) -> list[BenchRow]:
+    """transformers' ``LlamaRMSNorm`` and SwiGLU ``LlamaMLP``, patched by plait against unpatched."""
+    import transformers
+
+    from plait.inference_kernels.patching import PatchConfig, apply
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1})
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    plait_model = copy.deepcopy(hf_model)
+    apply(plait_model, PatchConfig(policy="always"))
+    hf_layer, plait_layer = hf_model.model.layers[0], plait_model.model.layers[0]
+    rows = []
+    for tokens in (64, 1024) if quick else (1, 64, 1024, 4096):
+        x = torch.randn(1, tokens, TINY_LLAMA["hidden_size"])
+        rows.append(_checked(f"LlamaRMSNorm T={tokens} H=256 fp32", lambda x=x: plait_layer.input_layernorm(x),
+                             lambda x=x: hf_layer.input_layernorm(x), "transformers LlamaRMSNorm (unpatched)",
+                             "hf_patched_logits", steps=steps))
+        rows.append(_checked(f"LlamaMLP SwiGLU T={tokens} H=256 I=688 fp32", lambda x=x: plait_layer.mlp(x),
+                             lambda x=x: hf_layer.mlp(x), "transformers LlamaMLP (unpatched)",
+                             "hf_patched_logits", steps=steps))
     return rows
 
 
@@ -119,7 +146,8 @@ def model_rows(quick: bool, *, steps: int) -> list[BenchRow]:
             return model(ids).logits
 
         rows.append(_checked(f"tiny-llama prefill S={seq} fp32", lambda: prefill(plait_model),
-                             lambda: prefill(hf_model), "HF eager (unpatched)", "hf_patched_logits", steps=steps))
+                             lambda: prefill(hf_model), "transformers LlamaForCausalLM (unpatched)",
+                             "hf_patched_logits", steps=steps))
         with torch.no_grad():
             caches = {name: m(ids, use_cache=True).past_key_values for name, m in
                       (("plait", plait_model), ("hf", hf_model))}
@@ -131,7 +159,7 @@ def model_rows(quick: bool, *, steps: int) -> list[BenchRow]:
 
         rows.append(_checked(f"tiny-llama decode step ctx={seq} fp32 (incl. cache copy)",
                              lambda: decode(plait_model, "plait"), lambda: decode(hf_model, "hf"),
-                             "HF eager (unpatched)", "hf_patched_logits", steps=steps))
+                             "transformers LlamaForCausalLM (unpatched)", "hf_patched_logits", steps=steps))
     return rows
 
 
@@ -146,7 +174,8 @@ def run(quick: bool = False) -> list[BenchRow]:
     """
     steps = 10 if quick else 20
     with one_thread():
-        return silu_rows(quick, steps=steps) + rotary_rows(quick, steps=steps) + model_rows(quick, steps=steps)
+        return (silu_rows(quick, steps=steps) + rotary_rows(quick, steps=steps) + module_rows(quick, steps=steps)
+                + model_rows(quick, steps=steps))
 
 
 if __name__ == "__main__":
