@@ -341,3 +341,14 @@ def test_autotp_resumes_in_one_process_and_torch_tp(autotp, tmp_path, tp):
     # carries that difference forward step by step. LOSS_TOLERANCE is that drift over 20 steps. DeepSpeed's
     # default gradient clipping (1.0) is switched off in the fixture: torch's loop does not clip.
     torch.testing.assert_close(losses, results["w2"]["losses"], **LOSS_TOLERANCE)
+
+
+def test_import_runs_without_deepspeed(autotp, tmp_path):
+    """The converter reads DeepSpeed's pickles with stand-ins: a process where deepspeed cannot import."""
+    code = ("import sys; sys.modules['deepspeed'] = None\n"
+            "from plait.universal_ckpt.interop.deepspeed import import_deepspeed\n"
+            f"print(import_deepspeed({str(autotp[0] / 'w4')!r}, {str(tmp_path / 'uc')!r}))\n"
+            "assert 'deepspeed' not in {m.split('.')[0] for m, v in sys.modules.items() if v is not None}")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert uc.verify_checkpoint(uc.latest(tmp_path / "uc")).layout.mesh == {"tp": 2, "pp": 1, "dp": 2}
