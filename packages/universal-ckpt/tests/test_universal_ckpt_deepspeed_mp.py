@@ -33,8 +33,10 @@ import ds_3d_models
 
 VOCAB = 64
 STEPS = 2
-# name -> (world size, ZeRO stage, bf16): TP=2 at W=2; TP=2 x DP=2 at W=4 (fp32 ZeRO-1, bf16 ZeRO-2).
-AUTOTP_RUNS = {"w2": (2, 1, False), "w4": (4, 1, False), "w4_zero2_bf16": (4, 2, True)}
+# name -> (world size, ZeRO stage, bf16, vocabulary): TP=2 at W=2; TP=2 x DP=2 at W=4 (fp32 ZeRO-1, bf16
+# ZeRO-2); an odd vocabulary, which AutoTP splits unevenly (33 + 32 rows of the LM head, no padding).
+AUTOTP_RUNS = {"w2": (2, 1, False, VOCAB), "w4": (4, 1, False, VOCAB), "w4_zero2_bf16": (4, 2, True, VOCAB),
+               "w2_vocab65": (2, 1, False, VOCAB + 1)}
 
 
 def _init_deepspeed():
@@ -48,10 +50,10 @@ def _init_deepspeed():
     return deepspeed
 
 
-def _llama_config():
+def _llama_config(vocab: int = VOCAB):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                        tie_word_embeddings=False, attn_implementation="eager")
 
@@ -67,12 +69,12 @@ RESUMED_STEPS = 20
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _batches(seed: int, count: int) -> list[torch.Tensor]:
+def _batches(seed: int, count: int, vocab: int = VOCAB) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (2, 8), generator=generator) for _ in range(count)]
+    return [torch.randint(0, vocab, (2, 8), generator=generator) for _ in range(count)]
 
 
-def make_autotp(root: str, stage: int, bf16: bool, more: int) -> dict:
+def make_autotp(root: str, stage: int, bf16: bool, vocab: int, more: int) -> dict:
     """Train 2 steps under AutoTP=2 + ZeRO-``stage``, save, then ``more`` steps (DeepSpeed continuing).
 
     Returns the trained parallel model's logits at the save and the continuation's losses.
@@ -81,12 +83,12 @@ def make_autotp(root: str, stage: int, bf16: bool, more: int) -> dict:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config())
+    model = LlamaForCausalLM(_llama_config(vocab))
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
               "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**6, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    for ids in _batches(1, STEPS):
+    for ids in _batches(1, STEPS, vocab):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.save_checkpoint(root, tag="step2")
@@ -135,10 +137,10 @@ def autotp(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("autotp")
     results = {}
-    for name, (world, stage, bf16) in AUTOTP_RUNS.items():
+    for name, (world, stage, bf16, vocab) in AUTOTP_RUNS.items():
         more = RESUMED_STEPS if name == "w2" else 0  # DeepSpeed continuing in its own layout
-        results[name] = run_distributed(make_autotp, world, str(root / name), stage, bf16, more, timeout=120,
-                                        env={"DS_ACCELERATOR": "cpu"})[0]
+        results[name] = run_distributed(make_autotp, world, str(root / name), stage, bf16, vocab, more,
+                                        timeout=120, env={"DS_ACCELERATOR": "cpu"})[0]
     return root, results
 
 
@@ -197,7 +199,7 @@ def _assert_equals_ds_to_universal(ckpt: Path, reference: Path) -> int:
 @pytest.mark.parametrize("run", list(AUTOTP_RUNS))
 def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
     root, _ = autotp
-    world, stage, _ = AUTOTP_RUNS[run]
+    world, stage, _, _ = AUTOTP_RUNS[run]
     ckpt = import_deepspeed(root / run, tmp_path / "uc")
     manifest = uc.read_manifest(ckpt)
     assert manifest.layout.mesh == {"tp": 2, "pp": 1, "dp": world // 2} and manifest.layout.zero_stage == stage
@@ -209,19 +211,22 @@ def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
     assert _assert_equals_ds_to_universal(ckpt, reference) == 4 * 21  # 21 Llama parameters
 
 
-def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path):
+@pytest.mark.parametrize("run", ["w2", "w2_vocab65"])
+def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path, run):
     from transformers import LlamaForCausalLM
 
     root, results = autotp
-    ckpt = import_deepspeed(root / "w2", tmp_path / "uc")
-    export_hf(ckpt, tmp_path / "hf", config=_llama_config())
+    ckpt = import_deepspeed(root / run, tmp_path / "uc")
+    export_hf(ckpt, tmp_path / "hf", config=_llama_config(AUTOTP_RUNS[run][3]))
     model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         ours = model.eval()(input_ids=_tokens()).logits
     # TP=2 sums the row-parallel halves in another order than one matmul does: float32 rounding.
-    torch.testing.assert_close(ours, results["w2"]["logits"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(results["w4"]["logits"], results["w2"]["logits"], rtol=1e-5, atol=1e-5)  # + DP=2
+    assert ours.shape[-1] == AUTOTP_RUNS[run][3]
+    torch.testing.assert_close(ours, results[run]["logits"], rtol=1e-5, atol=1e-5)
+    if run == "w2":  # the same run under DP=2
+        torch.testing.assert_close(results["w4"]["logits"], results["w2"]["logits"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
