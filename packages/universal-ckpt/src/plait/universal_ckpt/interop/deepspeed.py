@@ -71,7 +71,8 @@ class _PickleModule:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
+    # mmap: tensors are views of the page cache, copied once, into the tensor that is written
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule, mmap=True)
 
 
 def _tag_dir(src: Path, tag: str | None) -> Path:
@@ -88,6 +89,8 @@ def _rank_of(path: Path) -> int:
 
 
 def _concat_flat(parts: list[torch.Tensor], paddings: list[int], total: int, what: str) -> torch.Tensor:
+    if len(parts) == 1 and parts[0].numel() == total:
+        return parts[0]
     flat = torch.cat(parts)
     if flat.numel() == total:
         return flat
@@ -97,7 +100,7 @@ def _concat_flat(parts: list[torch.Tensor], paddings: list[int], total: int, wha
                                 f"the parameters {total}; unsupported layout.")
 
 
-def _stage12(optims: list[dict], shapes: list[dict]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _stage12(optims: list[dict], shapes: list[dict], copy: bool = True) -> Iterator[tuple[str, str, torch.Tensor]]:
     for group, names in enumerate(shapes):
         total = sum(math.prod(s) for s in names.values())
         pads = [int(o.get("group_paddings", [0] * len(shapes))[group]) for o in optims]
@@ -109,7 +112,7 @@ def _stage12(optims: list[dict], shapes: list[dict]) -> Iterator[tuple[str, str,
                 flats[f"optim.{field}"] = values[0]
             else:
                 flats[f"optim.{field}"] = _concat_flat(values, pads, total, field)
-        yield from _split(flats, names)
+        yield from _split(flats, names, copy)
 
 
 def _stage3(optims: list[dict], shapes: list[dict]) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -134,7 +137,8 @@ def _stage3(optims: list[dict], shapes: list[dict]) -> Iterator[tuple[str, str, 
                                         f"rank, the partition has {flats['model'][0].numel()}.")
 
 
-def _split(flats: dict[str, torch.Tensor], names: dict) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _split(flats: dict[str, torch.Tensor], names: dict, copy: bool = True) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Each parameter's slice of the flat groups: copies, or views of them (``copy=False``)."""
     offset = 0
     for name, shape in names.items():
         numel = math.prod(shape)
@@ -142,7 +146,8 @@ def _split(flats: dict[str, torch.Tensor], names: dict) -> Iterator[tuple[str, s
             if flat.dim() == 0:
                 yield prefix, name, flat.clone()
             else:
-                yield prefix, name, flat[offset:offset + numel].reshape(shape).clone()
+                view = flat[offset:offset + numel].reshape(shape)
+                yield prefix, name, view.clone() if copy else view
         offset += numel
 
 

@@ -108,7 +108,7 @@ def _local_tensors(optims: list[dict], state: dict, split: Callable) -> dict[str
                                     "save the run with ZeRO-1 or ZeRO-2.")
     shapes = [{n: tuple(s) for n, s in group.items()} for group in state["param_shapes"]]
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for prefix, name, tensor in split(optims, shapes):
+    for prefix, name, tensor in split(optims, shapes, copy=False):  # views: consolidation copies once
         tensors.setdefault(name, {})[prefix] = tensor
     return tensors
 
@@ -121,38 +121,56 @@ def _matching(patterns: Any, name: str) -> Any:
     return hits[0] if hits else None
 
 
-def _rebuild_affine(name: str, amap: dict, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Place every rank's strided pieces into the consolidated tensor; replicated pieces must agree."""
-    shape = tuple(amap["logical_shape"])
-    numel = math.prod(shape)
-    full = torch.empty(numel, dtype=shards[0].dtype)
+def _affine_plan(name: str, amap: dict, world: int) -> list[tuple[int, dict, bool]]:
+    """Check that a map's pieces tile the tensor (replicated ones agreeing in place); the copy plan.
+
+    Returns:
+        (rank, piece, whether another rank already placed it) per piece, ranks in order.
+    """
+    numel = math.prod(amap["logical_shape"])
     seen = torch.zeros(numel, dtype=torch.bool)
-    for rank, spec in amap["ranks"].items():
-        shard = shards[int(rank)].reshape(-1)
-        if shard.numel() != math.prod(spec["shard_shape"]):
-            raise CheckpointFormatError(f"tensor {name}: TP rank {rank} holds {shard.numel()} elements, its "
-                                        f"affine map {math.prod(spec['shard_shape'])}; the checkpoint is inconsistent.")
+    plan = []
+    for rank, spec in sorted(amap["ranks"].items(), key=lambda item: int(item[0])):
+        if not 0 <= int(rank) < world:
+            raise CheckpointFormatError(f"tensor {name}: the affine map names TP rank {rank} of {world}.")
         for piece in spec["pieces"]:
             if float(piece.get("scale", 1.0)) != 1.0:
                 raise CheckpointFormatError(f"tensor {name}: scaled affine-map pieces are not supported; convert "
                                             "with DeepSpeed's ds_to_universal.")
-            (src_off, src_strides), (dst_off, dst_strides) = piece["source"], piece["dest"]
-            source = shard.as_strided(piece["shape"], dst_strides, dst_off)
-            target = full.as_strided(piece["shape"], src_strides, src_off)
+            src_off, src_strides = piece["source"]
             mask = seen.as_strided(piece["shape"], src_strides, src_off)
-            if bool(mask.all()):
-                if not torch.equal(target, source):
-                    raise CheckpointFormatError(
-                        f"tensor {name}: TP ranks {piece['locations']} hold different copies of a replicated "
-                        "piece (drifted replicas); DeepSpeed refuses these too. Resave from a consistent run.")
-                continue
-            if bool(mask.any()):
+            placed = bool(mask.all())
+            if not placed and bool(mask.any()):
                 raise CheckpointFormatError(f"tensor {name}: affine-map pieces overlap; the map is corrupt.")
-            target.copy_(source)
             mask.fill_(True)
+            plan.append((int(rank), piece, placed))
     if not bool(seen.all()):
         raise CheckpointFormatError(f"tensor {name}: the affine map leaves {int((~seen).sum())} elements uncovered.")
-    return full.view(shape)
+    return plan
+
+
+def _rebuild_affine(name: str, amap: dict, shards: list[torch.Tensor],
+                    plan: list[tuple[int, dict, bool]] | None = None) -> torch.Tensor:
+    """Place every rank's strided pieces into the consolidated tensor; replicated pieces must agree."""
+    plan = plan if plan is not None else _affine_plan(name, amap, len(shards))
+    full = torch.empty(math.prod(amap["logical_shape"]), dtype=shards[0].dtype)
+    for rank, spec in amap["ranks"].items():
+        held, described = shards[int(rank)].numel(), math.prod(spec["shard_shape"])
+        if held != described:
+            raise CheckpointFormatError(f"tensor {name}: TP rank {rank} holds {held} elements, its affine map "
+                                        f"{described}; the checkpoint is inconsistent.")
+    for rank, piece, placed in plan:
+        (src_off, src_strides), (dst_off, dst_strides) = piece["source"], piece["dest"]
+        shard = shards[rank].reshape(-1)  # often a view of the flat partition: as_strided counts from its storage
+        source = shard.as_strided(piece["shape"], dst_strides, shard.storage_offset() + dst_off)
+        target = full.as_strided(piece["shape"], src_strides, src_off)
+        if not placed:
+            target.copy_(source)
+        elif not torch.equal(target, source):
+            raise CheckpointFormatError(
+                f"tensor {name}: TP ranks {piece['locations']} hold different copies of a replicated "
+                "piece (drifted replicas); DeepSpeed refuses these too. Resave from a consistent run.")
+    return full.view(tuple(amap["logical_shape"]))
 
 
 def _affine_pattern(amap: dict) -> dict:
@@ -197,13 +215,17 @@ def _merge_by_patterns(name: str, info: dict, shards: list[torch.Tensor]) -> tup
     return merged, TensorLayout(dim=dim, group="tp").to_json()
 
 
-def _merge_tp(name: str, info: dict, shards: list[torch.Tensor], scalar: bool) -> tuple[torch.Tensor, dict | None]:
+def _merge_tp(name: str, info: dict, shards: list[torch.Tensor], scalar: bool,
+              plans: dict[str, list]) -> tuple[torch.Tensor, dict | None]:
+    """One tensor consolidated over TP; ``plans`` caches each map's checked plan (the same for every field)."""
     if scalar:
         return shards[0].clone(), None
     params = (info.get("affine_map") or {}).get("params") or {}
     pattern = _matching(params, name)
     if pattern is not None:
-        return _rebuild_affine(name, params[pattern], shards), _affine_pattern(params[pattern])
+        if name not in plans:
+            plans[name] = _affine_plan(name, params[pattern], len(shards))
+        return _rebuild_affine(name, params[pattern], shards, plans[name]), _affine_pattern(params[pattern])
     return _merge_by_patterns(name, info, shards)
 
 
@@ -238,12 +260,13 @@ def model_parallel_tensors(path: Path, load: Callable[[Path], dict], split: Call
 
     def tensors() -> Iterator[tuple[str, str, torch.Tensor, dict | None]]:
         seen: dict[str, torch.Tensor] = {}
+        plans: dict[str, list] = {}
         for pipe in range(pp):  # DeepSpeed's model-parallel rank is pipe stage * tp + tp rank
             ranks = [locals_[pipe * tp + t] for t in range(tp)]
             info = states[pipe * tp].get("universal_checkpoint_info") or {}
             for name, fields in ranks[0].items():
-                merged = {prefix: _merge_tp(name, info, [rank[name][prefix] for rank in ranks], tensor.dim() == 0)
-                          if tp > 1 else (tensor, None) for prefix, tensor in fields.items()}
+                merged = {prefix: _merge_tp(name, info, [rank[name][prefix] for rank in ranks], tensor.dim() == 0,
+                                            plans) if tp > 1 else (tensor, None) for prefix, tensor in fields.items()}
                 if name in seen:  # a tied layer: each stage holding it must agree
                     if not torch.equal(seen[name], merged["model"][0]):
                         raise CheckpointFormatError(f"tensor {name}: stages hold different copies of a tied "
