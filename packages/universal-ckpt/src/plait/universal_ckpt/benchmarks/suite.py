@@ -6,7 +6,9 @@ moments as flat fp32 pieces. DCP saves the very same per-rank tensors (as distin
 writes each rank's bytes once, in parallel). Both fsync (DCP's FileSystemWriter does by default).
 Every save goes to a fresh directory; ours and DCP alternate (A B A B) and the median is reported.
 Loads read what was just written (page cache for both). The DeepSpeed row converts one ZeRO-2
-checkpoint written by deepspeed itself with ``ds_to_universal`` and with our importer.
+checkpoint written by deepspeed itself with ``ds_to_universal`` and with our importer; the
+model-parallel rows (``suite_mp``) do the same for a DeepSpeed AutoTP=2 and a 2-stage
+``PipelineModule`` checkpoint of about 100M parameters (tiny with ``--quick``).
 """
 
 from __future__ import annotations
@@ -184,6 +186,9 @@ def run(quick: bool) -> list[BenchRow]:
         shutil.rmtree(Path(tmp, "ours"), ignore_errors=True)
         shutil.rmtree(Path(tmp, "dcp"), ignore_errors=True)
         rows += _deepspeed_rows(Path(tmp), quick)
+        from plait.universal_ckpt.benchmarks.suite_mp import model_parallel_rows
+
+        rows += model_parallel_rows(Path(tmp), quick)
         print(f"universal-ckpt bench took {time.monotonic() - started:.0f}s", file=sys.stderr)
     return rows
 

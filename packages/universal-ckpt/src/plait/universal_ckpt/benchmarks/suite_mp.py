@@ -1,0 +1,120 @@
+"""Benchmark rows for model-parallel DeepSpeed sources: AutoTP and ``PipelineModule`` -> universal.
+
+Each source is written by deepspeed itself on 2 gloo ranks (one AdamW step, ZeRO-1, fp32), then
+converted by DeepSpeed's ``ds_to_universal`` (one extract and one merge worker, in process) and by
+``import_deepspeed``, interleaved (A B A B), median. Full size: an HF Llama of 106M parameters
+(hidden 768, 8 layers, vocabulary 32000) under AutoTP=2, and a PipelineModule of 24
+``Linear(2048, 2048)`` (101M) in 2 stages; ``--quick`` shrinks both. The pipeline checkpoint is
+saved with an empty ``universal_checkpoint_info`` client state, which ``ds_to_universal`` needs and
+the importer does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from plait.kernels.bench import BenchRow, interleaved_timing, timing_row
+
+TARGET_RATIO = 0.5  # issue 20: plait's conversion at most half ds_to_universal's time
+
+
+def _deepspeed():
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of a shm all-reduce
+    deepspeed.init_distributed("gloo")
+    return deepspeed
+
+
+def _config(**extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, **extra}
+
+
+def make_autotp_checkpoint(root: str, quick: bool) -> int:
+    """An AutoTP=2 + ZeRO-1 checkpoint of an HF Llama; returns its parameter count."""
+    deepspeed = _deepspeed()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512) if quick else dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=8, vocab_size=32000)
+    model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4 if quick else 12, num_key_value_heads=4 if quick else 12,
+                                         max_position_embeddings=64, tie_word_embeddings=False, **size))
+    count = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(tensor_parallel={"autotp_size": 2}))
+    ids = torch.randint(0, size["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(root, tag="step1")
+    return count
+
+
+def make_pipeline_checkpoint(root: str, quick: bool) -> int:
+    """A 2-stage PipelineModule + ZeRO-1 checkpoint of Linear layers; returns its parameter count."""
+    deepspeed = _deepspeed()
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    width, depth = (256, 4) if quick else (2048, 24)
+    layers = [torch.nn.Linear(width, width) for _ in range(depth)]
+    count = sum(p.numel() for layer in layers for p in layer.parameters())
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.functional.mse_loss,
+                           partition_method="parameters")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config())
+    engine.train_batch(iter([(torch.randn(1, width), torch.randn(1, width))]))
+    engine.save_checkpoint(root, tag="step1", client_state={"universal_checkpoint_info": {}})
+    return count
+
+
+def _ds_to_universal(tag_dir: Path, out: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(tag_dir), "--output_folder", str(out),
+                                "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+
+
+def model_parallel_rows(tmp: Path, quick: bool) -> list[BenchRow]:
+    """The AutoTP and PipelineModule conversion rows (a note row when deepspeed is missing)."""
+    try:
+        import deepspeed  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return [BenchRow(benchmark="DeepSpeed AutoTP / PipelineModule -> universal", figure="time (s)",
+                         ours=float("nan"), peer="ds_to_universal", note=f"not installed: {exc}")]
+    from plait.kernels.testing import run_distributed
+    from plait.universal_ckpt.interop.deepspeed import import_deepspeed
+
+    rows = []
+    sources = (("AutoTP=2 HF Llama", make_autotp_checkpoint), ("PipelineModule 2 stages", make_pipeline_checkpoint))
+    for label, make in sources:
+        src = tmp / label.split()[0]
+        count = run_distributed(make, 2, str(src), quick, timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+        counter = itertools.count()
+
+        def ours(src=src, counter=counter) -> None:
+            import_deepspeed(src, tmp / f"{src.name}-uc{next(counter)}")
+
+        def theirs(src=src, counter=counter) -> None:
+            _ds_to_universal(src / "step1", tmp / f"{src.name}-dsu{next(counter)}")
+
+        stats = interleaved_timing({"ours": ours, "ds": theirs}, warmup=1 if quick else 0, steps=3)
+        row = timing_row(f"DeepSpeed {label} ZeRO-1 W=2, {count / 1e6:.3g}M params -> universal", stats["ours"],
+                         "ds_to_universal", stats["ds"], target_ratio=TARGET_RATIO)
+        rows.append(BenchRow(**{**row.__dict__, "note": row.note + f"; {len(stats['ours'].samples)} timed runs"}))
+    return rows
