@@ -18,7 +18,9 @@ The files are pickles that name DeepSpeed classes (``ZeroStageEnum``, ``fragment
 are read with an unpickler that maps those to plain stand-ins, so DeepSpeed need not be installed.
 The result uses plait.zero_sharding's names (``model.<p>``, ``optim.exp_avg.<p>``,
 ``optim.exp_avg_sq.<p>``, ``optim.step.<p>``, ``zero.loss_scaler``) under one state-dict key, so a
-DeepSpeed run continues under plait with ``load({"model": zero_model}, dst)``.
+DeepSpeed run continues under plait with ``load({"model": zero_model}, dst)``. Tensor- and
+pipeline-parallel checkpoints (``mp_rank_01``, ``layer_*`` files) are detected and handed to
+:mod:`plait.universal_ckpt.interop.deepspeed_mp`; the result has the same names.
 """
 
 from __future__ import annotations
