@@ -33,10 +33,12 @@ import ds_3d_models
 
 VOCAB = 64
 STEPS = 2
-# name -> (world size, ZeRO stage, bf16, vocabulary): TP=2 at W=2; TP=2 x DP=2 at W=4 (fp32 ZeRO-1, bf16
-# ZeRO-2); an odd vocabulary, which AutoTP splits unevenly (33 + 32 rows of the LM head, no padding).
-AUTOTP_RUNS = {"w2": (2, 1, False, VOCAB), "w4": (4, 1, False, VOCAB), "w4_zero2_bf16": (4, 2, True, VOCAB),
-               "w2_vocab65": (2, 1, False, VOCAB + 1)}
+# name -> (world size, ZeRO stage, bf16, vocabulary, tied embeddings): TP=2 at W=2; TP=2 x DP=2 at W=4 (fp32
+# ZeRO-1, bf16 ZeRO-2); an odd vocabulary, which AutoTP splits unevenly (33 + 32 rows of the LM head, no
+# padding); tied input/output embeddings (AutoTP then splits the shared embedding over the vocabulary).
+AUTOTP_RUNS = {"w2": (2, 1, False, VOCAB, False), "w4": (4, 1, False, VOCAB, False),
+               "w4_zero2_bf16": (4, 2, True, VOCAB, False), "w2_vocab65": (2, 1, False, VOCAB + 1, False),
+               "w2_tied": (2, 1, False, VOCAB, True)}
 
 
 def _init_deepspeed():
@@ -50,12 +52,12 @@ def _init_deepspeed():
     return deepspeed
 
 
-def _llama_config(vocab: int = VOCAB):
+def _llama_config(vocab: int = VOCAB, tied: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=False, attn_implementation="eager")
+                       tie_word_embeddings=tied, attn_implementation="eager")
 
 
 def _tokens() -> torch.Tensor:
@@ -74,7 +76,7 @@ def _batches(seed: int, count: int, vocab: int = VOCAB) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (2, 8), generator=generator) for _ in range(count)]
 
 
-def make_autotp(root: str, stage: int, bf16: bool, vocab: int, more: int) -> dict:
+def make_autotp(root: str, stage: int, bf16: bool, vocab: int, tied: bool, more: int) -> dict:
     """Train 2 steps under AutoTP=2 + ZeRO-``stage``, save, then ``more`` steps (DeepSpeed continuing).
 
     Returns the trained parallel model's logits at the save and the continuation's losses.
@@ -83,7 +85,7 @@ def make_autotp(root: str, stage: int, bf16: bool, vocab: int, more: int) -> dic
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_llama_config(vocab))
+    model = LlamaForCausalLM(_llama_config(vocab, tied))
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
               "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**6, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}}}
@@ -137,10 +139,13 @@ def autotp(tmp_path_factory):
     pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("autotp")
     results = {}
-    for name, (world, stage, bf16, vocab) in AUTOTP_RUNS.items():
+    for name, (world, stage, bf16, vocab, tied) in AUTOTP_RUNS.items():
         more = RESUMED_STEPS if name == "w2" else 0  # DeepSpeed continuing in its own layout
-        results[name] = run_distributed(make_autotp, world, str(root / name), stage, bf16, vocab, more,
-                                        timeout=120, env={"DS_ACCELERATOR": "cpu"})[0]
+        per_rank = run_distributed(make_autotp, world, str(root / name), stage, bf16, vocab, tied, more,
+                                   timeout=120, env={"DS_ACCELERATOR": "cpu"})
+        results[name] = per_rank[0]
+        if per_rank[0]["logits"].shape[-1] != vocab:  # a vocabulary-parallel head's output is not gathered
+            results[name]["logits"] = torch.cat([r["logits"] for r in per_rank[:2]], -1)
     return root, results
 
 
@@ -199,7 +204,7 @@ def _assert_equals_ds_to_universal(ckpt: Path, reference: Path) -> int:
 @pytest.mark.parametrize("run", list(AUTOTP_RUNS))
 def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
     root, _ = autotp
-    world, stage, _, _ = AUTOTP_RUNS[run]
+    world, stage, _, _, tied = AUTOTP_RUNS[run]
     ckpt = import_deepspeed(root / run, tmp_path / "uc")
     manifest = uc.read_manifest(ckpt)
     assert manifest.layout.mesh == {"tp": 2, "pp": 1, "dp": world // 2} and manifest.layout.zero_stage == stage
@@ -208,16 +213,20 @@ def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
     assert patterns["model.model.layers.0.mlp.gate_proj.weight"] == {"dim": 0, "group": "tp"}
     assert patterns["model.model.norm.weight"] == {"dim": None, "group": "tp"}
     reference = _ds_to_universal(root / run / "step2", tmp_path / "ds_universal")
-    assert _assert_equals_ds_to_universal(ckpt, reference) == 4 * 21  # 21 Llama parameters
+    if tied:  # the alias DeepSpeed also writes is rank 0's local shard, not the tensor: we store it once
+        alias = torch.load(reference / "lm_head.weight" / "fp32.pt", weights_only=False)["param"]
+        assert alias.shape == (VOCAB // 2, 32) and "model/model.lm_head.weight" not in manifest.tensors
+        shutil.rmtree(reference / "lm_head.weight")
+    assert _assert_equals_ds_to_universal(ckpt, reference) == 4 * (20 if tied else 21)  # Llama parameters
 
 
-@pytest.mark.parametrize("run", ["w2", "w2_vocab65"])
+@pytest.mark.parametrize("run", ["w2", "w2_vocab65", "w2_tied"])
 def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path, run):
     from transformers import LlamaForCausalLM
 
     root, results = autotp
     ckpt = import_deepspeed(root / run, tmp_path / "uc")
-    export_hf(ckpt, tmp_path / "hf", config=_llama_config(AUTOTP_RUNS[run][3]))
+    export_hf(ckpt, tmp_path / "hf", config=_llama_config(*AUTOTP_RUNS[run][3:]))
     model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():

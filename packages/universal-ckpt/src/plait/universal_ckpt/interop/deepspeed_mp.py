@@ -324,7 +324,9 @@ def import_model_parallel(path: Path, dst_root: Path, *, key: str, load: Callabl
                                  "lr_scheduler": first.get("lr_scheduler"),
                                  "param_groups": base.get("param_groups"),
                                  "ds_config": first.get("ds_config"), "ds_version": first.get("ds_version"),
-                                 "universal_checkpoint_info": info}}}
+                                 "universal_checkpoint_info": info,
+                                 # tied aliases (lm_head -> embed_tokens): stored once, under the optimizer's name
+                                 "shared_params": first.get("shared_params")}}}
     step = int(first.get("global_steps") or 0)
     return write_offline(dst_root, step=step, tensors=tensors(), objects=objects, layout=layout,
                          user_meta={"imported_from": f"deepspeed {first.get('ds_version')}", "source": str(path),
