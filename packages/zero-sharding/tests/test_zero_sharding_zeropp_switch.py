@@ -145,3 +145,56 @@ def _one_node_rank() -> dict:
 def test_one_node_keeps_hpz_off_and_qgz_flat():
     for r in run_distributed(_one_node_rank, 2, timeout=60):
         assert r == {"gatherer": "QuantizedParamGatherer", "node_size": None}, r
+
+
+def _exact_two_hop_rank() -> dict:
+    """hpZ alone on two 'nodes' (GROUP_RANK = rank // 2): gradients reduced exactly, in two hops."""
+    from plait.kernels.collectives import ByteLedger
+    from plait.zero_sharding.zeropp import HierarchicalReducer
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    torch.manual_seed(100 + rank)
+    full, shard = torch.randn(4 * 37), torch.empty(37)
+    reducer = HierarchicalReducer(node_size=2)
+    reducer.reduce_scatter(full, shard, group=None, key="probe").wait()
+    everyone = [torch.empty_like(full) for _ in range(4)]
+    dist.all_gather(everyone, full)
+    exact = torch.stack(everyone).sum(0)[rank * 37:(rank + 1) * 37]
+    errors = []
+    for bad in (1, 4, 3, True):
+        try:
+            HierarchicalReducer(node_size=bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    hpz_only = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32,
+                          zeropp=ZeroPPConfig(quantized_weights=False, quantized_gradients=False))
+    plain = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32)
+    out = {"max_err": (shard - exact).abs().max().item(), "errors": errors}
+    for name, config in (("hpz", hpz_only), ("plain", plain)):
+        with ByteLedger() as ledger:
+            out[name], _, reducer_used = _train(config, None)
+        out[f"{name}_reducer"] = type(reducer_used).__name__
+        out[f"{name}_bytes"] = {f"{r.op}@{r.group}": 0 for r in ledger.records}
+        for r in ledger.records:
+            out[f"{name}_bytes"][f"{r.op}@{r.group}"] += r.nbytes
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_hpz_alone_reduces_exact_gradients_in_two_hops_across_nodes():
+    results = run_distributed(_exact_two_hop_rank, 4, timeout=170)
+    for r in results:
+        assert r["max_err"] < 1e-5, r["max_err"]  # exact up to fp32 summation order
+        assert len(r["errors"]) == 4 and all("node_size=" in e for e in r["errors"]), r["errors"]
+        assert (r["hpz_reducer"], r["plain_reducer"]) == ("HierarchicalReducer", "DefaultReducer")
+        # Same gradients up to summation order: the curves agree to fp32 rounding.
+        for got, want in zip(r["hpz"], r["plain"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["hpz"], r["plain"])
+    node, cross = "ranks[0,1]", "ranks[0,2]"
+    hpz, plain = results[0]["hpz_bytes"], results[0]["plain_bytes"]
+    # Hop 1 reduces every bucket inside the node (what the one-hop collective reduced over the
+    # world); hop 2 sends each rank's N = 2 node sums of one shard across: 1/L of hop 1's bytes.
+    assert hpz[f"reduce_scatter@{node}"] == plain["reduce_scatter@world"], (hpz, plain)
+    assert hpz[f"all_to_all@{cross}"] * 2 == hpz[f"reduce_scatter@{node}"], hpz
+    assert "reduce_scatter@world" not in hpz, hpz

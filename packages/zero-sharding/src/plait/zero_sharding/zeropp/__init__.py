@@ -7,11 +7,12 @@ Each piece is a policy object for the engine's extension points
 """
 
 from plait.zero_sharding.zeropp.config import ZeroPPConfig, make_zeropp_policies
+from plait.zero_sharding.zeropp.exact import HierarchicalReducer
 from plait.zero_sharding.zeropp.gather import HierarchicalParamGatherer, QuantizedParamGatherer
 from plait.zero_sharding.zeropp.reduce import QuantizedGradientReducer
 from plait.zero_sharding.zeropp.wire import RowLayout
 
 __all__ = [
-    "HierarchicalParamGatherer", "QuantizedGradientReducer", "QuantizedParamGatherer", "RowLayout",
-    "ZeroPPConfig", "make_zeropp_policies",
+    "HierarchicalParamGatherer", "HierarchicalReducer", "QuantizedGradientReducer", "QuantizedParamGatherer",
+    "RowLayout", "ZeroPPConfig", "make_zeropp_policies",
 ]

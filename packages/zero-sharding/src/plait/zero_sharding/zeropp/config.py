@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from plait.kernels.ops.quantize import MAX_BLOCK_SIZE, SUPPORTED_BITS
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, GradientReducer, ParamGatherer
+from plait.zero_sharding.zeropp.exact import HierarchicalReducer
 from plait.zero_sharding.zeropp.gather import DEFAULT_BLOCK_SIZE, HierarchicalParamGatherer, QuantizedParamGatherer
 from plait.zero_sharding.zeropp.nodes import NodeLayout, detect_layout, given_layout
 from plait.zero_sharding.zeropp.reduce import QuantizedGradientReducer
@@ -31,7 +32,9 @@ class ZeroPPConfig:
         weight_bits: bits per weight code, 8 (ZeRO++) or 4.
         quantized_gradients: qgZ: reduce gradients by a quantized all-to-all; across several
             nodes in two hops (inside the node, then the node sums across nodes), so the slow
-            link carries ``1 / ranks_per_node`` of the one-hop bytes.
+            link carries ``1 / ranks_per_node`` of the one-hop bytes. With qgZ off, ZeRO++ still
+            reduces exact gradients in two hops across nodes
+            (:class:`~plait.zero_sharding.zeropp.exact.HierarchicalReducer`).
         gradient_bits: bits per gradient code, 4 (ZeRO++) or 8.
         hierarchical_partition_size: hpZ: ranks holding one secondary copy of each parameter
             (consecutive ranks of the sharding group); the backward all-gather then stays among
@@ -171,12 +174,16 @@ def make_zeropp_policies(config: ZeroPPConfig, group: Any | None = None) -> tupl
                 f"use a divisor of {world} (the number of ranks per node)."
             )
         gatherer = HierarchicalParamGatherer(partition_size=size, inner=gatherer, group=group)
+    # Two hops only where the group really spans nodes of more than one rank each.
+    node_size = layout.ranks_per_node if layout is not None and layout.multi_node else None
     reducer: Any = DefaultReducer()
     if config.quantized_gradients:
-        # Two hops only where the group really spans nodes of more than one rank each.
-        node_size = layout.ranks_per_node if layout is not None and layout.multi_node else None
         options = {"node_size": node_size, "group": group} if node_size is not None else {}
         reducer = QuantizedGradientReducer(bits=config.gradient_bits, block_size=config.block_size, **options)
+    elif node_size is not None and node_size < dist.get_world_size(group):
+        # Exact gradients across nodes: reduce inside the node first (gloo's one-hop reduce-scatter
+        # sends 3x the bucket across two nodes, this sends 1x; plait.zero_sharding.zeropp.exact).
+        reducer = HierarchicalReducer(node_size=node_size, group=group)
     return gatherer, reducer
 
 
@@ -184,13 +191,13 @@ def resolve_layout(config: ZeroPPConfig, group: Any | None = None) -> NodeLayout
     """The node layout ``config`` implies for ``group``: given, detected, or ``None`` without torch.distributed.
 
     Detection (``ranks_per_node="auto"``) is a collective over ``group`` and runs only when a
-    part that depends on nodes is on (qgZ, or hpZ set to ``"auto"``).
+    part that depends on nodes is on (qgZ, or hpZ).
     """
     if not dist.is_initialized():
         return None
     if config.ranks_per_node != "auto":
         return given_layout(config.ranks_per_node, group)  # type: ignore[arg-type]
-    if not (config.quantized_gradients or config.hierarchical_partition_size == "auto"):
+    if not (config.quantized_gradients or config.hierarchical_partition_size is not None):
         return None
     return detect_layout(group)
 

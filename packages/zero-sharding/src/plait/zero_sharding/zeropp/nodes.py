@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait.kernels import collectives
+
 # Launcher variables naming this process's node, most specific first (see the module docstring).
 NODE_VARIABLES = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
 
@@ -120,3 +122,31 @@ def given_layout(ranks_per_node: int, group: Any = None) -> NodeLayout:
             f"ZeroPPConfig.ranks_per_node={ranks_per_node} does not divide the sharding group size {world}; use a "
             f"divisor of {world}, or 'auto' to take it from the launcher.")
     return NodeLayout(ranks_per_node=ranks_per_node, nodes=world // ranks_per_node, source="given")
+
+
+def node_subgroups(group: Any, node_size: int) -> tuple[list[int], Any, Any]:
+    """Create the two groups of a two-hop collective over ``group`` (collective: every rank of it calls this).
+
+    Args:
+        group: the sharding group (``None``: the world); its size must be a multiple of ``node_size``.
+        node_size: ranks per node, consecutive in the group.
+
+    Returns:
+        ``(ranks, intra, inter)``: the group's global ranks, this rank's node group, and the group of
+        the ranks sharing this rank's local index (one per node, in node order).
+    """
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    node, local = divmod(dist.get_rank(group), node_size)
+    timeout = collectives.group_timeout()
+    intra = inter = None
+    # Every rank creates every group, in the same order: new_group is collective.
+    for n in range(world // node_size):
+        created = dist.new_group(ranks[n * node_size:(n + 1) * node_size], timeout=timeout)
+        if n == node:
+            intra = created
+    for lr in range(node_size):
+        created = dist.new_group(ranks[lr::node_size], timeout=timeout)
+        if lr == local:
+            inter = created
+    return ranks, intra, inter

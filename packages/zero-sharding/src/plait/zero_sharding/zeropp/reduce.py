@@ -60,6 +60,7 @@ from torch import Tensor
 
 from plait.kernels import collectives
 from plait.zero_sharding.zeropp.gather import DEFAULT_BLOCK_SIZE, _check_format
+from plait.zero_sharding.zeropp.nodes import node_subgroups
 from plait.zero_sharding.zeropp.wire import (
     PendingComm,
     RowLayout,
@@ -126,19 +127,8 @@ class QuantizedGradientReducer:
             self._make_groups(world, node_size)
 
     def _make_groups(self, world: int, node_size: int) -> None:
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(world))
-        node, local = divmod(dist.get_rank(self.group), node_size)
-        timeout = collectives.group_timeout()
-        # Every rank creates every group, in the same order: new_group is collective.
-        for n in range(world // node_size):
-            created = dist.new_group(ranks[n * node_size:(n + 1) * node_size], timeout=timeout)
-            if n == node:
-                self.intra = created
-        for lr in range(node_size):
-            created = dist.new_group(ranks[lr::node_size], timeout=timeout)
-            if lr == local:
-                self.inter = created
-        self.ranks, self.nodes = ranks, world // node_size
+        self.ranks, self.intra, self.inter = node_subgroups(self.group, node_size)
+        self.nodes = world // node_size
 
     @property
     def hierarchical(self) -> bool:
