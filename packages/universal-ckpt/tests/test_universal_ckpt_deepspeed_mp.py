@@ -66,6 +66,8 @@ def _tokens() -> torch.Tensor:
 
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 RESUMED_STEPS = 20
+# name -> (world size, pipeline stages): 2 and 4 stages, and 2 stages x DP=2 (ZeRO-1 partitions per stage).
+PIPELINE_RUNS = {"pp2": (2, 2), "pp4": (4, 4), "pp2_dp2": (4, 2)}
 # Resumed losses vs DeepSpeed continuing: the first differs by ~1e-7 relative (float32 rounding of the
 # row-parallel sums), and 20 AdamW steps keep the drift within 1e-5 (the torch TP test's tolerance).
 LOSS_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
@@ -133,20 +135,30 @@ def make_pipeline(root: str, stages: int) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
 
 
+class _AutotpRuns:
+    """DeepSpeed AutoTP runs, each trained the first time a test asks for it: ``runs(name) -> (dir, result)``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.results = root, {}
+
+    def __call__(self, name: str) -> tuple[Path, dict]:
+        if name not in self.results:
+            world, stage, bf16, vocab, tied = AUTOTP_RUNS[name]
+            more = RESUMED_STEPS if name == "w2" else 0  # DeepSpeed continuing in its own layout
+            per_rank = run_distributed(make_autotp, world, str(self.root / name), stage, bf16, vocab, tied, more,
+                                       timeout=120, env={"DS_ACCELERATOR": "cpu"})
+            result = per_rank[0]
+            if result["logits"].shape[-1] != vocab:  # a vocabulary-parallel head's output is not gathered
+                result["logits"] = torch.cat([r["logits"] for r in per_rank[:2]], -1)
+            self.results[name] = result
+        return self.root / name, self.results[name]
+
+
 @pytest.fixture(scope="module")
 def autotp(tmp_path_factory):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("autotp")
-    results = {}
-    for name, (world, stage, bf16, vocab, tied) in AUTOTP_RUNS.items():
-        more = RESUMED_STEPS if name == "w2" else 0  # DeepSpeed continuing in its own layout
-        per_rank = run_distributed(make_autotp, world, str(root / name), stage, bf16, vocab, tied, more,
-                                   timeout=120, env={"DS_ACCELERATOR": "cpu"})
-        results[name] = per_rank[0]
-        if per_rank[0]["logits"].shape[-1] != vocab:  # a vocabulary-parallel head's output is not gathered
-            results[name]["logits"] = torch.cat([r["logits"] for r in per_rank[:2]], -1)
-    return root, results
+    return _AutotpRuns(tmp_path_factory.mktemp("autotp"))
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +166,10 @@ def pipelines(tmp_path_factory):
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("pipe")
     weights = {}
-    for stages in (2, 4):
-        per_rank = run_distributed(make_pipeline, stages, str(root / f"pp{stages}"), stages, timeout=120,
+    for name, (world, stages) in PIPELINE_RUNS.items():
+        per_rank = run_distributed(make_pipeline, world, str(root / name), stages, timeout=120,
                                    env={"DS_ACCELERATOR": "cpu"})
-        weights[stages] = {name: tensor for rank in per_rank for name, tensor in rank.items()}
+        weights[name] = {param: tensor for rank in per_rank for param, tensor in rank.items()}
     return root, weights
 
 
@@ -203,16 +215,16 @@ def _assert_equals_ds_to_universal(ckpt: Path, reference: Path) -> int:
 
 @pytest.mark.parametrize("run", list(AUTOTP_RUNS))
 def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
-    root, _ = autotp
+    src, _ = autotp(run)
     world, stage, _, _, tied = AUTOTP_RUNS[run]
-    ckpt = import_deepspeed(root / run, tmp_path / "uc")
+    ckpt = import_deepspeed(src, tmp_path / "uc")
     manifest = uc.read_manifest(ckpt)
     assert manifest.layout.mesh == {"tp": 2, "pp": 1, "dp": world // 2} and manifest.layout.zero_stage == stage
     patterns = {e.name: e.pattern for e in manifest.tensors.values()}
     assert patterns["model.model.layers.0.self_attn.o_proj.weight"] == {"dim": 1, "group": "tp"}  # row-parallel
     assert patterns["model.model.layers.0.mlp.gate_proj.weight"] == {"dim": 0, "group": "tp"}
     assert patterns["model.model.norm.weight"] == {"dim": None, "group": "tp"}
-    reference = _ds_to_universal(root / run / "step2", tmp_path / "ds_universal")
+    reference = _ds_to_universal(src / "step2", tmp_path / "ds_universal")
     if tied:  # the alias DeepSpeed also writes is rank 0's local shard, not the tensor: we store it once
         alias = torch.load(reference / "lm_head.weight" / "fp32.pt", weights_only=False)["param"]
         assert alias.shape == (VOCAB // 2, 32) and "model/model.lm_head.weight" not in manifest.tensors
@@ -224,8 +236,8 @@ def test_autotp_matches_ds_to_universal(autotp, tmp_path, run):
 def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path, run):
     from transformers import LlamaForCausalLM
 
-    root, results = autotp
-    ckpt = import_deepspeed(root / run, tmp_path / "uc")
+    src, result = autotp(run)
+    ckpt = import_deepspeed(src, tmp_path / "uc")
     export_hf(ckpt, tmp_path / "hf", config=_llama_config(*AUTOTP_RUNS[run][3:]))
     model, info = LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
@@ -233,36 +245,36 @@ def test_autotp_hf_export_gives_trained_logits(autotp, tmp_path, run):
         ours = model.eval()(input_ids=_tokens()).logits
     # TP=2 sums the row-parallel halves in another order than one matmul does: float32 rounding.
     assert ours.shape[-1] == AUTOTP_RUNS[run][3]
-    torch.testing.assert_close(ours, results[run]["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, result["logits"], rtol=1e-5, atol=1e-5)
     if run == "w2":  # the same run under DP=2
-        torch.testing.assert_close(results["w4"]["logits"], results["w2"]["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(autotp("w4")[1]["logits"], result["logits"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_pipeline_module_to_single_process(pipelines, tmp_path, stages):
+@pytest.mark.parametrize("run", list(PIPELINE_RUNS))
+def test_pipeline_module_to_single_process(pipelines, tmp_path, run):
     root, weights = pipelines
-    ckpt = import_deepspeed(root / f"pp{stages}" / "plain", tmp_path / "uc")
+    world, stages = PIPELINE_RUNS[run]
+    ckpt = import_deepspeed(root / run / "plain", tmp_path / "uc")
     manifest = uc.read_manifest(ckpt)
-    assert manifest.layout.mesh == {"tp": 1, "pp": stages, "dp": 1}
+    assert manifest.layout.mesh == {"tp": 1, "pp": stages, "dp": world // stages}
     single = torch.nn.Sequential(*_layers())
     state = {name: uc.read_full(ckpt, manifest, manifest.tensors[f"model/model.{name}"])
              for name in single.state_dict()}
     single.load_state_dict(state, strict=True)
-    for name, tensor in weights[stages].items():  # what each stage held after training
+    for name, tensor in weights[run].items():  # what each stage held after training
         assert torch.equal(single.state_dict()[name], tensor), name
     reference = torch.nn.Sequential(*_layers())
-    reference.load_state_dict(weights[stages])
+    reference.load_state_dict(weights[run])
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
     assert torch.equal(single(x), reference(x))
-    oracle = _ds_to_universal(root / f"pp{stages}" / "with_info" / "step2", tmp_path / "ds_universal")
+    oracle = _ds_to_universal(root / run / "with_info" / "step2", tmp_path / "ds_universal")
     assert _assert_equals_ds_to_universal(ckpt, oracle) == 4 * 14  # 7 Linear layers
 
 
 @pytest.mark.parametrize("missing", ["zero_pp_rank_1_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt"])
 def test_missing_mp_rank_file_is_named_before_writing(autotp, tmp_path, missing):
-    root, _ = autotp
     broken = tmp_path / "broken"
-    shutil.copytree(root / "w4", broken)
+    shutil.copytree(autotp("w4")[0], broken)
     (broken / "step2" / missing).unlink()
     with pytest.raises(uc.CheckpointFormatError) as info:
         import_deepspeed(broken, tmp_path / "uc")
@@ -271,7 +283,7 @@ def test_missing_mp_rank_file_is_named_before_writing(autotp, tmp_path, missing)
     assert not (tmp_path / "uc").exists() or not any((tmp_path / "uc").iterdir())
 
 
-def test_cli_detects_model_parallel_source_and_inspect_shows_sizes(autotp, pipelines, tmp_path, capsys):
+def test_cli_detects_model_parallel_source_and_inspect_shows_sizes(three_d, pipelines, tmp_path, capsys):
     from plait.universal_ckpt.cli import register
 
     def plait(*argv: str) -> int:
@@ -280,12 +292,12 @@ def test_cli_detects_model_parallel_source_and_inspect_shows_sizes(autotp, pipel
         args = parser.parse_args(list(argv))
         return args.func(args)
 
-    assert plait("ckpt", "convert", str(autotp[0] / "w4"), str(tmp_path / "tp"), "--to", "universal") == 0
+    assert plait("ckpt", "convert", str(three_d[0]), str(tmp_path / "tp"), "--to", "universal") == 0
     assert plait("ckpt", "convert", str(pipelines[0] / "pp2" / "plain"), str(tmp_path / "pp"), "--to", "hf") == 0
     capsys.readouterr()
     assert plait("ckpt", "inspect", str(tmp_path / "tp")) == 0
     out = capsys.readouterr().out
-    assert "tp=2 pp=1 dp=2" in out and "tp:dim1" in out and "tp:replicated" in out, out
+    assert "tp=2 pp=2 dp=1" in out and "tp:dim1" in out and "tp:replicated" in out, out
 
 
 def test_megatron_deepspeed_3d_to_single_process(three_d, tmp_path):
@@ -344,8 +356,8 @@ def test_autotp_resumes_in_one_process_and_torch_tp(autotp, tmp_path, tp):
     """DeepSpeed AutoTP=2 -> universal -> HF Llama with torch AdamW, alone or under torch TP=2: the next
     20 losses follow DeepSpeed continuing in its own layout."""
     pytest.importorskip("torch.distributed.tensor.parallel")
-    root, results = autotp
-    import_deepspeed(root / "w2", tmp_path / "uc")
+    src, result = autotp("w2")
+    import_deepspeed(src, tmp_path / "uc")
     if tp == 1:
         losses = _resume(str(tmp_path / "uc"), 1)
     else:
@@ -354,14 +366,14 @@ def test_autotp_resumes_in_one_process_and_torch_tp(autotp, tmp_path, tp):
     # row-parallel partial sums are added in another order (one matmul vs TP's all-reduce), and AdamW
     # carries that difference forward step by step. LOSS_TOLERANCE is that drift over 20 steps. DeepSpeed's
     # default gradient clipping (1.0) is switched off in the fixture: torch's loop does not clip.
-    torch.testing.assert_close(losses, results["w2"]["losses"], **LOSS_TOLERANCE)
+    torch.testing.assert_close(losses, result["losses"], **LOSS_TOLERANCE)
 
 
 def test_import_runs_without_deepspeed(autotp, tmp_path):
     """The converter reads DeepSpeed's pickles with stand-ins: a process where deepspeed cannot import."""
     code = ("import sys; sys.modules['deepspeed'] = None\n"
             "from plait.universal_ckpt.interop.deepspeed import import_deepspeed\n"
-            f"print(import_deepspeed({str(autotp[0] / 'w4')!r}, {str(tmp_path / 'uc')!r}))\n"
+            f"print(import_deepspeed({str(autotp('w4')[0])!r}, {str(tmp_path / 'uc')!r}))\n"
             "assert 'deepspeed' not in {m.split('.')[0] for m, v in sys.modules.items() if v is not None}")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
