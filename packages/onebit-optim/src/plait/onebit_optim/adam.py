@@ -29,6 +29,42 @@ from plait.onebit_optim.base import CompressedOptimizer, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
 
 
+def adam_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """``state`` (one parameter's optimizer state) with Adam's entries, created on first use.
+
+    The names, dtypes and the float32 step tensor are torch's Adam's, so states compare directly.
+    """
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def adamw_step(states: Any, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+    """The warm-up step: torch's own AdamW kernel over ``params`` (those with a gradient)."""
+    if not params:
+        return
+    per_param = [adam_state(states[p], p) for p in params]
+    beta1, beta2 = group["betas"]
+    torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in per_param],
+               [s["exp_avg_sq"] for s in per_param], [], [s["step"] for s in per_param],
+               decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+               weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def frozen_variance_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], freeze_step: int) -> None:
+    """One compressed-phase update of ``p`` from its synchronised ``exp_avg`` and the variance frozen at
+    ``freeze_step`` (bias-corrected as of that step), with decoupled weight decay."""
+    beta1, beta2 = group["betas"]
+    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    state["step"] += 1
+    step_size = lr / (1 - beta1 ** state["step"].item())
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** freeze_step)).add_(eps)
+    p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+
 class OnebitAdam(CompressedOptimizer):
     """1-bit Adam for a model replicated on every rank (do not wrap it in DDP).
 
@@ -89,39 +125,20 @@ class OnebitAdam(CompressedOptimizer):
         return loss
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            # The names, dtypes and the float32 step tensor of torch's Adam, so states compare directly.
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+        return adam_state(self.state[p], p)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        params = self.params_with_grad(group)
-        states = [self._state(p) for p in params]
-        beta1, beta2 = group["betas"]
-        torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                   [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw_step(self.state, self.params_with_grad(group), group)
 
     def _compressed_step(self, index: int, group: dict[str, Any]) -> None:
         params = self.params_with_grad(group)
         if not params:
             return
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        beta1 = group["betas"][0]
         states = [self._state(p) for p in params]
         momenta = [s["exp_avg"] for s in states]
         for p, m in zip(params, momenta):
             m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
         self.exchange_momentum_(index, momenta, params)
-        frozen_correction = math.sqrt(1 - beta2 ** self.config.freeze_step)
         for p, state in zip(params, states):
-            state["step"] += 1
-            step_size = lr / (1 - beta1 ** state["step"].item())
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            denom = (state["exp_avg_sq"].sqrt() / frozen_correction).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+            frozen_variance_update(p, state, group, self.config.freeze_step)

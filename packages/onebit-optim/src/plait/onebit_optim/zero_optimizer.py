@@ -3,12 +3,12 @@ optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero` for th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from plait.onebit_optim.adam import adam_state, adamw_step, frozen_variance_update
 from plait.onebit_optim.base import check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
 from plait.onebit_optim.zero import OnebitZeroExchange
@@ -141,39 +141,16 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
         return loss
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
+        return adam_state(self.state[p], p)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        from torch.optim.adam import adam as torch_adam
-
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        states = [self._state(p) for p in params]
-        beta1, beta2 = group["betas"]
-        torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                   [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                   decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw_step(self.state, [p for p in group["params"] if p.grad is not None], group)
 
     def _compressed_step(self, group: dict[str, Any], keys: dict[int, str]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        frozen_correction = math.sqrt(1 - beta2 ** self.config.freeze_step)
         for p in group["params"]:
             momentum = self.exchange.take_momentum(keys.get(id(p), ""))
             if momentum is None:
                 continue
             state = self._state(p)
             state["exp_avg"].copy_(momentum)
-            state["step"] += 1
-            step_size = lr / (1 - beta1 ** state["step"].item())
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            denom = (state["exp_avg_sq"].sqrt() / frozen_correction).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-step_size)
+            frozen_variance_update(p, state, group, self.config.freeze_step)
