@@ -32,7 +32,7 @@ from torch import Tensor
 
 from plait.kernels import collectives
 from plait.zero_sharding.extension import DefaultReducer
-from plait.zero_sharding.zeropp.nodes import node_subgroups
+from plait.zero_sharding.zeropp.nodes import is_group, node_subgroups
 from plait.zero_sharding.zeropp.wire import PendingComm
 
 
@@ -66,11 +66,7 @@ class HierarchicalReducer(DefaultReducer):
         self.ranks, self.intra, self.inter = node_subgroups(group, node_size)
 
     def _is_own_group(self, group: Any) -> bool:
-        if group is self.group:
-            return True
-        world = dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-        return ranks == self.ranks
+        return is_group(group, self.group, self.ranks)
 
     def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
         """Write into ``shard_out`` the sum over the group of this rank's shard of ``full``, in two hops.

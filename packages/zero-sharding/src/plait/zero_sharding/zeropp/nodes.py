@@ -150,3 +150,12 @@ def node_subgroups(group: Any, node_size: int) -> tuple[list[int], Any, Any]:
         if lr == local:
             inter = created
     return ranks, intra, inter
+
+
+def is_group(group: Any, own: Any, own_ranks: list[int] | None) -> bool:
+    """Whether ``group`` is ``own`` (the group a two-hop collective was built for), by identity or by ranks."""
+    if group is own:
+        return True
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    return ranks == own_ranks

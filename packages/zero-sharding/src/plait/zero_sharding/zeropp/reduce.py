@@ -60,7 +60,7 @@ from torch import Tensor
 
 from plait.kernels import collectives
 from plait.zero_sharding.zeropp.gather import DEFAULT_BLOCK_SIZE, _check_format
-from plait.zero_sharding.zeropp.nodes import node_subgroups
+from plait.zero_sharding.zeropp.nodes import is_group, node_subgroups
 from plait.zero_sharding.zeropp.wire import (
     PendingComm,
     RowLayout,
@@ -136,11 +136,7 @@ class QuantizedGradientReducer:
         return self.ranks is not None
 
     def _is_own_group(self, group: Any) -> bool:
-        if group is self.group:
-            return True
-        world = dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-        return ranks == self.ranks
+        return is_group(group, self.group, self.ranks)
 
     def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
         """Write into ``shard_out`` the SUM over the group of this rank's slice of ``full``.
