@@ -151,11 +151,7 @@ class PlaitFabricStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """With ``sp_size > 1`` the sampler splits over the ``dp`` ranks only (an sp group shares its batches)."""
-        kwargs = super().distributed_sampler_kwargs
-        sp = self.plait_config.sp_size
-        if sp > 1:
-            kwargs = {**kwargs, "num_replicas": kwargs["num_replicas"] // sp, "rank": self.global_rank // sp}
-        return kwargs
+        return parallel.sampler_kwargs(super().distributed_sampler_kwargs, self.plait_config.sp_size, self.global_rank)
 
     def split_batch(self, batch: Any) -> Any:
         """This rank's slice of the sequence (:func:`plait.lightning.parallel.split_batch`); the batch

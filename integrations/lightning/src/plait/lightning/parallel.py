@@ -97,6 +97,14 @@ def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
     return make_mesh(device_type=device_type, dp=-1, **sizes)
 
 
+def sampler_kwargs(kwargs: dict[str, Any], sp_size: int, global_rank: int) -> dict[str, Any]:
+    """A strategy's ``distributed_sampler_kwargs`` under ``sp_size``: the sampler splits over the ``dp``
+    ranks only, since the ranks of one sp group share their batches."""
+    if sp_size > 1:
+        kwargs = {**kwargs, "num_replicas": kwargs["num_replicas"] // sp_size, "rank": global_rank // sp_size}
+    return kwargs
+
+
 def split_batch(batch: Any, mesh: Any) -> Any:
     """This rank's part of a causal-LM batch for sequence parallelism.
 
