@@ -30,6 +30,10 @@ TABLES = [
     ("integrations/transformers/README.md", "integrations/transformers/benchmarks/results/transformers.json"),
     ("integrations/transformers/README.md",
      "integrations/transformers/benchmarks/results/transformers-quick.json"),
+    ("packages/universal-ckpt/README.md", "packages/universal-ckpt/benchmarks/results/universal-ckpt.json"),
+    ("packages/universal-ckpt/README.md", "packages/universal-ckpt/benchmarks/results/universal-ckpt-quick.json"),
+    ("integrations/vllm/README.md", "integrations/vllm/benchmarks/results/vllm.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-nodes.json"),
 ]
 
 
