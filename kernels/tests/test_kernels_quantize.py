@@ -214,3 +214,43 @@ def test_refuses_bad_inputs():
         dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=10, out=torch.zeros(9))
     with pytest.raises(ValueError, match="numel=-1"):
         dequantize_blockwise(codes, scales, bits=4, block_size=4, numel=-1)
+
+
+def _format_by_definition(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format as the module docstring states it, one step per line (slow; the reference's oracle):
+    per block, scale = max|x| / qmax (NaN if any element is not finite), code = sign(x / scale) *
+    floor(|x / scale| + 0.5) clamped to qmax, 0 where the scale is 0 or NaN; int4 packed low nibble first."""
+    qmax = float(QMAX[bits])
+    numel = x.numel()
+    blocks = -(-numel // block_size)
+    padded = torch.nn.functional.pad(x.reshape(-1).float(), (0, blocks * block_size - numel)).view(blocks, block_size)
+    magnitude = padded.abs()
+    finite = magnitude < math.inf
+    absmax = torch.where(finite, magnitude, 0.0).amax(dim=1) if blocks else magnitude.new_zeros(0)
+    scales = torch.where(finite.all(dim=1), absmax / qmax, math.nan)
+    usable = scales > 0
+    y = torch.where(usable[:, None], padded / torch.where(usable, scales, 1.0)[:, None], 0.0)
+    codes = torch.clamp(torch.floor(y.abs() + 0.5), max=qmax)
+    codes = torch.where(y < 0, -codes, codes).to(torch.int32).view(-1)[:numel]
+    if bits == 8:
+        return codes.to(torch.int8), scales
+    codes = torch.nn.functional.pad(codes, (0, numel % 2))
+    pairs = (codes & 15).view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), scales
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reference_is_the_format_by_definition_bitwise(bits):
+    """The reference's fused passes (amax propagating NaN, trunc(y + copysign(0.5, y))) change no bit."""
+    torch.manual_seed(0)
+    specials = torch.randn(3000) * 10
+    specials[5], specials[600], specials[900] = math.inf, -math.inf, math.nan
+    specials[1200:1456] = 0.0
+    cases = [specials, torch.arange(-300, 300) * 0.5, torch.full((512,), -0.0), torch.randn(1000) * 1e-30,
+             torch.randn(1000) * 3e38, torch.randn(257).bfloat16(), torch.randn(1001).half(), torch.empty(0)]
+    for x in cases:
+        for block_size in (2, 64, 256):
+            codes, scales = quantize_blockwise_reference(x, bits=bits, block_size=block_size)
+            want_codes, want_scales = _format_by_definition(x, bits, block_size)
+            assert codes.dtype == want_codes.dtype and torch.equal(codes, want_codes), (x.numel(), block_size)
+            assert torch.equal(scales.nan_to_num(-1.0), want_scales.nan_to_num(-1.0)), (x.numel(), block_size)
