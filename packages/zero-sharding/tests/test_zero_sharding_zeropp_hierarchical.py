@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero_test_support import build_model
+from zero_test_support import train_stage3_logged
 
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.ops.quantize import QMAX, quantize_blockwise_reference, quantized_nbytes
-from plait.kernels.testing import global_batch, rank_slice, run_distributed
-from plait.zero_sharding import ZeroConfig, zero_shard
+from plait.kernels.testing import run_distributed
 from plait.zero_sharding.extension import wait
 from plait.zero_sharding.zeropp import QuantizedGradientReducer
 
@@ -259,21 +258,7 @@ STEPS, BATCH, SEQ, LR = 8, 8, 16, 3e-3
 
 
 def _train(reducer) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32)
-    model, optimizer = zero_shard(build_model(seed=0), torch.optim.AdamW, config, reducer=reducer, lr=LR,
-                                  weight_decay=0.0)
-    losses = []
-    with ByteLedger() as ledger:
-        for step in range(STEPS):
-            batch = rank_slice(global_batch(step % 4, BATCH, SEQ), rank, world)
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total = loss.detach().double().reshape(1)
-            dist.all_reduce(total)  # torch.distributed directly: reporting, not counted by the ledger
-            losses.append(total.item() / world)
+    losses, ledger = train_stage3_logged(reducer=reducer, steps=STEPS, batch=BATCH, seq=SEQ, lr=LR)
     a2a = {r.group: 0 for r in ledger.records if r.op == "all_to_all"}
     for r in ledger.records:
         if r.op == "all_to_all":

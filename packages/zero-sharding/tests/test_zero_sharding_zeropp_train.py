@@ -12,15 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from zero_test_support import build_model
+from zero_test_support import build_model, train_stage3_logged
 
-from plait.kernels.collectives import ByteLedger
-from plait.kernels.testing import global_batch, rank_slice, run_distributed
-from plait.zero_sharding import ZeroConfig, zero_shard
+from plait.kernels.testing import run_distributed
 from plait.zero_sharding.zeropp import ZeroPPConfig, make_zeropp_policies
 
 STEPS, BATCH, SEQ = 8, 8, 16
@@ -29,22 +25,8 @@ TARGET = 0.35
 
 
 def _train(policies: tuple | None) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32)
     gatherer, reducer = policies if policies is not None else (None, None)
-    model, optimizer = zero_shard(build_model(seed=0), torch.optim.AdamW, config, gatherer=gatherer,
-                                  reducer=reducer, lr=LR, weight_decay=0.0)
-    losses = []
-    with ByteLedger() as ledger:
-        for step in range(STEPS):
-            batch = rank_slice(global_batch(step % 4, BATCH, SEQ), rank, world)
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total = loss.detach().double().reshape(1)
-            dist.all_reduce(total)  # torch.distributed directly: reporting, not counted by the ledger
-            losses.append(total.item() / world)
+    losses, ledger = train_stage3_logged(gatherer, reducer, steps=STEPS, batch=BATCH, seq=SEQ, lr=LR)
     params = sum(p.numel() for p in build_model(seed=0).parameters())
     return {"losses": losses, "bytes_per_step": ledger.volume() / STEPS, "by_op": ledger.by_op(),
             "by_group": ledger.by_group(), "psi": params}

@@ -88,3 +88,27 @@ def train_ranks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, varian
         optimizer.step()
         optimizer.zero_grad()
     return losses
+
+
+def train_stage3_logged(gatherer: object = None, reducer: object = None, *, steps: int = 8, batch: int = 8,
+                        seq: int = 16, lr: float = 3e-3) -> tuple[list[float], object]:
+    """ZeRO-3 (every parameter sharded, fp32 reduction) with the given policies over ``steps`` steps
+    (batches repeat every 4); returns the mean loss per step and the byte ledger of the whole run."""
+    from plait.kernels.collectives import ByteLedger
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32)
+    model, optimizer = zero_shard(build_model(seed=0), torch.optim.AdamW, config, gatherer=gatherer,
+                                  reducer=reducer, lr=lr, weight_decay=0.0)
+    losses = []
+    with ByteLedger() as ledger:
+        for step in range(steps):
+            loss = model(**rank_slice(global_batch(step % 4, batch, seq), rank, world)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total = loss.detach().double().reshape(1)
+            dist.all_reduce(total)  # torch.distributed directly: reporting, not counted by the ledger
+            losses.append(total.item() / world)
+    return losses, ledger
