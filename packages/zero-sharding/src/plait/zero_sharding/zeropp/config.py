@@ -180,7 +180,7 @@ def make_zeropp_policies(config: ZeroPPConfig, group: Any | None = None) -> tupl
     if config.quantized_gradients:
         options = {"node_size": node_size, "group": group} if node_size is not None else {}
         reducer = QuantizedGradientReducer(bits=config.gradient_bits, block_size=config.block_size, **options)
-    elif node_size is not None and node_size < dist.get_world_size(group):
+    elif node_size is not None:  # multi_node: more than one node of more than one rank
         # Exact gradients across nodes: reduce inside the node first (gloo's one-hop reduce-scatter
         # sends 3x the bucket across two nodes, this sends 1x; plait.zero_sharding.zeropp.exact).
         reducer = HierarchicalReducer(node_size=node_size, group=group)
