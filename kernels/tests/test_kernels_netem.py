@@ -72,7 +72,7 @@ def test_emulated_link_keeps_the_two_node_names():
 def test_emulated_nodes_carry_and_count_bytes_between_nodes_and_clean_up():
     payload = 2_000_000
     with netem.emulated_nodes(2, prefix="tst") as nodes:
-        before = nodes.total_tx_bytes()
+        before = [nodes.tx_bytes(0), nodes.tx_bytes(1)]
         listen = (f"import socket;s=socket.socket();s.bind(('{nodes.addresses[1]}',5555));s.listen();"
                   "c,_=s.accept();n=0\nwhile (d:=c.recv(65536)): n+=len(d)\nprint(n)")
         server = subprocess.Popen(nodes.command(1, [sys.executable, "-c", listen]), stdout=subprocess.PIPE, text=True)
@@ -80,8 +80,12 @@ def test_emulated_nodes_carry_and_count_bytes_between_nodes_and_clean_up():
                   f"5555)); break\n except OSError: time.sleep(0.05)\ns.sendall(b'x'*{payload})")
         subprocess.run(nodes.command(0, [sys.executable, "-c", client]), check=True, timeout=60)
         assert server.communicate(timeout=60)[0].strip() == str(payload)
-        crossed = nodes.total_tx_bytes() - before
-        assert payload <= crossed <= payload * 1.1  # the payload plus TCP/IP headers and ACKs
+        sent, acked = nodes.tx_bytes(0) - before[0], nodes.tx_bytes(1) - before[1]
+        # The sender's end carries the payload plus its TCP/IP headers (about 5% at MTU 1500). The
+        # ACKs go the other way and their share depends on how often the receiver acks (every
+        # segment under load, one CI run saw 10.4% in all), so they get a loose bound of their own.
+        assert payload <= sent <= payload * 1.1
+        assert 0 < acked <= payload * 0.1
         nodes.set_rate("1gbit")
         shown = subprocess.run(["tc", "-n", nodes.namespaces[0], "qdisc", "show", "dev", nodes.devices[0]],
                                capture_output=True, text=True).stdout
