@@ -19,44 +19,13 @@ from torch import nn
 
 from plait.ulysses_sp.all_to_all import HeadLayout, heads_to_seq, seq_to_heads
 from plait.ulysses_sp.config import SPGroup, sp_group
+from plait.ulysses_sp.masks import global_mask, is_packed
 
 
 @functools.lru_cache(maxsize=64)
 def head_layout(sp: int, q_heads: int, kv_heads: int) -> HeadLayout:
     """Cached :meth:`HeadLayout.build` (one per head shape and group size)."""
     return HeadLayout.build(sp=sp, q_heads=q_heads, kv_heads=kv_heads)
-
-
-def global_mask(key_padding_mask: torch.Tensor | None, *, seq: int, causal: bool,
-                device: torch.device) -> torch.Tensor | None:
-    """The boolean ``[B or 1, 1, S, S]`` mask (True = attend) over the whole sequence.
-
-    A query whose every key is masked (a left-padding query at position 0) attends to itself, so
-    no row is all-masked and no NaN reaches the backward; real queries always see themselves, so
-    their result is unchanged.
-
-    Args:
-        key_padding_mask: ``[B, S]``, True/1 for real tokens; ``None`` for no padding.
-        seq: the global sequence length ``S``.
-        causal: add the causal triangle.
-        device: where to build it.
-
-    Returns:
-        The mask, or ``None`` when there is neither padding nor a causal constraint to express.
-    """
-    if key_padding_mask is None:
-        if not causal:
-            return None
-        return torch.ones(seq, seq, dtype=torch.bool, device=device).tril().view(1, 1, seq, seq)
-    if key_padding_mask.shape[-1] != seq:
-        raise ValueError(
-            f"key_padding_mask covers {key_padding_mask.shape[-1]} tokens but the gathered sequence has {seq}; "
-            "pass the mask of the whole (padded) sequence, e.g. shard_batch(...)['key_padding_mask']."
-        )
-    mask = key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :].expand(-1, 1, seq, seq)
-    if causal:
-        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    return mask | torch.eye(seq, dtype=torch.bool, device=device)
 
 
 class DistributedAttention(nn.Module):
@@ -86,7 +55,8 @@ class DistributedAttention(nn.Module):
         self.sp: SPGroup = sp_group(mesh, sp_dim=sp_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool = False,
-                key_padding_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+                key_padding_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
         """Attention over the whole sequence; returns this rank's slice ``[B, H, S/P, D]``.
 
         Args:
@@ -95,6 +65,8 @@ class DistributedAttention(nn.Module):
             value: like ``key``.
             is_causal: causal over global positions (slices are in rank order).
             key_padding_mask: ``[B, S]`` for the whole sequence, True for real tokens.
+            position_ids: ``[B, S]`` global positions of the whole sequence, for packed rows: where
+                they restart, a new document begins and queries see only their own document.
             **kwargs: passed to ``attn_fn`` (``scale``, ``dropout_p``, ...).
 
         Raises:
@@ -102,10 +74,12 @@ class DistributedAttention(nn.Module):
         """
         self._check(query, key, value)
         q_heads, seq = gather_heads(query, key, value, self.sp)
-        mask = global_mask(key_padding_mask, seq=seq, causal=is_causal, device=query.device)
+        mask = global_mask(key_padding_mask, seq=seq, causal=is_causal, device=query.device,
+                           position_ids=position_ids)
+        simple_causal = key_padding_mask is None and not is_packed(position_ids)
         if mask is None:
             out = self.attn_fn(*q_heads, is_causal=False, **kwargs)
-        elif key_padding_mask is None and _is_sdpa(self.attn_fn):
+        elif simple_causal and _is_sdpa(self.attn_fn):
             out = self.attn_fn(*q_heads, is_causal=True, **kwargs)  # SDPA's kernels skip the S x S mask
         else:
             out = self.attn_fn(*q_heads, attn_mask=mask, **kwargs)

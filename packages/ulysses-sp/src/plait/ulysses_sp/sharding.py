@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from plait.kernels import collectives
 from plait.ulysses_sp.config import SPGroup, sp_group
+from plait.ulysses_sp.masks import document_starts
 
 IGNORE_INDEX = -100
 
@@ -75,8 +76,10 @@ def shard_batch(batch: dict[str, torch.Tensor], mesh: Any = None, *, sp_dim: str
     Returns:
         ``input_ids``, ``position_ids``, and when labels were given ``shift_labels`` (already
         shifted: pass them to HF models as ``shift_labels=``), all ``[B, S_padded / sp]``; and
-        ``key_padding_mask`` ``[B, S_padded]`` for the whole sequence when there is padding that
-        attention must not see.
+        ``key_padding_mask`` ``[B, S_padded]`` for the whole sequence and ``attention_mask`` (its
+        ``[B, S_padded / sp]`` slice) when there is padding that attention must not see. Where
+        ``position_ids`` restart inside a row (packed documents), the last token of a document
+        gets no target: the next token belongs to another document.
 
     Raises:
         ValueError: missing ``input_ids``, or a sequence shorter than sp.
@@ -95,15 +98,26 @@ def shard_batch(batch: dict[str, torch.Tensor], mesh: Any = None, *, sp_dim: str
     out = {"input_ids": shard_sequence(ids, sp, pad_value=pad_token_id),
            "position_ids": shard_sequence(positions, sp)}
     if batch.get("labels") is not None:
-        labels = batch["labels"]
-        if batch.get("attention_mask") is not None:
-            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
-        out["shift_labels"] = shard_sequence(shift_labels(labels), sp, pad_value=IGNORE_INDEX)
+        out["shift_labels"] = shard_sequence(_shifted_targets(batch, positions[:, :seq]), sp, pad_value=IGNORE_INDEX)
     mask = batch.get("attention_mask")
     if mask is not None or (total != seq and not causal):
         mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
         out["key_padding_mask"] = F.pad(mask, (0, total - seq), value=False)
+        out["attention_mask"] = shard_sequence(out["key_padding_mask"], sp)
     return out
+
+
+def _shifted_targets(batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """Shifted labels, ignored at and after padding and where the next token starts another packed document."""
+    labels, mask = batch["labels"], batch.get("attention_mask")
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+    shifted = shift_labels(labels)
+    if mask is not None:  # a padding position predicts nothing (the last left pad would "predict" the first token)
+        shifted = shifted.masked_fill(mask == 0, IGNORE_INDEX)
+    # a document's last token must not be trained to predict the first token of the next one
+    next_starts = F.pad(document_starts(positions)[:, 1:], (0, 1), value=False)
+    return shifted.masked_fill(next_starts, IGNORE_INDEX)
 
 
 def gather_sequence(local: torch.Tensor, mesh: Any = None, *, sp_dim: str = "sp", seq_len: int | None = None,
