@@ -1,7 +1,8 @@
 """HF conversion on real transformers architectures (tiny random configs, built offline): Mixtral,
-Qwen2-MoE (shared expert) and Qwen3-MoE. Logits and greedy generation equal the unconverted model,
-training gradients equal HF's, the aux loss ties to HF's own load_balancing_loss_func, and
-restore puts the HF blocks back."""
+Qwen2-MoE (shared expert), Qwen3-MoE and PhiMoE (GRIN routing; its training-mode router gradient
+is checked against HF's own SparseMixer-v2 in test_moe_layers_grin.py). Logits and greedy
+generation equal the unconverted model, training gradients equal HF's, the aux loss ties to HF's
+own load_balancing_loss_func, and restore puts the HF blocks back."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def _build(family: str):
     elif family == "qwen2_moe":
         config = transformers.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                              shared_expert_intermediate_size=96, norm_topk_prob=False)
+    elif family == "phimoe":
+        config = transformers.PhimoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
     else:  # layer 1 dense (mlp_only_layers): only one block converts
         config = transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                              mlp_only_layers=[1], norm_topk_prob=True)
@@ -41,7 +44,8 @@ def _generate(model, ids):
                               pad_token_id=0)
 
 
-@pytest.mark.parametrize(("family", "blocks"), [("mixtral", 2), ("qwen2_moe", 2), ("qwen3_moe", 1)])
+@pytest.mark.parametrize(("family", "blocks"), [("mixtral", 2), ("qwen2_moe", 2), ("qwen3_moe", 1),
+                                                 ("phimoe", 2)])
 def test_converted_logits_generation_and_restore(family: str, blocks: int) -> None:
     model = _build(family)
     ids = _ids()
@@ -53,6 +57,9 @@ def test_converted_logits_generation_and_restore(family: str, blocks: int) -> No
     assert len(moe_layers(model)) == blocks
     if family == "qwen2_moe":
         assert all(isinstance(layer.mlp, SharedExpertMoE) for layer in model.model.layers)
+    if family == "phimoe":
+        assert all(m.config.router_gradient == "grin" and m.config.grin_eps == 0.01 for m in moe_layers(model))
+    assert not any(m.training for m in moe_layers(model))  # converted in the model's (eval) mode
     with torch.no_grad():
         after = model(ids).logits
     tol = tolerance("moe_expert_parallel", torch.float32)

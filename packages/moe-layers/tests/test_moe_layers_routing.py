@@ -189,6 +189,8 @@ def test_user_expert_modules_and_residual() -> None:
     ("noise", "rsample", "noise='rsample'"),
     ("noise_eps", -0.1, "noise_eps=-0.1"),
     ("min_capacity", -1, "min_capacity=-1"),
+    ("router_gradient", "sparsemixer", "router_gradient='sparsemixer' is not supported"),
+    ("grin_eps", -0.5, "grin_eps=-0.5 must be a finite number"),
 ])
 def test_bad_config_refused(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -8,6 +8,7 @@ import math
 SCORE_ORDERS = ("softmax_topk", "topk_softmax")
 DROP_POLICIES = ("position", "probability")
 NOISE_KINDS = ("none", "jitter", "gumbel")
+ROUTER_GRADIENTS = ("straight_through", "grin")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
@@ -53,6 +54,13 @@ class MoEConfig:
         activation: the experts' gate activation (``"silu"`` = SwiGLU, ``"gelu"``, ``"gelu_tanh"``).
         residual: Residual MoE (DeepSpeed-MoE's PR-MoE building block): a dense gated MLP of the same
             width runs on every token and a learned 2-way softmax mixes it with the experts' output.
+        router_gradient: how the router learns the choice of experts: ``"straight_through"`` (top-k;
+            gradient through the combine weights only) or ``"grin"`` (GRIN's SparseMixer-v2: experts
+            sampled in training and an estimator of the choice's gradient, see
+            :mod:`plait.moe_layers.grin`). With ``"grin"`` a token's weights are each draw's
+            probability, so ``score_order`` and ``renormalize`` do not apply.
+        grin_eps: with ``"grin"``, the relative logit gap within which an expert may be drawn
+            (``(max - z) / max(|z|, max) <= 2 * grin_eps``); PhiMoE's ``router_jitter_noise``.
     """
 
     hidden_size: int
@@ -69,6 +77,8 @@ class MoEConfig:
     noise_eps: float = 1e-2
     activation: str = "silu"
     residual: bool = False
+    router_gradient: str = "straight_through"
+    grin_eps: float = 1e-2
 
     def __post_init__(self) -> None:
         _positive_int("hidden_size", self.hidden_size, "use the width of the tokens the layer receives")
@@ -84,6 +94,12 @@ class MoEConfig:
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
         _choice("noise", self.noise, NOISE_KINDS)
         _choice("activation", self.activation, ACTIVATIONS)
+        _choice("router_gradient", self.router_gradient, ROUTER_GRADIENTS)
+        if self.router_gradient == "grin" and self.noise == "gumbel":
+            raise ValueError(
+                "MoEConfig.noise='gumbel' with router_gradient='grin': GRIN already samples the experts; "
+                "use noise='none' (or 'jitter' for input noise)."
+            )
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -96,6 +112,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.min_capacity={self.min_capacity!r} must be an int >= 0 (e.g. 4).")
         if not isinstance(self.noise_eps, (int, float)) or not math.isfinite(self.noise_eps) or self.noise_eps < 0:
             raise ValueError(f"MoEConfig.noise_eps={self.noise_eps!r} must be a finite number >= 0 (e.g. 0.01).")
+        if not isinstance(self.grin_eps, (int, float)) or not math.isfinite(self.grin_eps) or self.grin_eps < 0:
+            raise ValueError(f"MoEConfig.grin_eps={self.grin_eps!r} must be a finite number >= 0 (e.g. 0.01).")
         if self.noise == "jitter" and self.noise_eps >= 1:
             raise ValueError(
                 f"MoEConfig.noise_eps={self.noise_eps} with noise='jitter' would scale inputs by <= 0; use < 1."

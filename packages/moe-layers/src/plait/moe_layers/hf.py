@@ -6,7 +6,10 @@ and ``down_proj [E, H, I]``, the layout plait uses, so no weight is copied):
 * ``MixtralSparseMoeBlock``: softmax, top-k, renormalise; ``router_jitter_noise`` -> ``noise="jitter"``;
 * ``Qwen3MoeSparseMoeBlock``: as Mixtral, renormalisation from ``norm_topk_prob``;
 * ``Qwen2MoeSparseMoeBlock``: as Qwen3 plus a shared expert mixed in by a sigmoid gate
-  (:class:`SharedExpertMoE` keeps HF's shared-expert modules as they are).
+  (:class:`SharedExpertMoE` keeps HF's shared-expert modules as they are);
+* ``PhimoeSparseMoeBlock`` (Phi-3.5-MoE, the GRIN authors' model): ``router_gradient="grin"`` with
+  ``grin_eps`` = ``router_jitter_noise``; ``input_jitter_noise`` -> ``noise="jitter"`` (HF multiplies
+  the input by the jitter twice in training, in the block and in its router; plait once).
 
 The converted layer shares the HF parameters (same ``nn.Parameter`` objects), so training the
 converted model trains the HF weights, and :func:`restore_hf_moe` puts the HF blocks back with
@@ -26,7 +29,8 @@ from torch import nn
 from plait.moe_layers.config import MoEConfig
 from plait.moe_layers.layer import MoE
 
-SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock",
+                    "PhimoeSparseMoeBlock")
 SUPPORTED_TRANSFORMERS = ((5, 19), (5, 24))  # [min, max): the stacked-experts layout of 5.x
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 _ORIGINAL = "_plait_hf_original"
@@ -71,14 +75,25 @@ def _activation_name(config: Any) -> str:
     return _ACTIVATIONS[name]
 
 
+def _routing_settings(block: nn.Module) -> dict[str, Any]:
+    """The router's MoEConfig fields of an HF block (PhiMoE routes with GRIN, the others top-k)."""
+    if hasattr(block, "router"):  # PhimoeSparseMoeBlock
+        router = block.router
+        return {"top_k": router.top_k, "router_gradient": "grin", "grin_eps": float(router.router_jitter_noise),
+                "jitter": float(block.input_jitter_noise or 0.0)}
+    gate = block.gate
+    return {"top_k": gate.top_k, "renormalize": bool(getattr(gate, "norm_topk_prob", True)),
+            "jitter": float(getattr(block, "jitter_noise", 0.0) or 0.0)}
+
+
 def _plait_layer(block: nn.Module, config: Any, overrides: dict[str, Any]) -> MoE:
-    gate, experts = block.gate, block.experts
+    gate, experts = (block.router if hasattr(block, "router") else block.gate), block.experts
     num_experts, two_inter, hidden = experts.gate_up_proj.shape
-    jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+    routing = _routing_settings(block)
+    jitter = routing.pop("jitter")
     settings = {
         "hidden_size": hidden, "num_experts": num_experts, "intermediate_size": two_inter // 2,
-        "top_k": gate.top_k, "renormalize": bool(getattr(gate, "norm_topk_prob", True)),
-        "activation": _activation_name(config),
+        "activation": _activation_name(config), **routing,
         **({"noise": "jitter", "noise_eps": jitter} if jitter > 0 else {}),
         **overrides,
     }
@@ -88,7 +103,8 @@ def _plait_layer(block: nn.Module, config: Any, overrides: dict[str, Any]) -> Mo
     layer.experts.down_proj = experts.down_proj
     for param in (experts.gate_up_proj, experts.down_proj):
         param._plait_moe_expert = True
-    return layer.to(device=gate.weight.device)
+    # A fresh module is in training mode; the block's mode decides noise, sampling and capacity.
+    return layer.to(device=gate.weight.device).train(block.training)
 
 
 def convert_hf_moe(model: nn.Module, **overrides: Any) -> int:

@@ -4,8 +4,10 @@ The router turns ``[T, H]`` tokens into, per token, ``top_k`` expert ids and com
 decides which of those ``T * top_k`` assignments fit in their expert's capacity. Everything is
 computed in fp32 (the small logit differences that decide the ranking vanish in bf16).
 
-The gradient reaching the router is the straight-through one every MoE of this family uses: the
-combine weights are differentiable functions of the logits, the choice of experts is not.
+By default the gradient reaching the router is the straight-through one every MoE of this family
+uses: the combine weights are differentiable functions of the logits, the choice of experts is not.
+``MoEConfig(router_gradient="grin")`` samples the choice and estimates its gradient instead
+(:mod:`plait.moe_layers.grin`).
 
 Losses, both returned for the user to add to the training loss with their own coefficients:
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.moe_layers.config import MoEConfig
+from plait.moe_layers.grin import sparse_mixer_v2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,9 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - cfg.noise_eps, 1.0 + cfg.noise_eps)
         logits = F.linear(x.float(), self.weight.float())
         probs = F.softmax(logits, dim=-1)
+        if cfg.router_gradient == "grin":
+            expert_ids, weights = sparse_mixer_v2(logits, cfg.top_k, cfg.grin_eps, training=self.training)
+            return self._routing(x, logits, probs, expert_ids, weights)
         select_on = logits
         if noisy and cfg.noise == "gumbel":
             uniform = torch.rand_like(logits).clamp_(min=1e-10, max=1 - 1e-7)
@@ -152,6 +158,12 @@ class Router(nn.Module):
             weights = probs.gather(1, expert_ids)
             if cfg.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self._routing(x, logits, probs, expert_ids, weights)
+
+    def _routing(self, x: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> Routing:
+        """Apply the capacity (drop policy) to a choice of experts."""
+        cfg = self.config
         capacity = cfg.capacity(x.shape[0], training=self.training)
         priority = probs.gather(1, expert_ids) if cfg.drop_policy == "probability" else None
         kept = capacity_keep(expert_ids, priority, cfg.num_experts, capacity)
