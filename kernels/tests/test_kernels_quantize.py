@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from plait.kernels import dispatch
+from plait.kernels.ops import quantize as quantize_module
 from plait.kernels.ops.quantize import (
     QMAX,
     code_numel,
@@ -239,9 +240,13 @@ def _format_by_definition(x: torch.Tensor, bits: int, block_size: int) -> tuple[
     return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8), scales
 
 
+@pytest.mark.parametrize("chunk", [None, 6], ids=["default-chunks", "many-chunks"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_reference_is_the_format_by_definition_bitwise(bits):
-    """The reference's fused passes (amax propagating NaN, trunc(y + copysign(0.5, y))) change no bit."""
+def test_reference_is_the_format_by_definition_bitwise(bits, chunk, monkeypatch):
+    """The reference's fused passes (amax propagating NaN, clamp then y + copysign(0.5, y) cast to int8)
+    and its chunking (here also 1-3 blocks a chunk, a partial last chunk) change no bit."""
+    if chunk is not None:
+        monkeypatch.setattr(quantize_module, "CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
     specials = torch.randn(3000) * 10
     specials[5], specials[600], specials[900] = math.inf, -math.inf, math.nan
@@ -254,3 +259,46 @@ def test_reference_is_the_format_by_definition_bitwise(bits):
             want_codes, want_scales = _format_by_definition(x, bits, block_size)
             assert codes.dtype == want_codes.dtype and torch.equal(codes, want_codes), (x.numel(), block_size)
             assert torch.equal(scales.nan_to_num(-1.0), want_scales.nan_to_num(-1.0)), (x.numel(), block_size)
+
+
+def _dequantize_by_definition(codes, scales, bits, block_size, numel, dtype):
+    """``code * scale`` as the module docstring states it, one element at a time in spirit: int4 nibbles
+    read low first and sign-extended as 4-bit two's complement, one fp32 scale per block, cast once."""
+    if bits == 8:
+        values = codes.to(torch.int32)
+    else:
+        packed = codes.to(torch.int32)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=1).view(-1)[:numel]
+        values = torch.where(nibbles >= 8, nibbles - 16, nibbles)
+    return (values.to(torch.float32) * scales.repeat_interleave(block_size)[:numel]).to(dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_dequantize_reference_is_the_format_by_definition_bitwise(bits, dtype):
+    """The reference's direct writes (codes widened into the output, nibbles by arithmetic shifts, the
+    scale broadcast per block) change no bit: every code value, -8 included, NaN / 0 / huge scales,
+    partial blocks, odd counts, and into a caller's buffer."""
+    gen = torch.Generator().manual_seed(bits)
+    for numel in (0, 1, 2, 3, 63, 64, 65, 255, 256, 1000, 1024):
+        for block_size in (2, 64, 256):
+            blocks = num_blocks(numel, block_size)
+            if bits == 8:
+                codes = torch.randint(-128, 128, (numel,), generator=gen, dtype=torch.int8)
+            else:
+                codes = torch.randint(0, 256, (code_numel(numel, 4),), generator=gen, dtype=torch.uint8)
+            scales = torch.rand(blocks, generator=gen) * 10.0 ** torch.randint(-40, 37, (blocks,), generator=gen)
+            if blocks > 2:
+                scales[0], scales[1], scales[2] = math.nan, 0.0, 3e38
+            want = _dequantize_by_definition(codes, scales, bits, block_size, numel, dtype)
+            got = dequantize_blockwise_reference(codes, scales, bits=bits, block_size=block_size, numel=numel,
+                                                 dtype=dtype)
+            out = torch.full((numel + 4,), 7.0, dtype=dtype)
+            into = dequantize_blockwise_reference(codes, scales, bits=bits, block_size=block_size, numel=numel,
+                                                  dtype=dtype, out=out[2:numel + 2])
+            for what, tensor in (("returned", got), ("into out", into)):
+                assert tensor.dtype == dtype and tensor.shape == want.shape, (what, numel, block_size)
+                assert torch.equal(tensor.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                   want.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
+                    (what, numel, block_size)
+            assert out[:2].tolist() == [7.0, 7.0] and out[numel + 2:].tolist() == [7.0, 7.0]
