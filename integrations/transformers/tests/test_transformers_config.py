@@ -179,8 +179,8 @@ def test_a_config_file_cannot_give_extensions(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\['extensions'\] cannot be given in a config file.*in code") as info:
         load_config(path)
     assert str(path) in str(info.value)
-    with pytest.raises(ValueError, match=r"the known keys are \['offload', 'offload_path', 'verify_on_load', "
-                                         r"'zero'\]"):
+    with pytest.raises(ValueError, match=r"the known keys are \['ep_size', 'offload', 'offload_path', 'optimizer', "
+                                         r"'sp_size', 'verify_on_load', 'zero'\]"):
         load_config({"zeros": {}})
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from plait.transformers.onebit import CONFIG_CLASSES, check_onebit, onebit_from_deepspeed
+from plait.transformers.parallel import check_installed
 from plait.zero_sharding import ZeroConfig
 from plait.zero_sharding.composition import ShardingExtension, check_extensions
 
@@ -50,6 +52,13 @@ class PlaitConfig:
             ``order`` right before ZeRO shards the model; their ``check`` gets this config and the
             precision as Lightning spells it (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, see
             :func:`precision_name`). Python objects, so code only: a JSON config file cannot give them.
+        sp_size: Ulysses sequence parallelism over this many consecutive ranks (plait-ulysses-sp;
+            1: off); must divide the world size. See :mod:`plait.transformers.parallel`.
+        ep_size: expert parallelism over this many ranks for MoE models (plait-moe-layers; HF
+            Mixtral / Qwen2-MoE / Qwen3-MoE blocks are converted); 1: off.
+        onebit: a 1-bit optimizer, given by its plait config (``plait.onebit_optim.OnebitAdamConfig``,
+            ``OnebitLambConfig`` or ``ZeroOneAdamConfig``; in JSON, DeepSpeed's ``"optimizer"``
+            block). It replaces ``TrainingArguments.optim``; see :mod:`plait.transformers.onebit`.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
@@ -57,6 +66,9 @@ class PlaitConfig:
     offload_path: str | None = None
     verify_on_load: bool = True
     extensions: tuple[Any, ...] = ()
+    sp_size: int = 1
+    ep_size: int = 1
+    onebit: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.zero, ZeroConfig):
@@ -78,6 +90,14 @@ class PlaitConfig:
         if not isinstance(self.extensions, tuple | list):
             raise ValueError(f"PlaitConfig.extensions={self.extensions!r} must be a tuple of ShardingExtension "
                              "objects, e.g. extensions=(my_extension,).")
+        for field in ("sp_size", "ep_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PlaitConfig.{field}={value!r} must be a positive int (1: off) dividing the world "
+                                 "size.")
+        if self.onebit is not None and type(self.onebit).__name__ not in CONFIG_CLASSES:
+            raise ValueError(f"PlaitConfig.onebit={self.onebit!r}; give a plait.onebit_optim OnebitAdamConfig, "
+                             "OnebitLambConfig or ZeroOneAdamConfig (or DeepSpeed's 'optimizer' block in JSON).")
         object.__setattr__(self, "extensions", tuple(self.extensions))
         for index, ext in enumerate(self.extensions):
             missing = [m for m in ("order", "check", "apply", "zero_kwargs") if not hasattr(ext, m)]
@@ -122,15 +142,18 @@ class PlaitConfig:
 
 # Python-only fields: a JSON file cannot hold them.
 _CODE_ONLY_KEYS = {"extensions"}
-_TOP_KEYS = {f.name for f in dataclasses.fields(PlaitConfig)} - _CODE_ONLY_KEYS
+# In JSON the 1-bit optimizer is DeepSpeed's "optimizer" block (PlaitConfig.onebit in code).
+_TOP_KEYS = ({f.name for f in dataclasses.fields(PlaitConfig)} - _CODE_ONLY_KEYS - {"onebit"}) | {"optimizer"}
 _ZERO_KEYS = {f.name for f in dataclasses.fields(ZeroConfig)}
 
 
 def config_from_dict(data: dict[str, Any], *, source: str = "plait config") -> PlaitConfig:
     """Build a :class:`PlaitConfig` from plain data (a parsed JSON file).
 
-    The shape is ``{"zero": {ZeroConfig fields}, "offload": "cpu", "offload_path": ..., "verify_on_load": ...}``;
-    ``offload`` may also be a dict of ``plait.offload_io.OffloadConfig`` fields. ``extensions`` are
+    The shape is ``{"zero": {ZeroConfig fields}, "offload": "cpu", "offload_path": ..., "verify_on_load": ...,
+    "sp_size": 2, "ep_size": 2, "optimizer": {"type": "OneBitAdam", "params": {...}}}``; ``offload`` may
+    also be a dict of ``plait.offload_io.OffloadConfig`` fields; ``optimizer`` is DeepSpeed's block for
+    a 1-bit optimizer (:func:`plait.transformers.onebit.onebit_from_deepspeed`). ``extensions`` are
     Python objects and cannot be given this way (an error says so).
 
     Args:
@@ -169,7 +192,9 @@ def config_from_dict(data: dict[str, Any], *, source: str = "plait config") -> P
         except ImportError as exc:
             raise ImportError(f"{source}: 'offload' needs plait-offload-io: {OFFLOAD_INSTALL}") from exc
         offload = OffloadConfig(**offload)
-    fields = {k: v for k, v in data.items() if k not in ("zero", "offload")}
+    fields = {k: v for k, v in data.items() if k not in ("zero", "offload", "optimizer")}
+    if "optimizer" in data:
+        fields["onebit"] = onebit_from_deepspeed(data["optimizer"], source)
     try:
         return PlaitConfig(zero=ZeroConfig(**zero), offload=offload, **fields)
     except ValueError as exc:
@@ -270,6 +295,25 @@ def check_training_args(config: PlaitConfig, args: Any) -> None:
     if zero.max_grad_norm is not None and clip > 0 and clip != zero.max_grad_norm:
         raise ValueError(f"TrainingArguments.max_grad_norm={clip} contradicts ZeroConfig.max_grad_norm="
                          f"{zero.max_grad_norm}; set one of them (they mean the same thing).")
+
+
+def check_features(config: PlaitConfig, args: Any) -> None:
+    """Refuse what sequence parallelism, expert parallelism and the 1-bit optimizer cannot do under
+    these ``TrainingArguments`` (when the Trainer is built, before any work; the world size is
+    checked once the process group exists, see :func:`plait.transformers.parallel.check_world_size`).
+
+    Raises:
+        ValueError: naming the field and the fix.
+        ImportError: a needed plait package is missing (with the pip line).
+    """
+    check_installed("sp_size", config.sp_size)
+    check_installed("ep_size", config.ep_size)
+    if config.sp_size > 1 and float(getattr(args, "label_smoothing_factor", 0.0) or 0.0) > 0:
+        raise ValueError(f"TrainingArguments.label_smoothing_factor={args.label_smoothing_factor} with PlaitConfig."
+                         f"sp_size={config.sp_size}: the label smoother shifts whole-sequence labels, but each rank "
+                         "holds a slice with labels already shifted; set label_smoothing_factor=0 or sp_size=1.")
+    if config.onebit is not None:
+        check_onebit(config.onebit, zero_config_for(config, args), args, config.ep_size)
 
 
 def zero_config_for(config: PlaitConfig, args: Any) -> ZeroConfig:

@@ -8,13 +8,18 @@ collectives, and takes over what sharding changes; each override is listed, with
   scaling) and no optimizer device placement (its state round-trip would copy every shard).
 * ``create_accelerator_and_postprocess``: the contradiction checks, the extensions' ``check``
   (:func:`~plait.zero_sharding.composition.check_extensions`), before any work starts.
-* ``create_optimizer``: the extensions applied (:func:`~plait.zero_sharding.composition.apply_extensions`,
-  as the Lightning strategy does), then the Trainer's own optimizer (weight-decay groups, ``optim``,
-  ``optimizer_cls_and_kwargs``) handed to ``zero_shard`` with the model, the extensions' keyword
-  arguments and the offload placement; schedulers are built afterwards on the returned ``ZeroOptimizer``.
+* ``create_optimizer``: sequence/expert parallelism added to the extensions on their mesh, the
+  extensions applied (:func:`~plait.zero_sharding.composition.apply_extensions`, as the Lightning
+  strategy does), then the Trainer's own optimizer (weight-decay groups, ``optim``,
+  ``optimizer_cls_and_kwargs``; or the 1-bit optimizer over its groups, split by expert parallelism)
+  handed to ``zero_shard`` with the model, the extensions' keyword arguments and the offload
+  placement; schedulers are built afterwards on the returned ``ZeroOptimizer``.
 * ``_wrap_model``: a thin :class:`PlaitModel` instead of DDP; it gives the Trainer ``no_sync``
   (gradient accumulation without communication) and a ``zero_grad`` that clears ZeRO's shards.
-* ``_clip_grad_norm`` / ``_get_grad_norm``: the global norm over every shard.
+* ``_clip_grad_norm`` / ``_get_grad_norm``: the global norm over every shard (none is logged for
+  a 1-bit optimizer past its warm-up: the shards hold no gradients then).
+* ``compute_loss`` / ``prediction_step``: with ``sp_size > 1``, each rank's slice of its sp group's
+  micro-batch (:mod:`plait.transformers.parallel`); predictions (sliced logits) refused.
 * checkpoints and ``save_model``: see :mod:`plait.transformers.checkpoint`.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import sys
 from typing import Any
@@ -31,8 +37,15 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.transformers import checkpoint as ckpt
-from plait.transformers import loading, settings
-from plait.transformers.config import PlaitConfig, check_plan, check_training_args, load_config, zero_config_for
+from plait.transformers import loading, onebit, parallel, settings
+from plait.transformers.config import (
+    PlaitConfig,
+    check_features,
+    check_plan,
+    check_training_args,
+    load_config,
+    zero_config_for,
+)
 from plait.zero_sharding import ZeroModule, ZeroOptimizer, zero_shard
 from plait.zero_sharding.composition import apply_extensions
 
@@ -134,8 +147,11 @@ class PlaitTrainerMixin:
         self.plait_config = self._plait_resolve()
         check_training_args(self.plait_config, self.args)
         self.plait_config.check_offload_installed()
+        check_features(self.plait_config, self.args)
         check_plan(self.plait_config, self.args)
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        # The launcher's world is known now (the process group may not exist yet).
+        parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size, self.args.world_size)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
@@ -157,11 +173,12 @@ class PlaitTrainerMixin:
         zero = zero_config_for(self.plait_config, self.args)
         check_plan(self.plait_config, self.args)
         ensure_process_group()
+        extensions, group = self._plait_parallel()
         weights = loading.pending_weights(self.model)
         # As the Lightning strategy: extensions transform the module and supply zero_shard's keyword
-        # arguments over the world group (mesh None); offload is the engine-wide placement. They run
+        # arguments over the mesh ZeRO shards over; offload is the engine-wide placement. They run
         # before the Trainer builds its optimizer, so its weight-decay groups hold the final parameters.
-        module, kwargs = apply_extensions(self.model, self.plait_config.extensions, None)
+        module, kwargs = apply_extensions(self.model, extensions, group)
         if module is not self.model:
             if model is self.model:
                 model = module
@@ -173,10 +190,12 @@ class PlaitTrainerMixin:
                              "directly with the extension's groups.")
         if self.plait_config.offload is not None:
             kwargs["placement"] = self.plait_config.placement()
+        given = self.optimizer is not None  # optimizers=(opt, sched) passed to the Trainer
         original = super().create_optimizer(model)  # type: ignore[misc]
         # Weights come from the files right after sharding: skip initialising what they overwrite.
         init = (lambda module: None) if weights is not None else None
-        _, sharded = zero_shard(self.model, original, zero, init_fn=init, **kwargs)
+        optimizer, options = self._plait_optimizer_arguments(original, extensions, kwargs, given)
+        _, sharded = zero_shard(self.model, optimizer, zero, mesh=group, init_fn=init, **kwargs, **options)
         if weights is not None:
             loading.load_into_shards(self.model, weights)
         scheduler = getattr(self, "lr_scheduler", None)
@@ -186,6 +205,49 @@ class PlaitTrainerMixin:
         self._plait_skips_seen = 0
         sharded.register_step_post_hook(self._plait_report_skip)
         return sharded
+
+    def _plait_parallel(self) -> tuple[list[Any], Any]:
+        """The config's extensions plus sequence/expert parallelism on their mesh (collective), and
+        what ZeRO shards over: the ``dp x sp`` mesh with sp alone, else the world (with ep, experts
+        get their own groups through the parameter groups)."""
+        config = self.plait_config
+        parallel.check_world_size(config.sp_size, config.ep_size, dist.get_world_size())
+        mesh = parallel.build_mesh(config.sp_size, config.ep_size, self.args.device.type)
+        added: list[Any] = []
+        self._plait_sp = None
+        if config.sp_size > 1:
+            self._plait_sp = parallel.SequenceParallel(mesh)
+            added.append(self._plait_sp)
+        if config.ep_size > 1:
+            added.append(parallel.ExpertParallel(mesh))
+        return [*config.extensions, *added], (mesh if mesh is not None and config.ep_size == 1 else None)
+
+    def _plait_optimizer_arguments(self, original: torch.optim.Optimizer, extensions: list[Any],
+                                   kwargs: dict[str, Any], given: bool) -> tuple[Any, dict[str, Any]]:
+        """What ``zero_shard`` gets for the optimizer: the Trainer's own instance, or (with a 1-bit
+        optimizer or expert parallelism) its class, groups and options, the groups split by the
+        extensions that ``regroup`` them.
+
+        Raises:
+            ValueError: a 1-bit config together with an optimizer passed to the Trainer.
+        """
+        regroupers = [ext for ext in sorted(extensions, key=lambda e: e.order) if hasattr(ext, "regroup")]
+        onebit_config = self.plait_config.onebit
+        if onebit_config is None and not regroupers:
+            return original, {}
+        if onebit_config is not None:
+            if self.optimizer_cls_and_kwargs is not None or given:
+                raise ValueError("PlaitConfig.onebit is set and the Trainer was also given an optimizer (optimizers= "
+                                 "or optimizer_cls_and_kwargs=); give the optimizer in one place only.")
+            cls, groups, options = onebit.zero_shard_arguments(onebit_config, original, self.args)
+        else:
+            cls, groups, options = type(original), [dict(g) for g in original.param_groups], {}
+            accepted = inspect.signature(cls).parameters
+            options = {k: v for k, v in original.defaults.items() if k in accepted}
+        for ext in regroupers:
+            groups = ext.regroup(groups)
+        kwargs["param_groups"] = groups
+        return cls, options
 
     def _plait_report_skip(self, optimizer: ZeroOptimizer, args: Any, kwargs: Any) -> None:
         """The Trainer steps the LR scheduler unless ``accelerator.optimizer_step_was_skipped``,
@@ -228,8 +290,43 @@ class PlaitTrainerMixin:
             # Not clipping: the global norm still comes from the shards (p.grad, which the Trainer
             # would read, is empty at stages 2 and 3); a ZeroConfig.max_grad_norm keeps applying.
             optimizer = self.plait_optimizer
+            if getattr(optimizer.engine.reducer, "compressing", False):
+                return None  # a 1-bit optimizer after warm-up: the shards hold no gradients to measure
             grad_norm = optimizer.clip_grad_norm_(optimizer.engine.config.max_grad_norm or sys.float_info.max)
         return grad_norm
+
+    # ---- sequence parallelism ----------------------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """With ``sp_size > 1``: this rank's slice of the sp group's micro-batch goes to the model
+        (:meth:`plait.transformers.parallel.SequenceParallel.split`); otherwise the Trainer's own.
+
+        Raises:
+            ValueError: a ``compute_loss_func`` under ``sp_size > 1`` (it would see sliced, shifted labels).
+        """
+        sp = getattr(self, "_plait_sp", None)
+        if sp is not None:
+            if self.compute_loss_func is not None:
+                raise ValueError(f"Trainer(compute_loss_func=...) with PlaitConfig.sp_size={sp.sp}: each rank holds a "
+                                 "slice of the sequence with labels already shifted, which a whole-sequence loss "
+                                 "function cannot take; drop compute_loss_func or set sp_size=1.")
+            inputs = sp.split(inputs)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,  # type: ignore[misc]
+                                    num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        """The Trainer's, refusing predictions under ``sp_size > 1`` (each rank's logits are a slice).
+
+        Raises:
+            ValueError: ``predict()`` or ``compute_metrics`` under ``sp_size > 1``.
+        """
+        sp = getattr(self, "_plait_sp", None)
+        if sp is not None and not prediction_loss_only:
+            raise ValueError(f"PlaitConfig.sp_size={sp.sp}: predictions and compute_metrics need whole-sequence "
+                             "logits, and each rank holds a slice of the sequence; evaluate the loss only "
+                             "(no compute_metrics, prediction_loss_only=True) or predict with sp_size=1.")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)  # type: ignore[misc]
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
