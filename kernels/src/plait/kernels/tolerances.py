@@ -334,6 +334,15 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
                "sums over tokens split across ranks and summed again by an all-reduce, the loss divides "
                "a sum of per-rank sums; fp32 reassociation over a few hundred tokens and 2 layers.",
     ),
+    ("ulysses_model_grad", torch.bfloat16): Tolerance(
+        atol=1.6e-2, rtol=0.0,
+        reason="compared on values divided by the reference tensor's largest magnitude (bf16 weights, or "
+               "fp32 weights under bf16 autocast): the S/P-token partial sums of each weight gradient are "
+               "rounded to bf16 on every rank before the all-reduce adds them, where the single process "
+               "rounds one S-token sum, so elements differ by about one bf16 ulp (2^-7) of the tensor's "
+               "scale; 2 ulps allowed, observed <= 0.0078 (Llama and Qwen3, bf16 weights and autocast, "
+               "sp 2 and 4, padded batch).",
+    ),
     ("tiled_recompute", torch.float32): Tolerance(
         atol=1e-6, rtol=1e-5,
         reason="tiling computes the same per-token values; only parameter-gradient sums (over tokens) are "
