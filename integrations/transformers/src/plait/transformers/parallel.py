@@ -103,8 +103,9 @@ def gather_group_batch(inputs: Mapping[str, Any], group: Any, sp: int) -> dict[s
                          "the data collator.")
     ids = inputs["input_ids"]
     shape = torch.tensor(ids.shape, dtype=torch.int64)
-    shapes = torch.empty(sp, 2, dtype=torch.int64)
+    shapes = torch.empty(sp * 2, dtype=torch.int64)
     collectives.all_gather_into_tensor(shapes, shape, group=group, name="Ulysses batch shapes all-gather")
+    shapes = shapes.view(sp, 2)
     if len(set(shapes[:, 0].tolist())) > 1:
         raise ValueError(f"PlaitConfig.sp_size={sp}: the sp group's micro-batches have {shapes[:, 0].tolist()} rows; "
                          "they must be equal. Keep accelerate's even_batches (the default) or set "
