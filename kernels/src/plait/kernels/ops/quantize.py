@@ -103,22 +103,22 @@ def quantize_blockwise_reference(
     """
     numel = x.numel()
     qmax = float(QMAX[bits])
-    blocks = num_blocks(numel, block_size)
+    blocks, whole = num_blocks(numel, block_size), numel // block_size
     flat = x.reshape(-1).to(torch.float32)
-    if blocks * block_size != numel:  # only a partial last block needs the padded copy
-        flat = torch.nn.functional.pad(flat, (0, blocks * block_size - numel))
-    padded = flat.view(blocks, block_size)
+    # Codes of every block, the partial last one padded; an odd count's pad code (0) is then the
+    # high nibble int4 leaves 0, with no copy.
     codes = torch.empty(blocks * block_size, dtype=torch.int8, device=x.device)
-    if blocks:
-        scales = _quantize_chunks(padded, qmax, codes.view(blocks, block_size))
-    else:
-        scales = padded.new_zeros(0)
-    codes = codes[:numel]
+    parts = []
+    if whole:  # whole blocks straight from the input: no padded copy of a bucket for its last block
+        head = whole * block_size
+        parts.append(_quantize_chunks(flat[:head].view(whole, block_size), qmax, codes[:head].view(whole, block_size)))
+    if whole < blocks:  # the partial last block, padded with zeros (they change no absmax)
+        tail = torch.nn.functional.pad(flat[whole * block_size:], (0, blocks * block_size - numel))
+        parts.append(_quantize_chunks(tail.view(1, block_size), qmax, codes[whole * block_size:].view(1, block_size)))
+    scales = torch.cat(parts) if len(parts) == 2 else parts[0] if parts else flat.new_zeros(0)
     if bits == 8:
-        return codes, scales
-    if numel % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.view(-1, 2)
+        return codes[:numel], scales
+    pairs = codes[:numel + numel % 2].view(-1, 2)
     # int8 shifts wrap like the uint8 ones (torch shifts signed values as unsigned): the high
     # nibble's sign bits fall off the byte, the low nibble keeps its 4 bits.
     return ((pairs[:, 1] << 4) | (pairs[:, 0] & 15)).view(torch.uint8), scales
@@ -189,28 +189,37 @@ def dequantize_blockwise_reference(
     Returns:
         ``out`` when given, else a flat ``[numel]`` tensor of ``dtype``, on the codes' device.
     """
-    blocks = scales.numel()
-    direct = out is not None and dtype == torch.float32 and blocks * block_size == numel
-    # fp32 output of whole blocks: the codes are widened and scaled in the output itself.
-    values = out.view(-1) if direct else torch.empty(blocks * block_size, dtype=torch.float32, device=codes.device)
-    filled = numel if bits == 8 else 2 * codes.numel()
+    result = out if out is not None else torch.empty(numel, dtype=dtype, device=codes.device)
+    # fp32: widened and scaled in the output itself; other dtypes: in fp32 first, cast once.
+    values = result.view(-1) if dtype == torch.float32 else torch.empty(numel, device=codes.device)
+    whole = numel // block_size
+    head = whole * block_size
+    if whole:
+        _widen_codes(codes.reshape(-1)[:head if bits == 8 else head // 2], bits, values[:head])
+        values[:head].view(whole, block_size).mul_(scales[:whole].view(-1, 1))
+    if head < numel:  # the partial last block: its codes through a one-block buffer
+        tail = values.new_empty(block_size)
+        rest = codes.reshape(-1)[head if bits == 8 else head // 2:]
+        filled = rest.numel() if bits == 8 else 2 * rest.numel()
+        _widen_codes(rest, bits, tail[:filled])
+        values[head:].copy_(tail[:numel - head].mul_(scales[whole]))
+    if values is not result.view(-1):
+        result.view(-1).copy_(values)
+    return result
+
+
+def _widen_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Write the integer value of every code in ``codes`` (flat) into fp32 ``out`` (one per code, or
+    two per int4 byte)."""
     if bits == 8:
-        values[:numel].copy_(codes.reshape(-1))
-    else:
-        # Arithmetic shifts of the signed byte sign-extend each 4-bit two's complement nibble:
-        # low = (b << 4) >> 4, high = b >> 4; written straight into the even and odd elements.
-        packed = codes.reshape(-1).view(torch.int8)
-        pairs = values[:filled].view(-1, 2)
-        pairs[:, 0].copy_((packed << 4) >> 4)
-        pairs[:, 1].copy_(packed >> 4)
-    values[filled:].zero_()  # a partial last block's tail (never returned) holds no stale memory
-    values.view(blocks, block_size).mul_(scales.view(-1, 1))
-    if direct:
-        return out
-    if out is None:
-        return values[:numel].to(dtype)
-    out.view(-1).copy_(values[:numel])
-    return out
+        out.copy_(codes)
+        return
+    # Arithmetic shifts of the signed byte sign-extend each 4-bit two's complement nibble:
+    # low = (b << 4) >> 4, high = b >> 4; written straight into the even and odd elements.
+    packed = codes.view(torch.int8)
+    pairs = out.view(-1, 2)
+    pairs[:, 0].copy_((packed << 4) >> 4)
+    pairs[:, 1].copy_(packed >> 4)
 
 
 def quantize_blockwise(
