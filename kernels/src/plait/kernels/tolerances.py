@@ -335,9 +335,10 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
                "a sum of per-rank sums; fp32 reassociation over a few hundred tokens and 2 layers.",
     ),
     ("ulysses_model_grad", torch.bfloat16): Tolerance(
-        atol=1.6e-2, rtol=0.0,
-        reason="compared on values divided by the reference tensor's largest magnitude (bf16 weights, or "
-               "fp32 weights under bf16 autocast): the S/P-token partial sums of each weight gradient are "
+        atol=1.6e-2, rtol=1e-4,
+        reason="compared on values divided by the reference tensor's largest magnitude, so atol carries it "
+               "(rtol is fp32's, never tighter). With bf16 weights, or fp32 weights under bf16 autocast, the "
+               "S/P-token partial sums of each weight gradient are "
                "rounded to bf16 on every rank before the all-reduce adds them, where the single process "
                "rounds one S-token sum, so elements differ by about one bf16 ulp (2^-7) of the tensor's "
                "scale; 2 ulps allowed, observed <= 0.0078 (Llama and Qwen3, bf16 weights and autocast, "
