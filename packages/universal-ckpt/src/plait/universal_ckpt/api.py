@@ -100,7 +100,11 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
         verify: check every hash read (default). ``verify=False`` skips hashing (faster, and
             sizes are still checked); use it only for checkpoints you have verified otherwise.
         group: process group (None: the default group, or a single process).
-        strict: every key of ``state`` must be in the checkpoint.
+        strict: every key of ``state`` must be in the checkpoint, and every tensor its target
+            holds. ``strict=False`` leaves missing keys, and a target's bookkeeping tensors (kind
+            ``other``, e.g. plait ZeRO's loss scaler) the checkpoint lacks, as they are: a torch
+            tensor- or pipeline-parallel checkpoint has no loss scaler to give a ZeRO run. Missing
+            parameters and optimizer state are refused either way.
 
     Returns:
         The checkpoint's manifest (step, layout, user_meta).
@@ -124,11 +128,16 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
             problems.append(f"key {adapter.key!r} is not in the checkpoint (it has {manifest.keys})")
             continue
         targets = adapter.tensors_for_load(saved)
+        if not strict:  # bookkeeping the checkpoint's producer did not have keeps the target's value
+            targets = {key: target for key, target in targets.items()
+                       if target.spec.kind != "other" or target.spec.name in saved}
         for target in targets.values():
             name = target.spec.name  # several pieces of one tensor share it (piece_key)
             entry = saved.get(name)
             if entry is None:
-                problems.append(f"{adapter.key}/{name} is not in the checkpoint")
+                fix = " (bookkeeping: load with strict=False to keep the target's own)" if target.spec.kind == "other" \
+                    else ""
+                problems.append(f"{adapter.key}/{name} is not in the checkpoint{fix}")
             elif entry.global_shape != target.spec.global_shape or entry.torch_dtype != target.spec.dtype:
                 problems.append(f"{adapter.key}/{name}: checkpoint has {entry.dtype}{list(entry.global_shape)}, "
                                 f"target wants {target.spec.dtype}{list(target.spec.global_shape)}")
