@@ -1,4 +1,5 @@
-"""1-bit Adam under ZeRO stages 1 and 2: the owner of a shard is the server of the 1-bit exchange.
+"""1-bit Adam (and 1-bit LAMB) under ZeRO stages 1 and 2: the owner of a shard is the server of
+the 1-bit exchange.
 
 ``zero_shard(model, OnebitAdam, ZeroConfig(stage=2), lr=..., onebit_config=OnebitAdamConfig(...))`` (or
 an ``OnebitAdam`` instance) calls :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`
@@ -28,6 +29,10 @@ Checkpoints: the reducer's ``sharded_state_dict`` adds ``ext.onebit.*`` pieces (
 counter, each unit's worker error as rows of a ``[world, n]`` tensor, its server error, the
 momentum masks); the momentum itself is the optimizer's sharded ``exp_avg``. Resharding the
 worker error to another world size: :func:`expect_checkpoint_world`.
+
+1-bit LAMB exchanges its momentum the same way (``zero_shard(model, OnebitLamb, ...)``); its inner
+optimizer is :class:`plait.onebit_optim.zero_lamb.ShardedOnebitLamb`, whose per-tensor
+coefficients this exchange commits on ``on_step`` and saves with its own pieces.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ import torch.distributed as dist
 from plait.kernels import collectives
 from plait.kernels.ops.sign import compress_with_error_feedback, scaled_signs, unpack_bits
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
-from plait.onebit_optim.config import OnebitAdamConfig
+from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
 
 if TYPE_CHECKING:
+    from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
     from plait.onebit_optim.zero_optimizer import ShardedOnebitAdam
 
 def expect_checkpoint_world(optimizer_or_model: Any, world: int) -> None:
@@ -100,16 +106,17 @@ def exchange_nbytes(unit_numels: list[tuple[int, int]], world: int) -> int:
 
 
 class OnebitZeroExchange:
-    """The engine-wide ``GradientReducer`` of 1-bit Adam under ZeRO (see the module docstring).
+    """The engine-wide ``GradientReducer`` of 1-bit Adam and 1-bit LAMB under ZeRO (see the module
+    docstring).
 
     Args:
-        config: the ``OnebitAdamConfig``.
+        config: the ``OnebitAdamConfig`` or ``OnebitLambConfig`` (its ``freeze_step`` is read here).
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
-    def __init__(self, config: OnebitAdamConfig, masks: dict[int, torch.Tensor]) -> None:
+    def __init__(self, config: OnebitAdamConfig | OnebitLambConfig, masks: dict[int, torch.Tensor]) -> None:
         self.config, self.masks = config, masks
-        self.optimizer: ShardedOnebitAdam | None = None
+        self.optimizer: ShardedOnebitAdam | ShardedOnebitLamb | None = None
         self.engine: Any = None
         self.units: dict[str, _UnitState] = {}
         self.steps = torch.zeros(1, dtype=torch.int64)  # updates taken (a tensor: a checkpoint piece)
@@ -144,6 +151,9 @@ class OnebitZeroExchange:
         self.reduced.clear()
         for state in self.units.values():
             state.momentum = None
+        commit = getattr(self.optimizer, "on_step", None)  # 1-bit LAMB's per-tensor coefficients
+        if commit is not None:
+            commit()
 
     def on_skipped_step(self, step: int) -> None:
         """A skipped step (never under the refused fp16): nothing was updated."""
@@ -323,6 +333,9 @@ class OnebitZeroExchange:
                     name = f"ext.onebit.mask.{slot.global_name}"
                     out[name] = ShardedTensor(ShardSpec.full(name, mask, kind="other", replica_ranks=everyone),
                                               mask.reshape(-1))
+        inner_pieces = getattr(self.optimizer, "sharded_state_dict", None)  # 1-bit LAMB's coefficients
+        if inner_pieces is not None:
+            out.update(inner_pieces())
         return out
 
     def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:

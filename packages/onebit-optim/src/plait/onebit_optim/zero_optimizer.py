@@ -1,5 +1,6 @@
-"""The optimizer side of 1-bit Adam under ZeRO: what ``zero_shard`` builds for it, and the inner
-optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero` for the exchange)."""
+"""The optimizer side of 1-bit Adam and 1-bit LAMB under ZeRO: what ``zero_shard`` builds for them,
+and 1-bit Adam's inner optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero`
+for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import torch
 
 from plait.onebit_optim.adam import adam_state, adamw_step, frozen_variance_update
 from plait.onebit_optim.base import check_hyperparameters, run_closure
-from plait.onebit_optim.config import OnebitAdamConfig
+from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
 from plait.onebit_optim.zero import OnebitZeroExchange
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
-# Why the other two stay plain-data-parallel only.
+# The optimizers that compose with ZeRO-1/2: their config class.
+COMPOSABLE = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig}
+# Why the other one stays plain-data-parallel only.
 REFUSED = {
-    "OnebitLamb": "1-bit LAMB's trust ratio and its frozen-coefficient factor need whole-tensor norms of the "
-                  "parameter, the update and the fresh variance, which a flat ZeRO shard cuts across (they would "
-                  "need partial-norm all-reduces per tensor, not built)",
     "ZeroOneAdam": "0/1 Adam's local steps skip synchronisation, but ZeRO reduces gradients and all-gathers the "
-                   "parameters at every step (its sharded masters cannot take a local step)",
+                   "parameters at every step (its sharded masters and variance cannot take a local step: every "
+                   "rank would need the whole fp32 variance and masters, which is what ZeRO shards)",
 }
 
 
@@ -29,38 +30,70 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     """What ``zero_shard`` builds for a 1-bit optimizer (see the module docstring).
 
     Args:
-        optimizer: ``OnebitAdam`` (the class) or an instance without state.
+        optimizer: ``OnebitAdam`` or ``OnebitLamb`` (the class) or an instance without state.
         zero_config: the ``ZeroConfig``.
         param_groups: ``zero_shard``'s ``param_groups`` (class form only).
         reducer: ``zero_shard``'s ``reducer`` (must be ``None``: the exchange is the reducer).
-        **kwargs: the optimizer's keyword arguments (class form): hyperparameters, ``config``,
-            ``momentum_masks``.
+        **kwargs: the optimizer's keyword arguments (class form): hyperparameters, ``config``
+            (or ``onebit_config``), ``momentum_masks``.
 
     Returns:
         ``(inner optimizer class, param_groups, hyperparameter kwargs, reducer)`` for ``zero_shard``.
 
     Raises:
         ValueError: ZeRO-3, ZeRO++, fp16, gradient clipping by the engine, another reducer, a
-            ``process_group``, or a 1-bit optimizer other than 1-bit Adam (naming what works).
+            ``process_group``, or 0/1 Adam (naming what works).
     """
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     name = cls.__name__
-    if name != "OnebitAdam":
+    _check_composable(name, zero_config, reducer)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError(f"optimizer {name} already has state; shard before the first step.")
+        if param_groups is not None or kwargs:
+            raise ValueError("pass either an optimizer instance or an optimizer class with options, not both.")
+        param_groups = [dict(g) for g in optimizer.param_groups]
+        config = optimizer.config
+        masks = {pid: mask for pid, mask in optimizer.masks.items()}
+        hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
+    else:
+        config, masks, hyper = _class_options(name, kwargs)
+    for g in param_groups or []:
+        for key in ("zero_reducer", "zero_group"):
+            if key in g:
+                raise ValueError(f"{name} under ZeRO: param_groups carry {key!r}; the 1-bit exchange shards "
+                                 "every group over ZeRO's group with its own reducer: drop the key.")
+        check_hyperparameters(name, *(g.get(k, hyper[k]) for k in HYPERPARAMETERS))
+    check_hyperparameters(name, *(hyper[k] for k in HYPERPARAMETERS))
+    if param_groups is not None:
+        param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
+                        for g in param_groups]
+    exchange = OnebitZeroExchange(config, masks)
+    from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
+
+    base = ShardedOnebitAdam if name == "OnebitAdam" else ShardedOnebitLamb
+    inner = type(name, (base,), {"EXCHANGE": exchange, "__module__": __name__})
+    return inner, param_groups, hyper, exchange
+
+
+def _check_composable(name: str, zero_config: Any, reducer: Any) -> None:
+    """Refuse, naming what works, what a 1-bit optimizer cannot honour under ZeRO."""
+    if name not in COMPOSABLE:
         why = REFUSED.get(name, "it exchanges its own compressed momentum over the whole model")
         raise ValueError(
-            f"optimizer {name} does not compose with ZeRO sharding (any stage); only OnebitAdam does, at stages 1 "
-            f"and 2: {why}. Use {name} on the plain, unwrapped model (no zero_shard, no DDP), or OnebitAdam / "
-            "torch.optim.AdamW with ZeRO.")
+            f"optimizer {name} does not compose with ZeRO sharding (any stage); only OnebitAdam and OnebitLamb do, "
+            f"at stages 1 and 2: {why}. Use {name} on the plain, unwrapped model (no zero_shard, no DDP), or "
+            "OnebitAdam / torch.optim.AdamW with ZeRO.")
     stage = zero_config.stage
     if stage not in (1, 2):
         raise ValueError(
-            f"OnebitAdam composes with ZeroConfig(stage=1) and stage=2, not stage={stage}: after warm-up every rank "
+            f"{name} composes with ZeroConfig(stage=1) and stage=2, not stage={stage}: after warm-up every rank "
             "needs the whole unit's momentum (held in 1 bit) and its own local gradient bucket at each step, and "
-            "stage 3 frees parameters and gathers them per module; use stage=1 or 2 (the fp32 masters and Adam "
-            "state are sharded there too), or torch.optim.AdamW with stage 3.")
+            "stage 3 frees parameters and gathers them per module; use stage=1 or 2 (the fp32 masters and "
+            "optimizer state are sharded there too), or torch.optim.AdamW with stage 3.")
     problems = []
     if reducer is not None:
-        problems.append("reducer= is given, but OnebitAdam's 1-bit exchange is the reducer; drop it")
+        problems.append(f"reducer= is given, but {name}'s 1-bit exchange is the reducer; drop it")
     if getattr(zero_config, "zeropp", None) is not None:
         problems.append("ZeroConfig.zeropp is set; its quantized reduce replaces the 1-bit exchange: use one of them")
     if zero_config.compute_dtype == torch.float16 or zero_config.reduce_dtype == torch.float16:
@@ -70,43 +103,24 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         problems.append("ZeroConfig.max_grad_norm is set; after warm-up the engine sees the exchanged momentum, not "
                         "gradients, so there is nothing it could clip; leave it None")
     if problems:
-        raise ValueError("zero_shard with OnebitAdam: " + "; ".join(problems) + ".")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if optimizer.state:
-            raise ValueError("optimizer OnebitAdam already has state; shard before the first step.")
-        if param_groups is not None or kwargs:
-            raise ValueError("pass either an optimizer instance or an optimizer class with options, not both.")
-        param_groups = [dict(g) for g in optimizer.param_groups]
-        config = optimizer.config
-        masks = {pid: mask for pid, mask in optimizer.masks.items()}
-        hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
-    else:
-        config = kwargs.pop("onebit_config", None) or kwargs.pop("config", None) or OnebitAdamConfig()
-        if not isinstance(config, OnebitAdamConfig):
-            raise ValueError(f"OnebitAdam: config must be a OnebitAdamConfig, got {type(config).__name__}.")
-        if kwargs.pop("process_group", None) is not None:
-            raise ValueError("OnebitAdam under ZeRO exchanges over ZeRO's sharding group; drop process_group= "
-                             "(pass mesh= to zero_shard instead).")
-        masks = {id(p): m.to(torch.float32) for p, m in (kwargs.pop("momentum_masks", None) or {}).items()}
-        unknown = sorted(set(kwargs) - set(HYPERPARAMETERS))
-        if unknown:
-            raise ValueError(f"OnebitAdam: unknown option(s) {unknown}; it takes {list(HYPERPARAMETERS)}, "
-                             "onebit_config, momentum_masks.")
-        hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
-    for g in param_groups or []:
-        for key in ("zero_reducer", "zero_group"):
-            if key in g:
-                raise ValueError(f"OnebitAdam under ZeRO: param_groups carry {key!r}; the 1-bit exchange shards "
-                                 "every group over ZeRO's group with its own reducer: drop the key.")
-        check_hyperparameters("OnebitAdam", *(g.get(k, hyper[k]) for k in HYPERPARAMETERS))
-    check_hyperparameters("OnebitAdam", *(hyper[k] for k in HYPERPARAMETERS))
-    if param_groups is not None:
-        param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
-                        for g in param_groups]
-    exchange = OnebitZeroExchange(config, masks)
-    inner = type("OnebitAdam", (ShardedOnebitAdam,), {"EXCHANGE": exchange, "__module__": __name__})
-    return inner, param_groups, hyper, exchange
+        raise ValueError(f"zero_shard with {name}: " + "; ".join(problems) + ".")
 
+
+def _class_options(name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.Tensor], dict[str, Any]]:
+    """``(config, masks keyed by parameter id, hyperparameters)`` from the class form's options."""
+    config_cls = COMPOSABLE[name]
+    config = kwargs.pop("onebit_config", None) or kwargs.pop("config", None) or config_cls()
+    if not isinstance(config, config_cls):
+        raise ValueError(f"{name}: config must be a {config_cls.__name__}, got {type(config).__name__}.")
+    if kwargs.pop("process_group", None) is not None:
+        raise ValueError(f"{name} under ZeRO exchanges over ZeRO's sharding group; drop process_group= "
+                         "(pass mesh= to zero_shard instead).")
+    masks = {id(p): m.to(torch.float32) for p, m in (kwargs.pop("momentum_masks", None) or {}).items()}
+    unknown = sorted(set(kwargs) - set(HYPERPARAMETERS))
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; it takes {list(HYPERPARAMETERS)}, "
+                         "onebit_config, momentum_masks.")
+    return config, masks, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
 
 
 class ShardedOnebitAdam(torch.optim.Optimizer):

@@ -1,0 +1,188 @@
+"""1-bit LAMB under ZeRO stages 1 and 2: the inner optimizer over the fp32 master shards.
+
+The exchange is 1-bit Adam's (:class:`plait.onebit_optim.zero.OnebitZeroExchange`: the momentum
+is what crosses the network in both algorithms). What LAMB adds are per-tensor quantities that a
+flat ZeRO shard cuts across: the norms of the parameter and of the update (the trust ratio),
+during warm-up, and after it the norms of the preliminary update and the update and the largest
+ratio of the frozen to the fresh variance denominator (the coefficient's factor). Each rank
+computes them over the pieces of each tensor it owns; one all-reduce per unit and step completes
+them (sums of squares in float64; the ratio by a MAX all-reduce, exact in any order).
+
+Numerics against :class:`plait.onebit_optim.OnebitLamb`: a piece's norm is taken in fp32 (as
+``Tensor.norm`` does) and squared in float64 (exact), so with one piece per tensor (one rank)
+the norms, and with them every update, are the plain optimizer's bit for bit; with several
+pieces only the summation of the pieces differs.
+
+The per-tensor trust-ratio average (``lamb_coeff_freeze``) and the last factor are the same on
+every rank (computed from all-reduced norms). They are committed when the engine says a step was
+taken (``on_step``), so the zero-gradient step ``ensure_optimizer_state`` runs before a save or
+load leaves them alone, and saved as ``ext.onebit.lamb.*`` pieces by the exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels import collectives
+from plait.kernels.sharded_state import ShardedTensor, ShardSpec
+from plait.onebit_optim.base import run_closure
+from plait.onebit_optim.zero import OnebitZeroExchange
+
+
+def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+        # Created with the rest (not at the first compressed step, as OnebitLamb does) so that the
+        # state a checkpoint load fills in place has it; warm-up keeps it equal to exp_avg_sq.
+        state["exp_avg_sq_fresh"] = torch.zeros_like(p)
+    return state
+
+
+class ShardedOnebitLamb(torch.optim.Optimizer):
+    """The inner optimizer of 1-bit LAMB under ZeRO (see the module docstring). ``zero_shard``
+    builds it through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`."""
+
+    EXCHANGE: OnebitZeroExchange
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.exchange = self.EXCHANGE
+        self.exchange.optimizer = self
+        self.config = self.exchange.config
+        # Per unit key, one entry per tensor (slot) of the unit, float64, equal on every rank.
+        self.coeff_freeze: dict[str, torch.Tensor] = {}
+        self.last_factor: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, tuple[str, torch.Tensor]] = {}
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every master shard: LAMB during warm-up, the frozen-variance 1-bit LAMB
+        update from the exchanged momentum after it."""
+        loss = run_closure(closure)
+        keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()}
+        self._pending = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                key = keys[id(p)]
+                momentum = self.exchange.take_momentum(key) if self.exchange.compressing else None
+                if momentum is not None:
+                    self._compressed_update(p, key, momentum, group)
+                elif p.grad is not None and not self.exchange.compressing:
+                    self._warmup_update(p, key, group)
+        return loss
+
+    def on_step(self) -> None:
+        """The engine took the step: commit the per-tensor coefficient state it computed."""
+        beta = self.config.coeff_beta
+        for key, (kind, values) in self._pending.items():
+            if kind == "warmup":
+                self.coeff_freeze[key] = beta * self.coeff_freeze[key] + (1 - beta) * values
+                self.last_factor[key] = torch.ones_like(values)
+            else:
+                self.last_factor[key] = values
+        self._pending = {}
+
+    def _ensure_coeff(self, key: str, tensors: int) -> None:
+        if key not in self.coeff_freeze:
+            self.coeff_freeze[key] = torch.zeros(tensors, dtype=torch.float64)
+            self.last_factor[key] = torch.ones(tensors, dtype=torch.float64)
+
+    def _warmup_update(self, p: torch.Tensor, key: str, group: dict[str, Any]) -> None:
+        unit = self.exchange.units[key].unit
+        self._ensure_coeff(key, len(unit.slots))
+        state = _lamb_state(self.state[p], p)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+        if group["weight_decay"]:
+            update.add_(p, alpha=group["weight_decay"])
+        weight_norm, update_norm = _tensor_norms(unit, (p, update))
+        coeffs = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
+        coeffs.clamp_(self.config.min_coeff, self.config.max_coeff)
+        self._apply(p, unit, update, -group["lr"] * coeffs)
+        state["exp_avg_sq_fresh"].copy_(exp_avg_sq)  # the fresh variance starts from the frozen one
+        self._pending[key] = ("warmup", coeffs)
+
+    def _compressed_update(self, p: torch.Tensor, key: str, momentum: torch.Tensor, group: dict[str, Any]) -> None:
+        cfg, unit = self.config, self.exchange.units[key].unit
+        self._ensure_coeff(key, len(unit.slots))
+        state = _lamb_state(self.state[p], p)
+        beta1, beta2 = group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        state["step"] += 1
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        fresh = state["exp_avg_sq_fresh"]
+        # The averaged gradient of this step, recovered from how the synchronised momentum moved.
+        grad = (momentum - exp_avg.mul_(beta1)).div_(1 - beta1)
+        exp_avg.copy_(momentum)
+        fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = exp_avg_sq.sqrt().add_(eps)
+        prelim = exp_avg / denom
+        update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
+        factors = _tensor_max(unit, denom / fresh.sqrt().add_(eps))
+        if weight_decay:
+            prelim_norm, update_norm = _tensor_norms(unit, (prelim, update))
+            ratio = torch.where(update_norm > 0, (prelim_norm / update_norm).clamp(max=1.0), 1.0)
+            factors = factors * ratio + (1 - ratio)
+        factors.clamp_(cfg.factor_min, cfg.factor_max)
+        last = self.last_factor[key]
+        factors = torch.minimum(torch.maximum(factors, last * (1 - cfg.factor_threshold)),
+                                last * (1 + cfg.factor_threshold))
+        self._apply(p, unit, update, -group["lr"] * self.coeff_freeze[key] * factors)
+        self._pending[key] = ("compressed", factors)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, unit: Any, update: torch.Tensor, alphas: torch.Tensor) -> None:
+        """``p += alpha_t * update`` over each tensor ``t``'s piece of the shard."""
+        for slot, _, (slo, shi) in unit.local_pieces():
+            p[slo:shi].add_(update[slo:shi], alpha=float(alphas[unit.slots.index(slot)]))
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def sharded_state_dict(self) -> dict[str, ShardedTensor]:
+        """``ext.onebit.lamb.coeff.<parameter>`` and ``ext.onebit.lamb.factor.<parameter>``: one
+        float64 value per tensor, the same on every rank (replicated pieces)."""
+        everyone = tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
+        out = {}
+        for key, state in self.exchange.units.items():
+            self._ensure_coeff(key, len(state.unit.slots))
+            for index, slot in enumerate(state.unit.slots):
+                for kind, values in (("coeff", self.coeff_freeze[key]), ("factor", self.last_factor[key])):
+                    name = f"ext.onebit.lamb.{kind}.{slot.global_name}"
+                    piece = values[index:index + 1]
+                    out[name] = ShardedTensor(ShardSpec.full(name, piece, kind="other", replica_ranks=everyone), piece)
+        return out
+
+
+def _tensor_norms(unit: Any, flats: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Whole-tensor L2 norms (float64, one per slot of ``unit``) of each shard-shaped tensor in
+    ``flats``: fp32 norms of this rank's pieces, squared, summed over the unit's group."""
+    squares = torch.zeros(len(flats), len(unit.slots), dtype=torch.float64)
+    for slot, _, (slo, shi) in unit.local_pieces():
+        index = unit.slots.index(slot)
+        for row, flat in enumerate(flats):
+            squares[row, index] = float(torch.linalg.vector_norm(flat[slo:shi])) ** 2
+    if unit.group_size > 1:
+        collectives.all_reduce(squares, group=unit.group, name=f"OnebitLamb per-tensor norm all-reduce of `{unit.key}`")
+    return tuple(squares.sqrt())
+
+
+def _tensor_max(unit: Any, flat: torch.Tensor) -> torch.Tensor:
+    """Whole-tensor maxima (float64, one per slot) of a shard-shaped tensor, by a MAX all-reduce."""
+    maxima = torch.full((len(unit.slots),), float("-inf"), dtype=torch.float64)
+    for slot, _, (slo, shi) in unit.local_pieces():
+        maxima[unit.slots.index(slot)] = float(flat[slo:shi].max())
+    if unit.group_size > 1:
+        collectives.all_reduce(maxima, op=dist.ReduceOp.MAX, group=unit.group,
+                               name=f"OnebitLamb per-tensor factor all-reduce of `{unit.key}`")
+    return maxima
