@@ -199,3 +199,30 @@ def test_an_extension_supplying_an_unknown_keyword_is_refused(tmp_path: Path) ->
     # repository's tests/test_transformers_offload.py)
     with pytest.raises(ValueError, match=r"only \('reducer', 'gatherer', 'placement', 'param_groups'\)"):
         _trainer(tmp_path, PlaitConfig(zero=ZeroConfig(stage=2), extensions=(_Extension(supplies={"mesh": 1}),)))
+
+
+def test_parallel_and_onebit_keys_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "plait.json"
+    path.write_text(json.dumps({"zero": {"stage": 3}, "sp_size": 2, "ep_size": 1}))
+    config = load_config(path)
+    assert (config.sp_size, config.ep_size, config.onebit) == (2, 1, None)
+    with pytest.raises(ValueError, match=r"PlaitConfig\.ep_size=True must be a positive int"):
+        load_config({"ep_size": True})
+    with pytest.raises(ValueError, match=r"\['onebit'\]; the known keys are .*'optimizer'"):
+        load_config({"onebit": {"freeze_step": 3}})
+    with pytest.raises(ValueError, match=r"PlaitConfig\.onebit=.*OnebitAdamConfig"):
+        PlaitConfig(onebit={"freeze_step": 3})
+
+
+@pytest.mark.parametrize(("field", "package", "extra"), [("sp_size", "plait-ulysses-sp", "sp"),
+                                                         ("ep_size", "plait-moe-layers", "moe")])
+def test_a_missing_parallel_package_is_named_with_its_pip_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               field: str, package: str, extra: str) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    hidden = package.replace("-", ".", 1).replace("-", "_")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == hidden else real(name, *a))
+    with pytest.raises(ImportError, match=rf"PlaitConfig\.{field}=2 needs {package}.*pip install {package} .*"
+                                          rf"plait-transformers\[{extra}\]"):
+        _trainer(tmp_path, PlaitConfig(**{field: 2}))

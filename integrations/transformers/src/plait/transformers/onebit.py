@@ -29,7 +29,7 @@ CONFIG_CLASSES = {config: cls for cls, config in TYPES.values()}
 # Hyperparameters the Trainer gives (DeepSpeed's "auto" values).
 AUTO_ONLY = {"lr": "learning_rate", "betas": "adam_beta1/adam_beta2", "eps": "adam_epsilon",
              "weight_decay": "weight_decay"}
-INSTALL = "pip install plait-onebit-optim"
+INSTALL = "pip install plait-onebit-optim  (or: pip install 'plait-transformers[onebit]')"
 
 
 def onebit_class(config: Any) -> type:

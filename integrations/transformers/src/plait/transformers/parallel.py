@@ -34,8 +34,8 @@ from torch import nn
 
 from plait.kernels import collectives
 
-INSTALL = {"sp_size": ("plait.ulysses_sp", "pip install plait-ulysses-sp"),
-           "ep_size": ("plait.moe_layers", "pip install plait-moe-layers")}
+INSTALL = {"sp_size": ("plait.ulysses_sp", "plait-ulysses-sp", "sp"),
+           "ep_size": ("plait.moe_layers", "plait-moe-layers", "moe")}
 # Keys of a causal-LM micro-batch that are gathered across the sp group, with their padding value.
 BATCH_PAD = {"input_ids": 0, "labels": -100, "attention_mask": 0}
 IGNORE_INDEX = -100
@@ -47,9 +47,10 @@ def check_installed(field: str, value: int) -> None:
     Raises:
         ImportError: with the pip line.
     """
-    module, line = INSTALL[field]
+    module, package, extra = INSTALL[field]
     if value > 1 and importlib.util.find_spec(module) is None:
-        raise ImportError(f"PlaitConfig.{field}={value} needs {line.split()[-1]}, which is not installed: {line}")
+        raise ImportError(f"PlaitConfig.{field}={value} needs {package}, which is not installed: pip install "
+                          f"{package}  (or: pip install 'plait-transformers[{extra}]')")
 
 
 def check_world_size(sp_size: int, ep_size: int, world_size: int) -> None:
