@@ -41,7 +41,6 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -132,9 +131,7 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
         """Every ``check_every_n_steps`` batches, set every rank's flag if any rank was signalled."""
         if trainer.world_size < 2 or trainer.global_step % self.check_every_n_steps:
             return
-        flag = torch.tensor([float(trainer.received_sigterm)], device=trainer.strategy.root_device)
-        collectives.all_reduce(flag, op=collectives.ReduceOp.MAX, name="preemption check (SIGTERM on any rank)")
-        if flag.item() > 0:
+        if collectives.any_rank(bool(trainer.received_sigterm), device=trainer.strategy.root_device):
             trainer._signal_connector.received_sigterm = True
 
     # -- the save -----------------------------------------------------------------------------

@@ -5,7 +5,9 @@ sees every byte; :func:`count_torch_distributed` and :func:`count_ddp` count pee
 Every call is also entered in this rank's flight log under a plait-level name (``name=`` or a
 :func:`named` block, plus :func:`set_step`), so a collective that fails because a rank never
 entered it raises a :class:`CollectiveError` naming that rank, the collective and what the rank
-last did; :func:`wait_summary` names the rank the others wait on.
+last did; :func:`wait_summary` names the rank the others wait on; :class:`PreemptionGuard` stops every
+rank after the same step when any of them is sent SIGTERM; :func:`init_process_group` joins a
+group that survives ``torchrun --max-restarts``.
 """
 
 from plait.kernels.collectives.compressed import (
@@ -39,10 +41,13 @@ from plait.kernels.collectives.ops import (
     send,
 )
 from plait.kernels.collectives.peers import count_ddp, count_torch_distributed
+from plait.kernels.collectives.preemption import PreemptionGuard, any_rank
+from plait.kernels.collectives.restarts import init_process_group, restart_count
 from plait.kernels.collectives.stragglers import WaitSummary, wait_summary
 
 __all__ = [
-    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "WaitSummary", "clear_history",
+    "ByteLedger", "CollectiveError", "CollectiveEvent", "CommRecord", "PreemptionGuard", "WaitSummary",
+    "any_rank", "clear_history", "init_process_group", "restart_count",
     "ensure_publisher", "group_timeout",
     "history", "named", "set_step", "wait_seconds", "wait_summary",
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",

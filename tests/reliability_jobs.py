@@ -1,0 +1,91 @@
+"""Launching a job under ``torchrun`` the way a user does, and finding what it left behind.
+
+Shared by the top-level reliability tests (test_reliability_*.py): each runs
+``reliability_restart_job.py`` under ``torchrun --standalone`` in a fresh session, kills the whole
+session if it overruns, and looks through ``/proc`` for live processes whose command line holds the
+job's unique output directory (the agent and its workers, whichever restart they belong to).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+JOB = Path(__file__).with_name("reliability_restart_job.py")
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One torchrun launch: its exit code, output and the wall-clock time it ended."""
+
+    rc: int
+    output: str
+    ended: float
+
+
+def torchrun() -> list[str]:
+    """The ``torchrun`` of this interpreter's environment."""
+    found = Path(sys.executable).with_name("torchrun")
+    return [str(found)] if found.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int = 2, max_restarts: int = 0,
+            limit_s: float = 120.0) -> JobRun:
+    """Run the job once under torchrun; the whole session is SIGKILLed past ``limit_s``.
+
+    Raises:
+        TimeoutError: the job ran past ``limit_s`` (it is killed first).
+    """
+    command = [*torchrun(), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+               "--monitor-interval", "0.2", str(JOB), fault, str(outdir), str(steps), str(save_every)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # never leave the job behind, even when the test fails
+        output, _ = proc.communicate()
+        raise TimeoutError(f"torchrun still ran after {limit_s:.0f} s:\n{output[-4000:]}") from None
+    return JobRun(proc.returncode, output, time.time())
+
+
+def live_processes_mentioning(token: str) -> list[str]:
+    """``pid: command line`` of every live (not zombie) process whose command line holds ``token``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # it ended while we looked
+            continue
+        if token in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline.strip()}")
+    return found
+
+
+def losses(outdir: Path, rank: int) -> dict[int, dict[int, str]]:
+    """attempt -> step -> the loss's exact bits (``float.hex``), from the job's loss file."""
+    out: dict[int, dict[int, str]] = {}
+    for line in (outdir / f"losses-rank{rank}.txt").read_text().splitlines():
+        attempt, step, bits = line.split()
+        out.setdefault(int(attempt), {})[int(step)] = bits
+    return out
+
+
+def events(outdir: Path, rank: int) -> list[dict]:
+    """The job's events of ``rank`` (start, resume, save, fault, preempted, done), in order."""
+    return [json.loads(line) for line in (outdir / f"events-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def pids(outdir: Path) -> list[int]:
+    """Every worker pid the job wrote (all ranks, all attempts)."""
+    return [int(path.read_text()) for path in outdir.glob("pid*-attempt*")]

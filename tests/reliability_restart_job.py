@@ -1,0 +1,119 @@
+"""A ZeRO-3 training loop as a plain ``torchrun`` user writes it, with automatic resume and preemption.
+
+``torchrun --standalone --nproc-per-node 2 [--max-restarts K] reliability_restart_job.py FAULT OUTDIR STEPS
+SAVE_EVERY`` (run by test_reliability_restart.py and ``plait reliability``-style loops):
+
+* ``CheckpointManager.restore`` loads the newest committed universal checkpoint of OUTDIR/ckpt if
+  there is one: a restarted worker (torchrun's ``--max-restarts``) or a relaunched job resumes by
+  itself, with the data position (the step) and the RNG;
+* a checkpoint every SAVE_EVERY steps and one at the end;
+* :class:`~plait.kernels.collectives.PreemptionGuard`: SIGTERM on any rank makes every rank save
+  after the same step and exit 0;
+* FAULT is ``none`` or comma-separated ``plait.kernels.testing.Fault`` texts, each acting on one
+  torchrun attempt (``TORCHELASTIC_RESTART_COUNT``): ``kill:rank=1:step=4`` on the first,
+  ``sigterm:rank=0:step=6@1`` on the first restart (a node failure does not repeat by itself).
+
+Each rank appends ``attempt step loss.hex()`` lines to OUTDIR/losses-rank<r>.txt and JSON events
+(start, resume, save, fault, preempted, done, with wall-clock times) to OUTDIR/events-rank<r>.jsonl.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import plait.universal_ckpt as uc
+from plait.kernels import collectives
+from plait.kernels.testing import Fault, global_batch, rank_slice
+from plait.universal_ckpt.testing import small_model
+from plait.zero_sharding import ZeroConfig, zero_shard
+
+TIMEOUT_S = 10.0
+BATCH, SEQ = 12, 16
+
+
+class Journal:
+    """This rank's loss and event files (appended and flushed line by line: a kill loses nothing written)."""
+
+    def __init__(self, outdir: Path, rank: int, attempt: int) -> None:
+        self.losses, self.events = outdir / f"losses-rank{rank}.txt", outdir / f"events-rank{rank}.jsonl"
+        self.attempt = attempt
+
+    def loss(self, step: int, value: float) -> None:
+        with self.losses.open("a") as handle:
+            handle.write(f"{self.attempt} {step} {value.hex()}\n")
+
+    def event(self, kind: str, step: int, **extra: object) -> None:
+        row = {"attempt": self.attempt, "event": kind, "step": step, "time": time.time(), **extra}
+        with self.events.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    """One step on the batch of ``step`` (the data depends only on the step: a resume sees the same)."""
+    batch = rank_slice(global_batch(step, BATCH, SEQ), dist.get_rank(), dist.get_world_size())
+    loss = model(batch["input_ids"], batch["labels"]).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def faults_of_attempt(text: str, attempt: int) -> list[Fault]:
+    """The faults of FAULT (``none`` or ``fault[@attempt],...``) that act on ``attempt``."""
+    found = []
+    for item in text.split(",") if text != "none" else []:
+        fault, _, when = item.partition("@")
+        if int(when or 0) == attempt:
+            found.append(Fault.parse(fault))
+    return found
+
+
+def main(fault_text: str, outdir: Path, steps: int, save_every: int) -> int:
+    """Train, resuming from and saving to ``outdir/ckpt``; returns the exit code."""
+    attempt = collectives.restart_count()
+    faults = faults_of_attempt(fault_text, attempt)
+    torch.set_num_threads(1)
+    collectives.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))  # restart-safe
+    rank = dist.get_rank()
+    journal = Journal(outdir, rank, attempt)
+    (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
+    journal.event("start", 0)
+    model, optimizer = zero_shard(small_model(0), torch.optim.AdamW, ZeroConfig(stage=3), lr=1e-3)
+    state = {"model": model, "rng": uc.RNGState()}
+    manager = uc.CheckpointManager(uc.CheckpointConfig(root=outdir / "ckpt", keep_last=2))
+    start = manager.restore(state) or 0
+    if start:
+        journal.event("resume", start)
+    guard = collectives.PreemptionGuard(grace_s=2 * TIMEOUT_S).install()
+    for step in range(start, steps):
+        collectives.set_step(step)
+        for fault in faults:
+            if fault.fires(step, rank):
+                journal.event("fault", step, fault=str(fault))
+                fault.maybe_inject(step, rank)
+        journal.loss(step, train_step(model, optimizer, step))
+        done = step + 1
+        if guard.should_stop():
+            manager.save(state, step=done)
+            journal.event("preempted", done, signalled_at=guard.signalled_at, stopped_at=guard.stopped_at)
+            break
+        if done % save_every == 0 or done == steps:
+            manager.save(state, step=done)
+            journal.event("save", done)
+    else:
+        journal.event("done", steps)
+    guard.uninstall()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
