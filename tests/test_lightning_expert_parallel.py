@@ -24,8 +24,7 @@ L = pytest.importorskip("lightning")
 pytest.importorskip("plait.moe_layers")
 
 from plait.kernels.testing import run_distributed, tiny_llama_moe  # noqa: E402
-from plait.kernels.testing.tiny_llama import MoEMLP  # noqa: E402
-from plait.moe_layers import MoE, MoEConfig  # noqa: E402
+from plait.moe_layers.tiny_llama import convert_tiny_llama_moe  # noqa: E402
 
 STEPS, SEQ, ITEMS = 3, 16, 4  # the same 4 sequences every step, so the loss falls
 RESUMED = 5  # the checkpoint saved after STEPS is resumed up to this step
@@ -36,19 +35,6 @@ MODEL = dict(num_layers=2, hidden_size=32, num_heads=2, intermediate_size=48, vo
 # tiny Mixtral: 2.2e-7.
 RTOL = 2e-5
 EXPERTS = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj")
-
-
-def _plait_moe(mlp: MoEMLP) -> MoE:
-    """tiny-llama's loop MoE MLP as a plait layer with the same weights."""
-    experts = mlp.experts
-    hidden, inter = experts[0].gate_proj.in_features, experts[0].gate_proj.out_features
-    layer = MoE(MoEConfig(hidden_size=hidden, num_experts=len(experts), intermediate_size=inter, top_k=mlp.top_k))
-    with torch.no_grad():
-        layer.router.weight.copy_(mlp.router.weight)
-        for index, expert in enumerate(experts):
-            layer.experts.gate_up_proj[index].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
-            layer.experts.down_proj[index].copy_(expert.down_proj.weight)
-    return layer
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -72,9 +58,7 @@ class MoELM(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.model = tiny_llama_moe(**MODEL)
-        for block in self.model.layers:
-            if isinstance(block.mlp, MoEMLP):
-                block.mlp = _plait_moe(block.mlp)
+        convert_tiny_llama_moe(self.model)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(batch["input_ids"], labels=batch["labels"]).loss

@@ -11,50 +11,31 @@ step by step.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 pytest.importorskip("plait.zero_sharding")
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama_moe, train_losses
-from plait.kernels.testing.tiny_llama import MoEMLP
 from plait.kernels.tolerances import tolerance
 from plait.moe_layers import (
-    MoE,
-    MoEConfig,
     apply_expert_parallel,
     dense_parameters,
     expert_parameters,
     make_expert_parallel_groups,
     moe_layers,
 )
+from plait.moe_layers.tiny_llama import convert_tiny_llama_moe
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 STEPS, BATCH, SEQ, LR = 4, 8, 16, 1e-2
 MODEL = dict(num_layers=2, hidden_size=32, num_heads=2, intermediate_size=48, vocab_size=300, num_experts=4)
 
 
-def _plait_moe(mlp: MoEMLP) -> MoE:
-    """tiny-llama's loop MoE MLP as a plait layer with the same weights (softmax, top-k, renormalise)."""
-    experts = mlp.experts
-    hidden, inter = experts[0].gate_proj.in_features, experts[0].gate_proj.out_features
-    layer = MoE(MoEConfig(hidden_size=hidden, num_experts=len(experts), intermediate_size=inter, top_k=mlp.top_k))
-    with torch.no_grad():
-        layer.router.weight.copy_(mlp.router.weight)
-        for index, expert in enumerate(experts):
-            layer.experts.gate_up_proj[index].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
-            layer.experts.down_proj[index].copy_(expert.down_proj.weight)
-    return layer
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = tiny_llama_moe(**MODEL)
-    for block in model.layers:
-        if isinstance(block.mlp, MoEMLP):
-            block.mlp = _plait_moe(block.mlp)
+    convert_tiny_llama_moe(model)
     return model
 
 
@@ -95,13 +76,3 @@ def test_zero_with_expert_parallel_equals_one_process(stage: int) -> None:
         got = torch.tensor([results[rank][step] for rank in range(world)])
         torch.testing.assert_close(got, torch.tensor(reference[step]), atol=tol.atol, rtol=tol.rtol,
                                    msg=lambda m, s=step: f"stage {stage} step {s}: {m}")
-
-
-def test_converted_tiny_llama_moe_keeps_logits() -> None:
-    """The conversion helper keeps weights: the converted model's logits equal tiny-llama-MoE's."""
-    torch.manual_seed(0)
-    loop = tiny_llama_moe(**MODEL)
-    converted = _model()
-    ids = global_batch(0, 2, SEQ)["input_ids"]
-    with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, copy.deepcopy(loop)(ids).logits, atol=1e-5, rtol=1e-4)
