@@ -194,7 +194,8 @@ def test_hpz_alone_reduces_exact_gradients_in_two_hops_across_nodes():
     node, cross = "ranks[0,1]", "ranks[0,2]"
     hpz, plain = results[0]["hpz_bytes"], results[0]["plain_bytes"]
     # Hop 1 reduces every bucket inside the node (what the one-hop collective reduced over the
-    # world); hop 2 sends each rank's N = 2 node sums of one shard across: 1/L of hop 1's bytes.
-    assert hpz[f"reduce_scatter@{node}"] == plain["reduce_scatter@world"], (hpz, plain)
-    assert hpz[f"all_to_all@{cross}"] * 2 == hpz[f"reduce_scatter@{node}"], hpz
+    # world; an all-to-all and a local sum); hop 2 sends each rank's N = 2 node sums of one shard
+    # across: 1/L of hop 1's bytes.
+    assert hpz[f"all_to_all@{node}"] == plain["reduce_scatter@world"], (hpz, plain)
+    assert hpz[f"all_to_all@{cross}"] * 2 == hpz[f"all_to_all@{node}"], hpz
     assert "reduce_scatter@world" not in hpz, hpz

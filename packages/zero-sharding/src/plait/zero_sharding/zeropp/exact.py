@@ -12,7 +12,9 @@ rank's shard:
 
 1. Inside the node, a reduce-scatter of the bucket reordered so that local rank ``l`` receives
    the node's sums of the ``N`` shards ``m * L + l`` (``m = 0..N-1``): ``W x c`` elements in,
-   ``N x c`` out.
+   ``N x c`` out. It runs as an all-to-all (local rank ``l`` receives every node peer's copy of
+   those shards) and a sum in local-rank order, which lets hop 2 start as soon as it arrives
+   (see :class:`~plait.zero_sharding.zeropp.wire.TwoHopComm`).
 2. Across nodes, among the ``N`` ranks with local index ``l``, an all-to-all of those ``N`` node
    sums: shard ``m * L + l`` goes to node ``m``. Each rank adds the ``N`` node sums of its own
    shard.
@@ -33,7 +35,7 @@ from torch import Tensor
 from plait.kernels import collectives
 from plait.zero_sharding.extension import DefaultReducer
 from plait.zero_sharding.zeropp.nodes import is_group, node_subgroups
-from plait.zero_sharding.zeropp.wire import PendingComm
+from plait.zero_sharding.zeropp.wire import TwoHopComm, TwoHopQueue
 
 
 class HierarchicalReducer(DefaultReducer):
@@ -64,6 +66,7 @@ class HierarchicalReducer(DefaultReducer):
                              f"strictly between 1 and {world}; with one node use the default reducer.")
         self.node_size, self.group, self.nodes = node_size, group, world // node_size
         self.ranks, self.intra, self.inter = node_subgroups(group, node_size)
+        self._queue = TwoHopQueue()  # launched reductions whose hop 2 has not started
 
     def _is_own_group(self, group: Any) -> bool:
         return is_group(group, self.group, self.ranks)
@@ -79,9 +82,11 @@ class HierarchicalReducer(DefaultReducer):
             key: the bucket's stable id (names the collectives).
 
         Returns:
-            A handle whose ``wait()`` completes ``shard_out``: hop 1 runs asynchronously, hop 2
-            (which needs hop 1's sums) is issued and waited inside ``wait()``, so every rank must
-            wait its handles in launch order (the engine does).
+            A handle whose ``wait()`` completes ``shard_out``: hop 1 runs asynchronously; hop 2
+            (which needs hop 1's sums) starts at this reducer's next launch that finds hop 1
+            arrived, else inside ``wait()``. Second hops are issued in launch order on every rank,
+            whatever order the handles are waited in
+            (:class:`~plait.zero_sharding.zeropp.wire.TwoHopQueue`).
 
         Raises:
             ValueError: ``full`` is not ``world`` times ``shard_out``'s size.
@@ -92,16 +97,21 @@ class HierarchicalReducer(DefaultReducer):
         if full.numel() != nodes * size * shard:
             raise ValueError(f"HierarchicalReducer.reduce_scatter: full has {full.numel()} elements, not world x shard "
                              f"= {nodes * size} x {shard}.")
-        # Local rank l's block: the shards of ranks (m, l) for every node m, in node order.
-        ordered = full.view(nodes, size, shard).transpose(0, 1).contiguous().view(-1)
-        node_sums = torch.empty(nodes * shard, dtype=full.dtype, device=full.device)
-        work = collectives.reduce_scatter_tensor(node_sums, ordered, group=self.intra, async_op=True,
-                                                 name=f"two-hop reduce-scatter inside the node of `{key}`")
+        # Hop 1 as an all-to-all plus a local sum, not gloo's reduce-scatter: that one runs an
+        # all-reduce inside (more bytes) and its handle never reports completion before wait(),
+        # so hop 2 could not start early. Peer l' gets, in node order, the shards of ranks (m, l').
+        ordered = full.view(nodes, size, shard).transpose(0, 1).contiguous()
+        received = torch.empty_like(ordered)
+        work = collectives.all_to_all_single(received, ordered, group=self.intra, async_op=True,
+                                             name=f"two-hop reduce-scatter inside the node of `{key}`")
 
-        def across_nodes() -> None:
-            received = torch.empty_like(node_sums)
-            collectives.all_to_all_single(received, node_sums, group=self.inter,
-                                          name=f"two-hop reduce-scatter across nodes of `{key}`")
-            torch.sum(received.view(nodes, shard), dim=0, out=shard_out)
+        def across_nodes() -> tuple[Any, Any]:
+            node_sums = received.sum(dim=0)  # [nodes, shard]: this node's sums, in local-rank order
+            inbound = torch.empty_like(node_sums)
+            hop2 = collectives.all_to_all_single(inbound, node_sums, group=self.inter, async_op=True,
+                                                 name=f"two-hop reduce-scatter across nodes of `{key}`")
+            return hop2, lambda: torch.sum(inbound, dim=0, out=shard_out)
 
-        return PendingComm(work, across_nodes)
+        handle = TwoHopComm(self._queue, work, across_nodes)
+        self._queue.progress()  # earlier buckets whose hop 1 has arrived send their hop 2 now
+        return handle

@@ -42,12 +42,13 @@ Error bound, per element of rank ``g``'s result with ``q = 7`` (int4) or ``127``
   ``sum_m (max|P_m| + max e1_m) / (2q)``: each value is quantized twice, and the bound about
   doubles (the node sum's block max is at most the sum of its inputs' block maxes).
 
-Overlap: hop 1 runs asynchronously from :meth:`QuantizedGradientReducer.reduce_scatter` until
-the handle's ``wait()``; ``wait()`` then sums the node, starts hop 2 and waits for it (hop 2
-needs hop 1's sums). Under the engine, which keeps two reductions in flight and waits them in
-order, hop 2 of one bucket therefore shares the wire with hop 1 of the next two (on the other
-link), but not with compute. Hop 2 is a collective issued inside ``wait()``: every rank must
-wait its handles in the same order (the engine does: first launched, first waited).
+Overlap: hop 1 runs asynchronously from :meth:`QuantizedGradientReducer.reduce_scatter`. Hop 2
+needs hop 1's sums, so it starts at the reducer's next launch that finds hop 1 arrived (summing
+the node's rows then, asynchronously sending them across) or, at the latest, in the handle's
+``wait()``. Under the engine (two reductions in flight, waited in order) the cross-node hop of one
+bucket thus travels during the backward of the next units rather than inside the wait. Second
+hops are issued in launch order on every rank whatever the order of waits
+(:class:`~plait.zero_sharding.zeropp.wire.TwoHopQueue`): gloo pairs a group's collectives by order.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ from plait.zero_sharding.zeropp.nodes import is_group, node_subgroups
 from plait.zero_sharding.zeropp.wire import (
     PendingComm,
     RowLayout,
+    TwoHopComm,
+    TwoHopQueue,
     dequantize_partial_sums,
     dequantize_rows,
     dequantize_sum_rows,
@@ -103,6 +106,7 @@ class QuantizedGradientReducer:
         self.nodes = 1
         self.intra: Any = None  # this rank's node
         self.inter: Any = None  # the ranks with this rank's local index, one per node
+        self._queue = TwoHopQueue()  # launched reductions whose hop 2 has not started
         if node_size is None:
             return
         if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
@@ -151,8 +155,9 @@ class QuantizedGradientReducer:
 
         Returns:
             A handle whose ``wait()`` completes ``shard_out`` (the first all-to-all runs
-            asynchronously; the dequantize-and-sum, and when hierarchical the inter-node hop,
-            happen in ``wait()``), or ``None`` with one rank.
+            asynchronously; the dequantize-and-sum happens in ``wait()``, and when hierarchical
+            the inter-node hop starts at the next launch finding hop 1 arrived, else in
+            ``wait()``), or ``None`` with one rank.
 
         Raises:
             ValueError: ``full`` is not ``world`` times the size of ``shard_out``, dtypes differ,
@@ -185,24 +190,28 @@ class QuantizedGradientReducer:
         work = collectives.all_to_all_single(received, send, group=group, async_op=True, name=name)
         return received, work, layout
 
-    def _start_two_hops(self, full: Tensor, shard_out: Tensor, key: str) -> PendingComm:
-        """Start hop 1; the handle's ``wait()`` runs hop 2 and writes ``shard_out``."""
-        local, nodes = self.node_size or 1, self.nodes
-        # [node m, local l', shard] -> [l', m, shard]: peer l' gets the slices its counterparts own.
-        rows = full.reshape(nodes, local, -1).transpose(0, 1).reshape(local * nodes, -1)
-        received, work, layout = self._start_all_to_all(rows, self.intra, "qgZ intra-node all-to-all")
+    def _start_two_hops(self, full: Tensor, shard_out: Tensor, key: str) -> TwoHopComm:
+        """Start hop 1; hop 2 starts once hop 1 has arrived (see :class:`TwoHopComm`)."""
+        local, nodes, world = self.node_size or 1, self.nodes, self.nodes * (self.node_size or 1)
+        layout = RowLayout(full.numel() // world, self.bits, self.block_size)
+        # Rows are quantized one by one, so reordering the payload rows afterwards sends the same
+        # bytes as quantizing reordered values, at 1/8 (int4) of the copy:
+        # [node m, local l', payload] -> [l', m, payload]: peer l' gets the slices its counterparts own.
+        payload = quantize_rows(full.reshape(world, -1), layout)
+        send = payload.view(nodes, local, -1).transpose(0, 1).reshape(world, -1)
+        received = torch.empty_like(send)
+        work = collectives.all_to_all_single(received, send, group=self.intra, async_op=True,
+                                             name="qgZ intra-node all-to-all")
 
-        def finish() -> None:
-            shard_out.copy_(self._inter_node_hop(received, layout, local, key))
+        def inter_node_hop() -> tuple[Any, Any]:
+            partial = dequantize_partial_sums(received, layout, local)  # [nodes, shard]: this node's sums
+            inbound, hop2, hop2_layout = self._start_all_to_all(partial, self.inter,
+                                                                f"qgZ inter-node all-to-all of `{key}`")
+            return hop2, lambda: shard_out.copy_(dequantize_sum_rows(inbound, hop2_layout))
 
-        return PendingComm(work, finish)
-
-    def _inter_node_hop(self, received: Tensor, layout: RowLayout, local: int, key: str) -> Tensor:
-        """Sum hop 1's rows over the node, re-quantize, all-to-all across nodes; returns fp32 sums."""
-        partial = dequantize_partial_sums(received, layout, local)  # [nodes, shard]: this node's sums
-        inbound, work, layout = self._start_all_to_all(partial, self.inter, f"qgZ inter-node all-to-all of `{key}`")
-        work.wait()
-        return dequantize_sum_rows(inbound, layout)
+        handle = TwoHopComm(self._queue, work, inter_node_hop)
+        self._queue.progress()  # earlier buckets whose hop 1 has arrived send their hop 2 now
+        return handle
 
     def all_reduce(self, tensor: Tensor, *, group: Any, key: str) -> None:
         """In-place SUM of ``tensor`` over the group: a quantized reduce-scatter, then a quantized all-gather.

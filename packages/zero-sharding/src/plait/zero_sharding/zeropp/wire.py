@@ -16,6 +16,7 @@ bound ``|x - x_hat| <= scale / 2`` exact, with no overflow for large gradients.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -184,3 +185,83 @@ class PendingComm:
             self._work.wait()
         self._finish()
         self._done = True
+
+
+class TwoHopComm:
+    """Handle of a reduction in two dependent collectives (inside the node, then across nodes).
+
+    The second hop needs the first one's sums, so it can start only once the first has arrived.
+    It starts at the earliest of: the owner's next launch finding the first hop complete
+    (:meth:`TwoHopQueue.progress`, never blocking), or this handle's :meth:`wait`. Started early,
+    the cross-node hop travels during the next units' backward instead of inside the wait.
+
+    Args:
+        queue: the owner's queue of reductions whose second hop has not started (this one is added).
+        first: work handle of the first hop (``None``: already complete).
+        start_second: called once the first hop is complete; issues the second hop asynchronously
+            and returns ``(work, finish)``, ``finish`` writing the result once ``work`` is done.
+    """
+
+    def __init__(self, queue: TwoHopQueue, first: Any,
+                 start_second: Callable[[], tuple[Any, Callable[[], None]]]) -> None:
+        self._queue, self._first, self._start_second = queue, first, start_second
+        self._second: Any = None
+        self._finish: Callable[[], None] | None = None
+        self._started = self._done = False
+        queue.add(self)
+
+    def first_complete(self) -> bool:
+        """Whether the first hop has arrived (asks the work handle; never blocks)."""
+        return self._first is None or bool(self._first.is_completed())
+
+    def start_second(self) -> None:
+        """Wait for the first hop (if still in flight) and issue the second (once)."""
+        if self._started:
+            return
+        if self._first is not None:
+            self._first.wait()
+        self._second, self._finish = self._start_second()
+        self._started, self._first, self._start_second = True, None, None  # type: ignore[assignment]
+
+    def wait(self) -> None:
+        """Complete both hops and write the result (waiting twice is harmless)."""
+        if self._done:
+            return
+        self._queue.start_through(self)
+        if self._second is not None:
+            self._second.wait()
+        assert self._finish is not None
+        self._finish()
+        # Drop the buffers the closures hold: the owner's queue may outlive the handle's use.
+        self._done, self._second, self._finish = True, None, None
+
+
+class TwoHopQueue:
+    """A reducer's two-hop reductions whose second hop has not started, oldest first.
+
+    Gloo matches the collectives of a process group by their order, so every rank must issue the
+    second hops in the same order: launch order, here, whichever rank's first hops arrive first
+    and in whatever order handles are waited.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque[TwoHopComm] = collections.deque()
+
+    def add(self, comm: TwoHopComm) -> None:
+        """Queue a reduction just launched."""
+        self._waiting.append(comm)
+
+    def progress(self) -> None:
+        """Start the second hop of the oldest reductions whose first hop has arrived (never blocks)."""
+        while self._waiting and self._waiting[0].first_complete():
+            self._waiting.popleft().start_second()
+
+    def start_through(self, comm: TwoHopComm) -> None:
+        """Start the second hop of every queued reduction up to ``comm`` (waiting for their first hops)."""
+        if comm not in self._waiting:
+            return
+        while self._waiting:
+            oldest = self._waiting.popleft()
+            oldest.start_second()
+            if oldest is comm:
+                return
