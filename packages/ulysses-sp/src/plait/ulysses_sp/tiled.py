@@ -8,6 +8,14 @@ forward and in backward. :class:`_TiledRecompute` is the one mechanism: forward 
 asks ``torch.autograd.grad`` for the input's and the parameters' gradients, summed over chunks.
 Parameter gradients are returned once per backward (not accumulated per chunk), so per-parameter
 gradient hooks (ZeRO's reduce) fire once, as they would untiled.
+
+The loss needs no recompute: it is the last op, so the gradient of the summed cross-entropy with
+respect to each chunk's logits (softmax minus one-hot) is known in forward.
+:class:`_FusedLinearCrossEntropy` computes it there, chunk by chunk, and turns it into the hidden
+states' and the head's gradients at once; backward only scales them by the incoming scalar. That
+saves the second logits matmul and softmax per chunk (the vocabulary projection is the largest
+matmul of a small-hidden, large-vocabulary model). What it keeps until backward is ``[B, S, h]``
+and the head's gradient, never logits.
 """
 
 from __future__ import annotations
@@ -131,7 +139,8 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """Sum of the cross-entropy of ``hidden @ weight.T`` against ``labels``, never holding all logits.
 
     Logits exist one sequence chunk at a time (``[B, S/chunks, V]``, in fp32 for the softmax), in
-    forward and in the recomputing backward.
+    forward only: each chunk's gradients are computed there (the loss is the last op), and backward
+    scales them by its incoming gradient. Call ``backward`` once per forward.
 
     Args:
         hidden: ``[B, S, h]`` final hidden states.
@@ -155,5 +164,74 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
         return F.cross_entropy(logits.flatten(0, 1), label_parts[i].flatten(), ignore_index=ignore_index,
                                reduction="sum")
 
-    params = [t for t in (weight, bias) if t is not None and t.requires_grad]
-    return tiled_apply(chunk_loss, hidden, params, chunks=chunks, combine="sum")
+    wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, sizes, ignore_index, wanted)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias``, chunked, gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, sizes: list[int], ignore_index: int, wanted: bool) -> torch.Tensor:
+        grads = _LinearCEGrads(hidden, weight, bias) if wanted else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        start = 0
+        for size in sizes:
+            part = hidden[:, start:start + size].flatten(0, 1)
+            total += _chunk_loss(part, weight, bias, labels[:, start:start + size].flatten(), ignore_index,
+                                 grads, start, size)
+            start += size
+        ctx.grads = grads
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grads: _LinearCEGrads | None = ctx.grads
+        if grads is None:
+            raise RuntimeError("tiled_cross_entropy's backward runs once per forward (retain_graph is not supported).")
+        ctx.grads = None  # the tensors below are handed over (scaled in place), not copied
+        out = grads.scaled(grad)
+        return (out[0] if ctx.needs_input_grad[0] else None, out[1] if ctx.needs_input_grad[1] else None,
+                out[2] if ctx.needs_input_grad[2] else None, None, None, None, None)
+
+
+class _LinearCEGrads:
+    """The gradients ``tiled_cross_entropy`` builds in forward: hidden states, head weight, bias (fp32 sums)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.hidden = torch.empty_like(hidden)
+        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        self.bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        self.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+    def add(self, dlogits: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, start: int, size: int) -> None:
+        """Accumulate one chunk: ``dlogits`` ``[n, V]`` in the model's dtype, ``part`` ``[n, h]``."""
+        self.hidden[:, start:start + size] = (dlogits @ weight).view(self.hidden.shape[0], size, -1)
+        if dlogits.dtype == torch.float32:
+            self.weight.addmm_(dlogits.t(), part)  # no [V, h] temporary per chunk
+        else:  # bf16/fp16 head: the product in the model's dtype, as autograd would, summed in fp32
+            self.weight += (dlogits.t() @ part).float()
+        if self.bias is not None:
+            self.bias += dlogits.float().sum(0)
+
+    def scaled(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The three gradients times the loss's incoming gradient, in their parameters' dtypes."""
+        bias = None if self.bias is None else self.bias.mul_(grad).to(self.dtypes[1])
+        return self.hidden.mul_(grad.to(self.hidden.dtype)), self.weight.mul_(grad).to(self.dtypes[0]), bias
+
+
+def _chunk_loss(part: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                ignore_index: int, grads: _LinearCEGrads | None, start: int, size: int) -> torch.Tensor:
+    """One chunk's summed cross-entropy; its gradients go into ``grads`` (softmax - one-hot, in place)."""
+    logits = F.linear(part, weight, bias).float()
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = ((lse - logits.gather(1, target[:, None])[:, 0]) * valid).sum()
+    if grads is not None:
+        dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+        dlogits[torch.arange(len(target), device=target.device), target] -= 1.0
+        dlogits.mul_(valid[:, None])
+        grads.add(dlogits.to(weight.dtype), part, weight, start, size)
+    return loss
