@@ -264,14 +264,32 @@ def _dtensor_boxes(tensor: Any) -> tuple[tuple[int, ...], list, set[int]]:
 
     shape = tuple(tensor.shape)
     mesh, placements = tensor.device_mesh, tensor.placements
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Shard | Replicate) and not _strided_box(placements, mesh, mesh_dim):
+            raise ValueError(f"a DTensor with placements {placements} cannot be saved (its {placement} piece is "
+                             "not one box of the tensor); redistribute it to Shard or Replicate first.")
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    for placement in placements:
-        if not isinstance(placement, Shard | Replicate):
-            raise ValueError(f"a DTensor with placement {placement} cannot be saved; redistribute it to "
-                             "Shard or Replicate first.")
+    if tuple(local_shape) != tuple(_local(tensor).shape):  # the offsets describe another piece than held
+        raise ValueError(f"a DTensor with placements {placements} holds a local shape {list(_local(tensor).shape)}, "
+                         f"its placements say {list(local_shape)}; redistribute it to Shard or Replicate first.")
     global_box = tuple((o, o + n) for o, n in zip(offset, local_shape))
     local_box = tuple((0, n) for n in local_shape)
     coord = mesh.get_coordinate()
     index = tuple(slice(None) if isinstance(p, Replicate) else coord[d] for d, p in enumerate(placements))
     replicas = {int(r) for r in mesh.mesh[index].reshape(-1).tolist()}
     return shape, [(global_box, local_box)], replicas
+
+
+def _strided_box(placements: tuple, mesh: Any, mesh_dim: int) -> bool:
+    """Whether ``placements[mesh_dim]`` is a ``_StridedShard`` whose pieces are boxes: FSDP2 over TP
+    (``(_StridedShard(d, sf), Shard(d))``) shards each TP-local block further, which holds when the
+    later mesh dimensions that ``Shard`` the same tensor dim multiply to the split factor. Alone,
+    a strided shard holds ``split_factor`` separate runs, which no box describes."""
+    from torch.distributed.tensor import Shard
+
+    placement = placements[mesh_dim]
+    if type(placement).__name__ != "_StridedShard":
+        return False
+    later = [mesh.size(j) for j in range(mesh_dim + 1, len(placements))
+             if isinstance(placements[j], Shard) and placements[j].dim == placement.dim]
+    return bool(later) and math.prod(later) == placement.split_factor
