@@ -7,7 +7,9 @@ Under ``ep_size=2`` the Trainer's model has its HF sparse-MoE blocks converted t
 tokens with the other (all-to-all); ZeRO shards the dense parameters over both ranks and each
 rank's experts over its expert-data-parallel group. Checked: losses and pre-clip gradient norms
 (ZeRO-3 with gradient accumulation and clipping; ZeRO-2 on Qwen2-MoE with its shared expert), the
-expert split and the token all-to-alls; bad settings fail when the Trainer is built.
+expert split and the token all-to-alls; ``save_model()`` under ep writes what ``from_pretrained``
+loads (every expert, HF's parameter names) with the DDP-trained model's logits; bad settings fail
+when the Trainer is built.
 """
 
 from __future__ import annotations
@@ -64,12 +66,22 @@ def _train(tmp: str, name: str, kind: str, plait: Any, **args: Any) -> dict[str,
         trainer.train()
     history = trainer.state.log_history
     from plait.moe_layers import moe_layers
+    from plait.transformers.demo import probe_ids
+
+    if plait is None:  # the trained HF model's logits
+        with torch.no_grad():
+            logits = trainer.model.eval()(input_ids=probe_ids()).logits
+    else:  # what save_model() exported, as from_pretrained reads it
+        trainer.save_model(f"{tmp}/{name}/export")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp}/{name}/export")
+        with torch.no_grad():
+            logits = loaded.eval()(input_ids=probe_ids()).logits
 
     return {"losses": [float(h["loss"]) for h in history if "loss" in h],
             "grad_norms": [float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None],
             "experts": [(layer.ep_size, layer.experts.first_expert, layer.experts.local_experts)
                         for layer in moe_layers(trainer.model)],
-            "all_to_all": ledger.total(op="all_to_all")}
+            "all_to_all": ledger.total(op="all_to_all"), "logits": logits}
 
 
 def _session(tmp: str) -> dict[str, Any]:
@@ -109,6 +121,15 @@ def test_ep2_follows_the_ddp_trainer(runs: list[dict[str, Any]], kind: str) -> N
         _close(ep["grad_norms"], ddp["grad_norms"])
         assert min(ddp["grad_norms"]) > CLIP  # clipping acted at every step
         print(kind, rank, "ddp", ddp["losses"], "ep", ep["losses"], "max rel", worst)
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen"])
+def test_save_model_under_ep_loads_with_from_pretrained(runs: list[dict[str, Any]], kind: str) -> None:
+    """Every expert, and the router under HF's name (``gate``): the export is the trained HF model."""
+    for result in runs:
+        torch.testing.assert_close(result[f"ep_{kind}"]["logits"], result[f"ddp_{kind}"]["logits"],
+                                   rtol=RTOL, atol=1e-6)
 
 
 @pytest.mark.parametrize(("config", "named"), [

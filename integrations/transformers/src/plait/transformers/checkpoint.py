@@ -10,7 +10,9 @@ inside ``checkpoint-N/``. ``Trainer.save_model()`` writes consolidated safetenso
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +114,31 @@ def pretrained_config(model: ZeroModule) -> Any:
     return config
 
 
+def rename_safetensors(path: str | os.PathLike, names: dict[str, str]) -> None:
+    """Rename tensors of a safetensors file in place: only its JSON header changes, the data is
+    copied in chunks after the new header (no tensor is loaded).
+
+    Args:
+        path: the file.
+        names: old name -> new name (names not in the file are ignored).
+    """
+    path = Path(path)
+    with path.open("rb") as src:
+        size = int.from_bytes(src.read(8), "little")
+        header = json.loads(src.read(size))
+        renamed = {names.get(k, k): v for k, v in header.items()}
+        raw = json.dumps(renamed, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors writes it
+        tmp = path.with_suffix(".renaming")
+        with tmp.open("wb") as dst:
+            dst.write(len(raw).to_bytes(8, "little") + raw)
+            shutil.copyfileobj(src, dst, 16 << 20)
+    os.replace(tmp, path)
+
+
 def export_pretrained(output_dir: str | os.PathLike, model: ZeroModule, processing_class: Any = None, *,
-                      args: Any = None, dtype: torch.dtype | None = None) -> Path:
+                      args: Any = None, dtype: torch.dtype | None = None,
+                      rename: dict[str, str] | None = None) -> Path:
     """Write what ``from_pretrained`` loads: consolidated ``model.safetensors`` (streamed, tensor by
     tensor), ``config.json`` naming the model's own class, the generation config, the tokenizer or
     processor, and the training arguments. Collective: every rank calls it; rank 0 writes.
@@ -124,6 +149,8 @@ def export_pretrained(output_dir: str | os.PathLike, model: ZeroModule, processi
         processing_class: the Trainer's tokenizer/processor, or ``None``.
         args: ``TrainingArguments`` to store as ``training_args.bin`` (rank 0), or ``None``.
         dtype: weights' dtype in the file (default: the config's ``dtype`` if set, else fp32).
+        rename: parameter name -> name in the file (HF MoE blocks converted to plait layers under
+            ``ep_size``: their HF names, so ``from_pretrained`` finds them).
 
     Returns:
         ``output_dir``.
@@ -139,6 +166,8 @@ def export_pretrained(output_dir: str | os.PathLike, model: ZeroModule, processi
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model.export_full_weights(out / WEIGHTS_NAME, dtype=dtype if isinstance(dtype, torch.dtype) else None)
     if _rank() == 0:
+        if rename:
+            rename_safetensors(out / WEIGHTS_NAME, rename)
         config.save_pretrained(out)
         generation = getattr(model, "generation_config", None)
         if generation is not None and getattr(model, "can_generate", lambda: False)():

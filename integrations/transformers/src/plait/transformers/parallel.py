@@ -16,7 +16,9 @@ extension does (sequence parallel at order 10, MoE at 20, ZeRO last), on the mes
   are converted to plait MoE layers (``convert_hf_moe``, same parameters, same logits), each rank
   keeps ``E / ep`` experts of each layer (``apply_expert_parallel``), and :meth:`ExpertParallel.regroup`
   splits the Trainer's optimizer groups into dense ones (sharded over every rank) and expert ones
-  (sharded over the expert-data-parallel group, named by their global tensors).
+  (sharded over the expert-data-parallel group, named by their global tensors). Checkpoints and
+  ``save_model()`` name every converted parameter as the HF model does (HF's ``gate`` for the
+  plait router), so ``from_pretrained`` loads the export.
 
 The Lightning integration has the same two extensions for its strategies; the rules they share
 (sizes dividing the world, mesh layout) are the feature packages' own.
@@ -213,10 +215,24 @@ class ExpertParallel:
         self.ep = mesh["ep"].size()
         self.groups: Any = None
         self._names: dict[int, str] = {}
+        # plait layer name -> the converted HF block's name (checkpoints and save_model() use the latter)
+        self.hf_names: dict[str, str] = {}
         self._module: nn.Module | None = None
 
     def __repr__(self) -> str:
         return f"ExpertParallel(ep={self.ep})"
+
+    def _dense_identity(self, name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], int]:
+        """A dense parameter's checkpoint/export identity: its HF name (the router is HF's ``gate``)."""
+        return self.hf_names.get(name, name), tuple(shape), 0
+
+    def _expert_identity(self, global_of: Any) -> Any:
+        """Each local expert block as rows of its global tensor, named as in the HF model."""
+        def identity(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], int]:
+            global_name, global_shape, row = global_of(name, shape)
+            return self.hf_names.get(global_name, global_name), global_shape, row
+
+        return identity
 
     def check(self, settings: Any, precision: str) -> None:
         """Nothing beyond the sizes (checked by the Trainer)."""
@@ -236,7 +252,10 @@ class ExpertParallel:
             if not any(type(m).__name__ in SUPPORTED_BLOCKS for m in module.modules()):
                 raise ValueError(f"PlaitConfig.ep_size={self.ep}: {type(module).__name__} has no plait MoE layer and "
                                  f"no HF {' / '.join(SUPPORTED_BLOCKS)}; expert parallelism needs an MoE model.")
-            convert_hf_moe(module)
+            hf_names = {id(p): n for n, p in module.named_parameters()}
+            convert_hf_moe(module)  # the plait layers share the HF parameters: map their names back
+            self.hf_names = {n: hf_names[id(p)] for n, p in module.named_parameters()
+                             if hf_names.get(id(p), n) != n}
         self._names = {id(p): n for n, p in module.named_parameters()}
         self.groups = make_expert_parallel_groups(self.ep, mesh=self.mesh)
         try:
@@ -262,10 +281,13 @@ class ExpertParallel:
             dense = [p for p in params if id(p) not in experts]
             expert = [p for p in params if id(p) in experts]
             if dense:
-                out.append({**options, "params": dense})
+                # Checkpoints and save_model() name converted parameters as the HF model does, so
+                # from_pretrained (and any HF-keyed loader) reads them.
+                named = {"zero_global": self._dense_identity} if self.hf_names else {}
+                out.append({**options, "params": dense, **named})
             if expert:
                 out.append({**options, "params": expert, "zero_group": self.groups.edp_group,
-                            "zero_global": global_of})
+                            "zero_global": self._expert_identity(global_of)})
         return out
 
     def zero_kwargs(self) -> dict[str, Any]:

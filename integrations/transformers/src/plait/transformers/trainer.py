@@ -214,12 +214,13 @@ class PlaitTrainerMixin:
         parallel.check_world_size(config.sp_size, config.ep_size, dist.get_world_size())
         mesh = parallel.build_mesh(config.sp_size, config.ep_size, self.args.device.type)
         added: list[Any] = []
-        self._plait_sp = None
+        self._plait_sp = self._plait_ep = None
         if config.sp_size > 1:
             self._plait_sp = parallel.SequenceParallel(mesh)
             added.append(self._plait_sp)
         if config.ep_size > 1:
-            added.append(parallel.ExpertParallel(mesh))
+            self._plait_ep = parallel.ExpertParallel(mesh)
+            added.append(self._plait_ep)
         return [*config.extensions, *added], (mesh if mesh is not None and config.ep_size == 1 else None)
 
     def _plait_optimizer_arguments(self, original: torch.optim.Optimizer, extensions: list[Any],
@@ -338,8 +339,10 @@ class PlaitTrainerMixin:
         if _internal_call:
             ckpt.save_training_state(output_dir, self.model, self.plait_optimizer, step=self.state.global_step)
         else:
+            ep = getattr(self, "_plait_ep", None)
             ckpt.export_pretrained(output_dir, self.model, self.processing_class,
-                                   args=self.args if self.args.should_save else None)
+                                   args=self.args if self.args.should_save else None,
+                                   rename=ep.hf_names if ep is not None else None)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None
