@@ -132,6 +132,28 @@ def test_save_model_under_ep_loads_with_from_pretrained(runs: list[dict[str, Any
                                    rtol=RTOL, atol=1e-6)
 
 
+def _sp_ep_session(tmp: str) -> dict[str, Any]:
+    """W=4: the plain DDP Trainer, then sp 2 x ep 2 (dp 1) on the same Mixtral and data."""
+    torch.set_num_threads(1)
+    return {"ddp": _train(tmp, "ddp4", "mixtral", None, max_grad_norm=CLIP),
+            "sp_ep": _train(tmp, "sp_ep", "mixtral", {"zero": {"stage": 3}, "sp_size": 2, "ep_size": 2},
+                            max_grad_norm=CLIP)}
+
+
+@pytest.mark.timeout(480)
+def test_sp2_with_ep2_follows_the_ddp_trainer(tmp_path: Path) -> None:
+    """Sequence and expert parallelism composed (sp at order 10, MoE at 20, ZeRO last) on 4 ranks."""
+    pytest.importorskip("plait.ulysses_sp")
+    results = run_distributed(_sp_ep_session, 4, str(tmp_path), timeout=420)
+    for rank, result in enumerate(results):
+        ddp, ours = result["ddp"], result["sp_ep"]
+        assert ours["experts"] == [(2, 2 * ((rank // 2) % 2), 2)] * 2, ours["experts"]  # ep pairs (0,2), (1,3)
+        worst = _close(ours["losses"], ddp["losses"])
+        _close(ours["grad_norms"], ddp["grad_norms"])
+        torch.testing.assert_close(ours["logits"], ddp["logits"], rtol=RTOL, atol=1e-6)
+        print("sp x ep", rank, "ddp", ddp["losses"], "ours", ours["losses"], "max rel", worst)
+
+
 @pytest.mark.parametrize(("config", "named"), [
     ({"ep_size": -1}, r"PlaitConfig\.ep_size=-1"),
     ({"ep_size": 2}, r"PlaitConfig\.ep_size=2 does not divide the world size 1"),
