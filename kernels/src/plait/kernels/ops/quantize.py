@@ -103,19 +103,12 @@ def quantize_blockwise_reference(
     """
     numel = x.numel()
     qmax = float(QMAX[bits])
-    blocks, whole = num_blocks(numel, block_size), numel // block_size
+    blocks = num_blocks(numel, block_size)
     flat = x.reshape(-1).to(torch.float32)
     # Codes of every block, the partial last one padded; an odd count's pad code (0) is then the
     # high nibble int4 leaves 0, with no copy.
     codes = torch.empty(blocks * block_size, dtype=torch.int8, device=x.device)
-    parts = []
-    if whole:  # whole blocks straight from the input: no padded copy of a bucket for its last block
-        head = whole * block_size
-        parts.append(_quantize_chunks(flat[:head].view(whole, block_size), qmax, codes[:head].view(whole, block_size)))
-    if whole < blocks:  # the partial last block, padded with zeros (they change no absmax)
-        tail = torch.nn.functional.pad(flat[whole * block_size:], (0, blocks * block_size - numel))
-        parts.append(_quantize_chunks(tail.view(1, block_size), qmax, codes[whole * block_size:].view(1, block_size)))
-    scales = torch.cat(parts) if len(parts) == 2 else parts[0] if parts else flat.new_zeros(0)
+    scales = _quantize_chunks(flat, block_size, qmax, codes.view(blocks, block_size))
     if bits == 8:
         return codes[:numel], scales
     pairs = codes[:numel + numel % 2].view(-1, 2)
@@ -124,35 +117,52 @@ def quantize_blockwise_reference(
     return ((pairs[:, 1] << 4) | (pairs[:, 0] & 15)).view(torch.uint8), scales
 
 
-# Elements per chunk of the quantize reference's fp32 temporaries (256 KiB each): they stay in the
+# Elements per chunk of the quantize reference's fp32 temporaries (1 MiB each): they stay in the
 # L2 cache across the passes and are reused, where whole-size temporaries of a multi-MB bucket were
 # fresh allocations the allocator often returned to the OS, so each pass page-faulted (measured on
-# 2.1M fp32 elements: 17 ms whole vs 2.7 ms chunked, int4, one thread).
-CHUNK_ELEMENTS = 1 << 16
+# 2.1M fp32 elements: 17 ms whole vs 2.7 ms chunked, int4, one thread). Large enough that a
+# ZeRO++ shard (~0.2-0.5M elements) is one chunk: each chunk costs about a dozen op launches.
+CHUNK_ELEMENTS = 1 << 18
 
 
-def _quantize_chunks(padded: torch.Tensor, qmax: float, codes: torch.Tensor) -> torch.Tensor:
-    """Write the int8 codes of ``padded`` ([blocks, block_size] fp32) into ``codes``; return the scales."""
-    blocks, block_size = padded.shape
-    rows = max(1, min(blocks, CHUNK_ELEMENTS // block_size))
-    work = padded.new_empty(rows, block_size)
-    half = padded.new_empty(rows, block_size)
-    absmax = padded.new_empty(blocks)
+def _chunks(flat: torch.Tensor, block_size: int) -> list[tuple[int, int, torch.Tensor]]:
+    """``(first block, end block, [blocks, block_size] fp32 source)`` per chunk of ``flat``: views of
+    the input, except a last chunk holding the partial block, copied and padded with zeros (they
+    change no block's absmax)."""
+    numel = flat.numel()
+    blocks = num_blocks(numel, block_size)
+    rows = max(1, CHUNK_ELEMENTS // block_size)
+    out = []
+    for start in range(0, blocks, rows):
+        stop = min(blocks, start + rows)
+        source = flat[start * block_size:stop * block_size]
+        if source.numel() < (stop - start) * block_size:
+            source = torch.nn.functional.pad(source, (0, (stop - start) * block_size - source.numel()))
+        out.append((start, stop, source.view(stop - start, block_size)))
+    return out
+
+
+def _quantize_chunks(flat: torch.Tensor, block_size: int, qmax: float, codes: torch.Tensor) -> torch.Tensor:
+    """Write the int8 codes of fp32 ``flat`` into ``codes`` ([blocks, block_size]); return the scales."""
+    chunks = _chunks(flat, block_size)
+    blocks = codes.shape[0]
+    rows = max((stop - start for start, stop, _ in chunks), default=0)
+    work = flat.new_empty(rows, block_size)
+    half = flat.new_empty(rows, block_size)
+    absmax = flat.new_empty(blocks)
     # amax propagates NaN and abs turns -inf into inf, so a block's maximum is finite exactly when
     # every element of the block is: no separate mask pass. (torch.aminmax over dim 1 reads once
     # but is not vectorized on CPU: 25x slower here.)
-    for start in range(0, blocks, rows):
-        stop = min(blocks, start + rows)
-        torch.amax(torch.abs(padded[start:stop], out=work[:stop - start]), dim=1, out=absmax[start:stop])
+    for start, stop, source in chunks:
+        torch.amax(torch.abs(source, out=work[:stop - start]), dim=1, out=absmax[start:stop])
     scales = torch.where(torch.isfinite(absmax), absmax / qmax, math.nan)
     usable = scales > 0  # False for 0 and NaN: those blocks get code 0
     divisor = torch.where(usable, scales, 1.0)[:, None]
     every_block_usable = bool(usable.all())  # zero or non-finite blocks are rare: skip their pass
-    point_five = padded.new_full((), 0.5)
-    for start in range(0, blocks, rows):
-        stop = min(blocks, start + rows)
+    point_five = flat.new_full((), 0.5)
+    for start, stop, source in chunks:
         y, sign_half = work[:stop - start], half[:stop - start]
-        torch.div(padded[start:stop], divisor[start:stop], out=y)
+        torch.div(source, divisor[start:stop], out=y)
         if not every_block_usable:
             y.masked_fill_(~usable[start:stop, None], 0.0)
         # Half away from zero, clamped: min(floor(|y| + 0.5), qmax) * sign(y). Clamping first gives
