@@ -26,7 +26,7 @@ from plait.kernels.testing import run_distributed
 pytest.importorskip("plait.moe_layers")
 pytest.importorskip("plait.transformers")
 
-STEPS, GA, CLIP = 3, 2, 0.3
+STEPS, GA, CLIP, SAVE_AT = 3, 2, 0.3, 2
 # fp32, same data and seed; experts run on rows gathered from the ep group and the router's
 # gradient is summed over ranks, so the last bits may differ from DDP's. Measured here: losses equal
 # bitwise (Mixtral and Qwen2-MoE); as the other Trainer tests vs DDP: 1e-5.
@@ -49,7 +49,7 @@ def moe_model(kind: str) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _train(tmp: str, name: str, kind: str, plait: Any, **args: Any) -> dict[str, Any]:
+def _train(tmp: str, name: str, kind: str, plait: Any, resume: str | None = None, **args: Any) -> dict[str, Any]:
     import transformers
 
     from plait.kernels.collectives import ByteLedger
@@ -63,7 +63,7 @@ def _train(tmp: str, name: str, kind: str, plait: Any, **args: Any) -> dict[str,
                   args=training_args(f"{tmp}/{name}", max_steps=STEPS, per_device_train_batch_size=2,
                                      gradient_accumulation_steps=GA, **args))
     with ByteLedger() as ledger:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     history = trainer.state.log_history
     from plait.moe_layers import moe_layers
     from plait.transformers.demo import probe_ids
@@ -91,7 +91,9 @@ def _session(tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {"ddp_mixtral": _train(tmp, "ddp_mixtral", "mixtral", None, max_grad_norm=CLIP),
             "ep_mixtral": _train(tmp, "ep_mixtral", "mixtral", {"zero": {"stage": 3}, "ep_size": 2},
-                                 max_grad_norm=CLIP),
+                                 max_grad_norm=CLIP, save_strategy="steps", save_steps=SAVE_AT),
+            "ep_resumed": _train(tmp, "ep_resumed", "mixtral", {"zero": {"stage": 3}, "ep_size": 2},
+                                 max_grad_norm=CLIP, resume=f"{tmp}/ep_mixtral/checkpoint-{SAVE_AT}"),
             "ddp_qwen": _train(tmp, "ddp_qwen", "qwen2_moe", None, max_grad_norm=CLIP),
             "ep_qwen": _train(tmp, "ep_qwen", "qwen2_moe", PlaitConfig(zero=ZeroConfig(stage=2), ep_size=2),
                               max_grad_norm=CLIP)}
@@ -130,6 +132,13 @@ def test_save_model_under_ep_loads_with_from_pretrained(runs: list[dict[str, Any
     for result in runs:
         torch.testing.assert_close(result[f"ep_{kind}"]["logits"], result[f"ddp_{kind}"]["logits"],
                                    rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.timeout(480)
+def test_ep2_resumes_from_its_checkpoint_on_the_same_curve(runs: list[dict[str, Any]]) -> None:
+    for result in runs:
+        assert result["ep_resumed"]["losses"] == result["ep_mixtral"]["losses"]
+        torch.testing.assert_close(result["ep_resumed"]["logits"], result["ep_mixtral"]["logits"], rtol=0, atol=0)
 
 
 def _sp_ep_session(tmp: str) -> dict[str, Any]:

@@ -6,8 +6,8 @@ The Trainer deals micro-batches to both ranks as without sp; each rank's model s
 sequence of both micro-batches (gathered over the sp group), with Ulysses attention. Checked:
 losses, pre-clip gradient norms and the evaluation loss equal DDP's with gradient accumulation and
 clipping; sequences of odd length (padded to the sp multiple); right-padded batches of different
-lengths on the two ranks (an attention mask, -100 labels); the Ulysses all-to-alls ran; bad
-settings fail when the Trainer is built, naming the field.
+lengths on the two ranks (an attention mask, -100 labels); the Ulysses all-to-alls ran; a
+checkpoint resumes on the same curve; bad settings fail when the Trainer is built, naming the field.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from plait.kernels.testing import run_distributed
 pytest.importorskip("plait.ulysses_sp")
 pytest.importorskip("plait.transformers")
 
-STEPS, GA, CLIP = 3, 2, 0.3
+STEPS, GA, CLIP, SAVE_AT = 3, 2, 0.3, 2
 # fp32, same data and seed; the loss and gradients are now also summed over sequence slices and
 # attention is computed on head shards after an all-to-all, so the last bits differ from DDP's.
 # Measured here: max relative difference 8.6e-8 (losses, both data sets); as the other Trainer tests vs DDP: 1e-5.
@@ -57,7 +57,8 @@ def pad_collator(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _train(tmp: str, name: str, plait: Any, dataset: Any, collator: Any = None, **args: Any) -> dict[str, Any]:
+def _train(tmp: str, name: str, plait: Any, dataset: Any, collator: Any = None, resume: str | None = None,
+           **args: Any) -> dict[str, Any]:
     import transformers
 
     from plait.kernels.collectives import ByteLedger
@@ -74,7 +75,7 @@ def _train(tmp: str, name: str, plait: Any, dataset: Any, collator: Any = None, 
                   args=training_args(f"{tmp}/{name}", max_steps=STEPS, per_device_train_batch_size=2,
                                      per_device_eval_batch_size=2, gradient_accumulation_steps=GA, **args))
     with ByteLedger() as ledger:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     eval_loss = float(trainer.evaluate()["eval_loss"])
     history = trainer.state.log_history
     return {"losses": [float(h["loss"]) for h in history if "loss" in h],
@@ -92,7 +93,10 @@ def _session(tmp: str) -> dict[str, Any]:
     odd = TokenDataset(seq_len=31)  # 31 tokens: padded to 32, 16 per rank
     return {"ddp": _train(tmp, "ddp", None, odd, max_grad_norm=CLIP),
             "zero3": _train(tmp, "zero3", {"zero": {"stage": 3}}, odd, max_grad_norm=CLIP),
-            "sp": _train(tmp, "sp", {"zero": {"stage": 3}, "sp_size": 2}, odd, max_grad_norm=CLIP),
+            "sp": _train(tmp, "sp", {"zero": {"stage": 3}, "sp_size": 2}, odd, max_grad_norm=CLIP,
+                         save_strategy="steps", save_steps=SAVE_AT),
+            "sp_resumed": _train(tmp, "sp_resumed", {"zero": {"stage": 3}, "sp_size": 2}, odd, max_grad_norm=CLIP,
+                                 resume=f"{tmp}/sp/checkpoint-{SAVE_AT}"),
             "ddp_ragged": _train(tmp, "ddp_ragged", None, Ragged(), pad_collator, max_grad_norm=0.0),
             "sp_ragged": _train(tmp, "sp_ragged", PlaitConfig(zero=ZeroConfig(stage=2), sp_size=2), Ragged(),
                                 pad_collator, max_grad_norm=0.0)}
@@ -124,6 +128,14 @@ def test_sp2_follows_the_trainer_without_sp(runs: list[dict[str, Any]]) -> None:
         _close(result["zero3"]["losses"], ddp["losses"])
         assert ddp["losses"][-1] < ddp["losses"][0]
         print(rank, "ddp", ddp["losses"], "sp", sp["losses"], "max rel", worst)
+
+
+@pytest.mark.timeout(480)
+def test_sp2_resumes_from_its_checkpoint_on_the_same_curve(runs: list[dict[str, Any]]) -> None:
+    for result in runs:
+        resumed, full = result["sp_resumed"], result["sp"]
+        assert resumed["losses"] == full["losses"]  # earlier ones from the checkpoint's log, the rest recomputed
+        assert resumed["eval_loss"] == full["eval_loss"]
 
 
 @pytest.mark.timeout(480)
