@@ -18,8 +18,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -29,6 +31,12 @@ from plait.kernels import settings
 from plait.kernels.collectives.flight import LOG, CollectiveEvent
 
 KEY_PREFIX = "plait/flight/"
+# A report is a small store write; one that takes longer than this means the store's host is in
+# trouble, and the reports end there rather than holding the publisher (and so the exit) longer.
+REPORT_TIMEOUT_S = 5.0
+# How long exit waits for the publisher to leave a store call: a report's bound, plus room for a
+# thread that a loaded machine does not schedule for a while (1 s was not always enough on CI).
+STOP_TIMEOUT_S = 2 * REPORT_TIMEOUT_S
 
 
 class CollectiveError(dist.DistBackendError):
@@ -51,26 +59,41 @@ class CollectiveError(dist.DistBackendError):
 
 
 class _Publisher:
-    """Reports this rank's latest collective per group to the default store, in the background."""
+    """Reports this rank's latest collective per group to the default store, in the background.
+
+    It writes through its own client of the store (``store.clone()``) with a short timeout, so a
+    report never waits on the main thread's store traffic and never blocks for longer than
+    :data:`REPORT_TIMEOUT_S`; and it refers to the process group weakly, so a destroyed group is
+    freed when the user destroys it, not at interpreter teardown.
+    """
 
     def __init__(self, store: Any, rank: int, interval: float) -> None:
-        self.store, self.key, self.interval = store, f"{KEY_PREFIX}{rank}", interval
-        self.pg = dist.distributed_c10d._get_default_group()
+        self.store, self.key, self.interval = _own_client(store), f"{KEY_PREFIX}{rank}", interval
+        self.pg = weakref.ref(dist.distributed_c10d._get_default_group())
         self.stopped = threading.Event()
         self.published, self.groups = -1, "{}"
         self.thread = threading.Thread(target=self._loop, name="plait-flight-publisher", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop reporting and wait for the thread (briefly: a report in flight finishes first)."""
+        """Stop reporting and wait until the thread has left any store call.
+
+        The wait has no short cap on purpose: a daemon thread that returns from a torch call
+        after interpreter teardown has begun is ended with ``pthread_exit``, which aborts the
+        process ("terminate called without an active exception") on Python 3.11. A report is
+        bounded by :data:`REPORT_TIMEOUT_S`, so this is too, with margin for a loaded machine.
+        """
         self.stopped.set()
-        self.thread.join(timeout=1.0)
+        self.thread.join(timeout=STOP_TIMEOUT_S)
+        if self.thread.is_alive():
+            print(f"plait: the flight-log publisher was still in a store call {STOP_TIMEOUT_S:g} s after exit "
+                  "began; the process may abort in teardown", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
         try:
             self.publish()
             while not self.stopped.wait(self.interval):
-                if not dist.is_initialized() or dist.distributed_c10d._get_default_group() is not self.pg:
+                if not dist.is_initialized() or dist.distributed_c10d._get_default_group() is not self.pg():
                     break  # the group was destroyed (or replaced): its store may be gone too
                 self.publish()
         except Exception:  # noqa: BLE001 - a store that went away ends the reports, never the job
@@ -91,13 +114,24 @@ class _Publisher:
         self.store.set(self.key, f'{{"time": {time.time()!r}, "groups": {self.groups}}}')
 
 
+def _own_client(store: Any) -> Any:
+    """A separate client of ``store`` with the report timeout, or ``store`` itself where the
+    store type cannot be cloned (a ``HashStore`` of a single process, a custom store)."""
+    try:
+        client = store.clone()
+        client.set_timeout(datetime.timedelta(seconds=REPORT_TIMEOUT_S))
+        return client
+    except Exception:  # noqa: BLE001 - cloning is an optimisation; the shared client still works
+        return store
+
+
 _publisher: _Publisher | None = None
 
 
 @atexit.register
 def _stop_at_exit() -> None:
-    # A daemon thread caught inside a store call while the interpreter tears down can abort the
-    # process; stopping it first keeps a finished run's exit code 0.
+    # A daemon thread inside a store call when the interpreter tears down aborts the process
+    # (see _Publisher.stop); stopping it first keeps a finished run's exit code 0.
     if _publisher is not None:
         _publisher.stop()
 
@@ -114,7 +148,7 @@ def ensure_publisher() -> None:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError, ValueError):
         return
-    if _publisher is None or _publisher.pg is not dist.distributed_c10d._get_default_group():
+    if _publisher is None or _publisher.pg() is not dist.distributed_c10d._get_default_group():
         LOG.clear()  # a new group numbers its collectives from 1 on every rank
     _publisher = _Publisher(store, dist.get_rank(), interval)
 
