@@ -98,6 +98,39 @@ def test_tiled_cross_entropy_equals_full_logits(bias):
         TOL.assert_close(g, w, what=f"tiled loss tensor {i}")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tiled_cross_entropy_bf16_head_matches_autograd_in_bf16(seed):
+    """The gradients built in forward follow autograd's bf16 path: fp32 softmax, bf16 matmuls."""
+    torch.manual_seed(seed)
+    head = nn.Linear(64, 500, bias=True).to(torch.bfloat16)
+    hidden = torch.randn(2, 37, 64).to(torch.bfloat16)
+    labels = torch.randint(0, 500, (2, 37))
+    labels[0, :5] = -100
+    h1 = hidden.clone().requires_grad_(True)
+    ref = F.cross_entropy(head(h1).float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    ref.backward()
+    want = (h1.grad, head.weight.grad.clone(), head.bias.grad.clone())
+    head.zero_grad()
+    h2 = hidden.clone().requires_grad_(True)
+    loss = tiled_cross_entropy(h2, head.weight, labels, chunks=4, bias=head.bias)
+    (2 * loss).backward()  # the incoming gradient scales what forward built
+    tol = tolerance("tiled_recompute", torch.bfloat16)
+    tol.assert_close(loss.detach() / ref.detach(), torch.tensor(1.0), what="bf16 tiled loss / reference")
+    for name, got, ref_grad in zip(("hidden", "weight", "bias"), (h2.grad, head.weight.grad, head.bias.grad), want,
+                                   strict=True):
+        assert got.dtype == torch.bfloat16, (name, got.dtype)
+        scale = 2 * ref_grad.float().abs().max()
+        tol.assert_close(got.float() / scale, 2 * ref_grad.float() / scale, what=f"bf16 tiled loss d{name} / max")
+
+
+def test_tiled_cross_entropy_backward_runs_once():
+    hidden = torch.randn(1, 6, 8, requires_grad=True)
+    loss = tiled_cross_entropy(hidden, torch.randn(11, 8, requires_grad=True), torch.randint(0, 11, (1, 6)), chunks=2)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        loss.backward()
+
+
 def test_tiled_cross_entropy_never_builds_full_logits(monkeypatch):
     seen = []
     real_linear = F.linear

@@ -349,6 +349,14 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
         reason="tiling computes the same per-token values; only parameter-gradient sums (over tokens) are "
                "split per chunk and added after, and the loss is a sum of chunk sums: reduction order only.",
     ),
+    ("tiled_recompute", torch.bfloat16): Tolerance(
+        atol=1.6e-2, rtol=1e-5,
+        reason="compared on values divided by the reference tensor's largest magnitude, so atol carries it "
+               "(rtol is fp32's, never tighter). A bf16 head's weight gradient is a bf16 matmul per sequence "
+               "chunk, summed in fp32 and rounded once more, where autograd rounds one matmul over every "
+               "token: about one bf16 ulp (2^-7) of the tensor's scale; 2 ulps allowed, observed <= 0.0069 "
+               "(seeds 0-3, with and without bias); hidden-state gradients mostly bitwise.",
+    ),
     ("quantize_blockwise", torch.float32): Tolerance(
         atol=0.0, rtol=0.0,
         reason="bitwise equal: absmax is a max (order-free), scale and codes use IEEE division "
