@@ -36,14 +36,14 @@ def torchrun() -> list[str]:
 
 
 def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int = 2, max_restarts: int = 0,
-            limit_s: float = 120.0) -> JobRun:
+            stage: int = 3, limit_s: float = 120.0) -> JobRun:
     """Run the job once under torchrun; the whole session is SIGKILLed past ``limit_s``.
 
     Raises:
         TimeoutError: the job ran past ``limit_s`` (it is killed first).
     """
     command = [*torchrun(), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-               "--monitor-interval", "0.2", str(JOB), fault, str(outdir), str(steps), str(save_every)]
+               "--monitor-interval", "0.2", str(JOB), fault, str(outdir), str(steps), str(save_every), str(stage)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

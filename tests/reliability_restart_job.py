@@ -1,7 +1,8 @@
 """A ZeRO-3 training loop as a plain ``torchrun`` user writes it, with automatic resume and preemption.
 
-``torchrun --standalone --nproc-per-node 2 [--max-restarts K] reliability_restart_job.py FAULT OUTDIR STEPS
-SAVE_EVERY`` (run by test_reliability_restart.py and ``plait reliability``-style loops):
+``torchrun --standalone --nproc-per-node N [--max-restarts K] reliability_restart_job.py FAULT OUTDIR STEPS
+SAVE_EVERY [STAGE]`` (run by test_reliability_restart.py and test_reliability_exit_zero.py; STAGE is
+the ZeRO stage, 3 by default):
 
 * ``CheckpointManager.restore`` loads the newest committed universal checkpoint of OUTDIR/ckpt if
   there is one: a restarted worker (torchrun's ``--max-restarts``) or a relaunched job resumes by
@@ -76,7 +77,7 @@ def faults_of_attempt(text: str, attempt: int) -> list[Fault]:
     return found
 
 
-def main(fault_text: str, outdir: Path, steps: int, save_every: int) -> int:
+def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
     """Train, resuming from and saving to ``outdir/ckpt``; returns the exit code."""
     attempt = collectives.restart_count()
     faults = faults_of_attempt(fault_text, attempt)
@@ -86,7 +87,7 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int) -> int:
     journal = Journal(outdir, rank, attempt)
     (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
     journal.event("start", 0)
-    model, optimizer = zero_shard(small_model(0), torch.optim.AdamW, ZeroConfig(stage=3), lr=1e-3)
+    model, optimizer = zero_shard(small_model(0), torch.optim.AdamW, ZeroConfig(stage=stage), lr=1e-3)
     state = {"model": model, "rng": uc.RNGState()}
     manager = uc.CheckpointManager(uc.CheckpointConfig(root=outdir / "ckpt", keep_last=2))
     start = manager.restore(state) or 0
@@ -116,4 +117,4 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *map(int, sys.argv[5:6])))
