@@ -41,7 +41,7 @@ def test_modes_map_to_zeropp_parts():
     assert two_node_worker.zeropp_settings("plait qwZ+qgZ", 2)["hierarchical_partition_size"] is None
     assert two_node_worker.zeropp_settings("plait ZeRO++", 4)["hierarchical_partition_size"] in ("auto", 4)
     assert set(two_node.spec_for(False)["modes"]) == set(two_node_worker.MODES)
-    assert two_node.spec_for(False)["steps"] == 3 and two_node.spec_for(False)["model"] == {}
+    assert two_node.spec_for(False)["steps"] == 5 and two_node.spec_for(False)["model"] == {}
 
 
 def _rank(node, reader, sent, overhead, losses):
