@@ -77,11 +77,16 @@ def _train(tmp: str, name: str, plait: Any, dataset: Any, collator: Any = None, 
     with ByteLedger() as ledger:
         trainer.train(resume_from_checkpoint=resume)
     eval_loss = float(trainer.evaluate()["eval_loss"])
+    try:  # whole-sequence predictions: refused under sp (each rank holds a slice of the logits)
+        trainer.predict(TokenDataset(4, seed=7))
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
     history = trainer.state.log_history
     return {"losses": [float(h["loss"]) for h in history if "loss" in h],
             "grad_norms": [float(h["grad_norm"]) for h in history if h.get("grad_norm") is not None],
             "eval_loss": eval_loss, "lengths": lengths[:STEPS * GA], "all_to_all": ledger.total(op="all_to_all"),
-            "attention": model.config._attn_implementation}
+            "attention": model.config._attn_implementation, "predict_refused": refused}
 
 
 def _session(tmp: str) -> dict[str, Any]:
@@ -126,6 +131,8 @@ def test_sp2_follows_the_trainer_without_sp(runs: list[dict[str, Any]]) -> None:
         assert min(ddp["grad_norms"]) > CLIP  # clipping acted at every step
         _close([sp["eval_loss"]], [ddp["eval_loss"]])
         _close(result["zero3"]["losses"], ddp["losses"])
+        assert ddp["predict_refused"] is None and result["zero3"]["predict_refused"] is None
+        assert "PlaitConfig.sp_size=2: predictions and compute_metrics" in sp["predict_refused"]
         assert ddp["losses"][-1] < ddp["losses"][0]
         print(rank, "ddp", ddp["losses"], "sp", sp["losses"], "max rel", worst)
 
