@@ -31,6 +31,7 @@ from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
+from plait.zero_sharding.placements import GroupedPlacement
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
 
@@ -139,6 +140,8 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         divisor = _grad_divisor(index, g.pop("zero_grad_divisor", size if own else data_parallel))
         reducer = _extension(index, "zero_reducer", g.pop("zero_reducer", None), ("reduce_scatter", "all_reduce"))
         gatherer = _extension(index, "zero_gatherer", g.pop("zero_gatherer", None), ("all_gather",))
+        placement = _extension(index, "zero_placement", g.pop("zero_placement", None),
+                               ("place_master", "make_optimizer", "step", "read_master", "masters"))
         global_of = g.pop("zero_global", None)
         if global_of is not None and not callable(global_of):
             raise ValueError(f"param_groups[{index}]['zero_global'] must be callable(name, shape) -> (global name, "
@@ -147,7 +150,7 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
                                replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
-                               reducer=reducer, gatherer=gatherer, global_of=global_of))
+                               reducer=reducer, gatherer=gatherer, global_of=global_of, placement=placement))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -155,6 +158,19 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         out.append(OptionGroup(options={"lr": 0.0}, params=rest, group=group, group_rank=dist.get_rank(group),
                                group_size=size, replicas=max(1, world // size), grad_divisor=data_parallel))
     return out, cls
+
+
+def _engine_placement(placement: Any, groups: list[OptionGroup], partition: Any) -> Any:
+    """``placement``, or a :class:`GroupedPlacement` when a parameter group has its own (each unit's
+    reduced gradient then goes to its own placement's ``grad_device``)."""
+    if all(g.placement is None for g in groups):
+        return placement
+    grouped = GroupedPlacement([g.placement or placement for g in groups],
+                               {unit.key: unit.option_index for unit in partition.units})
+    for unit in partition.units:
+        device = getattr(grouped.group_placements[unit.option_index], "grad_device", None)
+        unit.grad_device = None if device is None else torch.device(device)
+    return grouped
 
 
 def _mesh_group(mesh: DeviceMesh) -> Any:
@@ -166,7 +182,8 @@ def _extension(index: int, key: str, value: Any, methods: tuple[str, ...]) -> An
     missing = [m for m in methods if value is not None and not callable(getattr(value, m, None))]
     if missing:
         raise ValueError(f"param_groups[{index}]['{key}'] is a {type(value).__name__} without {missing}; pass an "
-                         "object implementing plait.zero_sharding.GradientReducer / ParamGatherer, or leave it out.")
+                         "object implementing plait.zero_sharding's GradientReducer / ParamGatherer / StatePlacement "
+                         "protocol, or leave it out.")
     return value
 
 
@@ -229,8 +246,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``zero_global`` maps ``(name, shape)`` of each parameter of the group to ``(global
             name, global shape, dim-0 row offset)`` for parameters that live on some ranks only
             (experts under expert parallelism): checkpoints and exports use that identity;
-            ``zero_reducer`` / ``zero_gatherer`` replace the engine's reducer / gatherer for the
-            group's units (see :mod:`plait.zero_sharding.composition` for the optional members
+            ``zero_reducer`` / ``zero_gatherer`` / ``zero_placement`` replace the engine's reducer /
+            gatherer / placement for the group's units (``zero_placement``: its masters and optimizer
+            state, see :mod:`plait.zero_sharding.placements`; see :mod:`plait.zero_sharding.composition` for the optional members
             the engine calls); ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are
             divided by (default with ``zero_distinct``: the data-parallel world, i.e. the ranks
             ``mesh`` shards over, so expert gradients reduced over a smaller group are scaled as
@@ -287,7 +305,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             for slot in unit.slots:
                 _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
-                        gatherer=gatherer or DefaultGatherer(), placement=placement or LocalPlacement())
+                        gatherer=gatherer or DefaultGatherer(),
+                        placement=_engine_placement(placement or LocalPlacement(), groups, partition))
     inner_groups = []
     for index, og in enumerate(groups):
         masters = []

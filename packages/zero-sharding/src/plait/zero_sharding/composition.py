@@ -11,7 +11,7 @@ before any process starts and :func:`apply_extensions` right before ``zero_shard
 3. each may supply ``zero_shard`` keyword arguments: an engine-wide ``reducer``, ``gatherer`` or
    ``placement`` (at most one extension each), or ``param_groups`` whose dicts carry per-group
    choices (``zero_group``, ``zero_distinct``, ``zero_grad_divisor``, ``zero_reducer``,
-   ``zero_gatherer``; see :func:`plait.zero_sharding.zero_shard`).
+   ``zero_gatherer``, ``zero_placement``; see :func:`plait.zero_sharding.zero_shard`).
 
 Optional members of an extension *object* (a reducer, gatherer or placement), each called once
 per object however many groups use it:
@@ -118,7 +118,7 @@ def extension_objects(engine: Any) -> list[Any]:
     """Every distinct reducer, gatherer and placement of ``engine`` (engine-wide and per group),
     in a stable order."""
     found: dict[int, Any] = {}
-    for obj in (engine.reducer, engine.gatherer, engine.placement,
+    for obj in (engine.reducer, engine.gatherer, engine.placement, *getattr(engine.placement, "placements", ()),
                 *(x for unit in engine.units for x in (unit.reducer, unit.gatherer))):
         if obj is not None:
             found.setdefault(id(obj), obj)

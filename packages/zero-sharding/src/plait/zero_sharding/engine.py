@@ -299,7 +299,7 @@ class ZeroEngine:
         """Move a reduced gradient slice to the placement's ``grad_device`` (host memory for CPU
         offload) as soon as its reduction is done, so the copy overlaps the rest of backward:
         asynchronous into page-locked memory; :meth:`finish_gradients` synchronizes once."""
-        target = self.grad_device
+        target = unit.grad_device if unit.grad_device is not None else self.grad_device
         if target is None or reduced.device == target:
             return reduced
         host = torch.empty(reduced.shape, dtype=reduced.dtype, device=target, pin_memory=reduced.is_cuda)

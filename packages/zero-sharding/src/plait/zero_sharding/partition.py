@@ -38,6 +38,8 @@ class OptionGroup:
         grad_divisor: what the group's summed gradients are divided by (``None``: its
             ``group_size``); see ``zero_grad_divisor`` in :func:`plait.zero_sharding.zero_shard`.
         reducer, gatherer: the group's own extension points (``None``: the engine's).
+        placement: the group's own state placement (``None``: the engine's); see
+            :mod:`plait.zero_sharding.placements`.
         global_of: ``(name, shape) -> (global name, global shape, dim-0 row offset)`` for
             parameters that are part of a larger global tensor (``None``: each is its own).
     """
@@ -52,6 +54,7 @@ class OptionGroup:
     reducer: Any = None
     gatherer: Any = None
     global_of: Any = None
+    placement: Any = None
 
 
 @dataclasses.dataclass

@@ -106,6 +106,9 @@ class FlatUnit:
         # the engine's.
         self.reducer: Any = None
         self.gatherer: Any = None
+        # Where reduced gradient slices go when the unit's group has a placement of its own
+        # (plait.zero_sharding.placements); None: the engine's grad_device.
+        self.grad_device: torch.device | None = None
         self.group_rank, self.group_size = group_rank, group_size
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
