@@ -29,13 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reliability_jobs import live_processes_mentioning
 
+if os.environ.get("PLAIT_RELIABILITY_LONG") != "1":  # before importing Lightning: skipping is then free
+    pytest.skip("two Lightning launches, minutes here: set PLAIT_RELIABILITY_LONG=1 to run it",
+                allow_module_level=True)
 pytest.importorskip("lightning")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc"),
-    pytest.mark.skipif(os.environ.get("PLAIT_RELIABILITY_LONG") != "1",
-                       reason="two Lightning launches, minutes here: set PLAIT_RELIABILITY_LONG=1 to run it"),
-]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")]
 
 JOB = Path(__file__).with_name("reliability_fabric_job.py")
 LIMIT_S = 150
