@@ -275,3 +275,18 @@ def test_one_bit_lamb_and_zero_one_adam_are_read_and_refused_under_zero_until_co
             with_plait(transformers.Trainer, config)(model=tiny_llama_model(), train_dataset=TokenDataset(8),
                                                      args=training_args(str(tmp_path), max_grad_norm=0.0))
         assert refusal in str(info.value)
+
+
+def test_an_optimizer_given_to_the_trainer_too_is_refused(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    from plait.transformers import with_plait
+    from plait.transformers.demo import TokenDataset, tiny_llama_model, training_args
+
+    model = tiny_llama_model()
+    trainer = with_plait(transformers.Trainer, {"zero": {"stage": 2}, "optimizer": ONEBIT_BLOCK})(
+        model=model, train_dataset=TokenDataset(8), optimizers=(torch.optim.AdamW(model.parameters()), None),
+        args=training_args(str(tmp_path), max_grad_norm=0.0, max_steps=1))
+    with pytest.raises(ValueError, match=r"PlaitConfig\.onebit is set and the Trainer was also given an optimizer"):
+        trainer.train()

@@ -166,12 +166,16 @@ class PlaitTrainerMixin:
 
         Raises:
             ValueError: an extension refuses, or supplies ``param_groups`` (the Trainer's optimizer
-                defines the groups here).
+                defines the groups here); a 1-bit config and an optimizer given to the Trainer.
         """
         if isinstance(self.model, ZeroModule):
             return self.optimizer
         zero = zero_config_for(self.plait_config, self.args)
         check_plan(self.plait_config, self.args)
+        given = self.optimizer is not None  # optimizers=(opt, sched) passed to the Trainer
+        if self.plait_config.onebit is not None and (given or self.optimizer_cls_and_kwargs is not None):
+            raise ValueError("PlaitConfig.onebit is set and the Trainer was also given an optimizer (optimizers= "
+                             "or optimizer_cls_and_kwargs=); give the optimizer in one place only.")
         ensure_process_group()
         extensions, group = self._plait_parallel()
         weights = loading.pending_weights(self.model)
@@ -190,11 +194,10 @@ class PlaitTrainerMixin:
                              "directly with the extension's groups.")
         if self.plait_config.offload is not None:
             kwargs["placement"] = self.plait_config.placement()
-        given = self.optimizer is not None  # optimizers=(opt, sched) passed to the Trainer
         original = super().create_optimizer(model)  # type: ignore[misc]
         # Weights come from the files right after sharding: skip initialising what they overwrite.
         init = (lambda module: None) if weights is not None else None
-        optimizer, options = self._plait_optimizer_arguments(original, extensions, kwargs, given)
+        optimizer, options = self._plait_optimizer_arguments(original, extensions, kwargs)
         _, sharded = zero_shard(self.model, optimizer, zero, mesh=group, init_fn=init, **kwargs, **options)
         if weights is not None:
             loading.load_into_shards(self.model, weights)
@@ -224,22 +227,15 @@ class PlaitTrainerMixin:
         return [*config.extensions, *added], (mesh if mesh is not None and config.ep_size == 1 else None)
 
     def _plait_optimizer_arguments(self, original: torch.optim.Optimizer, extensions: list[Any],
-                                   kwargs: dict[str, Any], given: bool) -> tuple[Any, dict[str, Any]]:
+                                   kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """What ``zero_shard`` gets for the optimizer: the Trainer's own instance, or (with a 1-bit
         optimizer or expert parallelism) its class, groups and options, the groups split by the
-        extensions that ``regroup`` them.
-
-        Raises:
-            ValueError: a 1-bit config together with an optimizer passed to the Trainer.
-        """
+        extensions that ``regroup`` them."""
         regroupers = [ext for ext in sorted(extensions, key=lambda e: e.order) if hasattr(ext, "regroup")]
         onebit_config = self.plait_config.onebit
         if onebit_config is None and not regroupers:
             return original, {}
         if onebit_config is not None:
-            if self.optimizer_cls_and_kwargs is not None or given:
-                raise ValueError("PlaitConfig.onebit is set and the Trainer was also given an optimizer (optimizers= "
-                                 "or optimizer_cls_and_kwargs=); give the optimizer in one place only.")
             cls, groups, options = onebit.zero_shard_arguments(onebit_config, original, self.args)
         else:
             cls, groups, options = type(original), [dict(g) for g in original.param_groups], {}
