@@ -6,9 +6,15 @@ bitwise those of in-memory ZeRO-3."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helper beside this file
+
+from zero_full_state import full_optimizer_state
 
 from plait.kernels.testing import run_distributed, train_losses
 
@@ -30,11 +36,6 @@ def _model(name: str):
                                                                 n_positions=64))
 
 
-def _state(optimizer) -> dict:
-    return {(i, k): torch.as_tensor(v).clone() for i, s in optimizer.state_dict()["inner"]["state"].items()
-            for k, v in s.items()}
-
-
 def infinity_hf_session(root: str, name: str) -> dict:
     from plait.offload_io import IOConfig, OffloadConfig, zero_placement
     from plait.offload_io.subgroups import MasterPiece
@@ -46,7 +47,7 @@ def infinity_hf_session(root: str, name: str) -> dict:
 
     model, optimizer = build()
     ref = (train_losses(model, optimizer, STEPS, batch=BATCH, seq=SEQ),
-           {k: v.clone() for k, v in model.state_dict().items()}, _state(optimizer))
+           {k: v.clone() for k, v in model.state_dict().items()}, full_optimizer_state(model))
     io = IOConfig(block_size=65536, queue_depth=4, workers=2, fsync=False, min_free_bytes=0)
     path = os.path.join(root, f"{name}-rank{torch.distributed.get_rank()}")
     placement = zero_placement(OffloadConfig(device="nvme", param_device="nvme", grad_device="nvme", path=path,
@@ -54,7 +55,7 @@ def infinity_hf_session(root: str, name: str) -> dict:
     model, optimizer = build(placement)
     losses = train_losses(model, optimizer, STEPS, batch=BATCH, seq=SEQ)
     params = model.state_dict()
-    state = _state(optimizer)
+    state = full_optimizer_state(model)
     out = {"losses": losses == ref[0], "params": params.keys() == ref[1].keys() and all(
                torch.equal(params[k], ref[1][k]) for k in params),
            "state": state.keys() == ref[2].keys() and all(torch.equal(state[k], ref[2][k]) for k in state),

@@ -191,3 +191,22 @@ def test_io_leaves_a_tensor_storage_resizable(engine, tmp_path):
         for tensor in (source, back):
             tensor.untyped_storage().resize_(0)  # raises "not resizable" if the engine pinned it
             assert tensor.untyped_storage().nbytes() == 0
+
+
+def test_a_finished_operation_does_not_pin_its_tensor(engine, tmp_path):
+    """Once a write or read is done, the engine keeps no reference to the tensor's memory (its
+    dispatcher held the last operation until the next one came, which kept a whole written shard
+    alive after ZeRO-Infinity had freed it)."""
+    import gc
+
+    for kind in ("write", "read"):
+        tensor = torch.arange(1 << 16, dtype=torch.float32)
+        path = str(tmp_path / "pin.bin")
+        handle = engine.write(tensor, path) if kind == "write" else engine.read_into(tensor, path)
+        handle.wait()
+        address = tensor.data_ptr()
+        del tensor, handle
+        gc.collect()
+        alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                 and not t.is_meta and t.untyped_storage().data_ptr() == address]
+        assert alive == [], kind

@@ -12,7 +12,7 @@ from plait.kernels.testing import tiny_llama
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.memory import zero_formula_bytes
-from plait.zero_sharding.partition import OptionGroup, build_partition, unit_modules
+from plait.zero_sharding.partition import OptionGroup, build_partition, root_modules, unit_modules
 from plait.zero_sharding.units import FlatUnit, ParamSlot
 
 MODEL = dict(num_layers=2, hidden_size=32, num_heads=2, intermediate_size=48, vocab_size=50, max_seq_len=16)
@@ -44,6 +44,22 @@ def test_flat_layout_pads_at_the_end_and_covers_every_element_once(world: int) -
             assert torch.equal(unit.master[slo:shi], expected[plo:phi].float())
             covered[slot.offset + plo:slot.offset + phi] += 1
     assert torch.equal(covered, torch.ones_like(covered))
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_one_rank_master_adopts_an_owned_value_without_a_view(owned: bool) -> None:
+    """On one rank a one-parameter unit's master is exactly the parameter's value: an owned value
+    (released by sharded construction) becomes the master with no copy, and not as a view, whose
+    base would keep the memory alive after the shard is swapped for a placeholder."""
+    value = torch.arange(12, dtype=torch.float32).view(3, 4)
+    slot = ParamSlot("w", nn.Parameter(torch.empty(0)), 0, 12, (3, 4))
+    unit = FlatUnit(key="u0", slots=[slot], group=None, group_rank=0, group_size=1, resident=False,
+                    compute_dtype=torch.float32, reduce_dtype=torch.float32, option_index=0, replicas=1,
+                    device=torch.device("cpu"))
+    unit.build({"w": value}, mixed=False, stage=3, owned=owned)
+    assert torch.equal(unit.master, value.reshape(-1)) and unit.shard is unit.master
+    assert (unit.master.data_ptr() == value.data_ptr()) is owned  # shared only when owned
+    assert not unit.master._is_view() and unit.full.untyped_storage().nbytes() == 0
 
 
 def test_sharded_unit_frees_storage_and_views_survive_gather() -> None:
@@ -81,6 +97,29 @@ def test_partition_groups_modules_ties_to_root_and_keeps_small_parameters_reside
     resident = [s.name for u in partition.units if u.resident for s in u.slots]
     assert resident and all("norm" in name for name in resident)  # 32-element norms < 40
     assert sorted(sum(names.values(), [])) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_separate_root_gives_embedding_and_head_units_and_keeps_ties_in_the_root(tied: bool) -> None:
+    torch.manual_seed(0)
+    model = tiny_llama(**MODEL)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight  # used by two modules: stays in the root
+    assert root_modules(model, list(model.layers)) == [model.embed_tokens, model.norm, model.lm_head]
+    group = OptionGroup(options={}, params=list(model.parameters()), group=None, group_rank=0, group_size=1,
+                        replicas=1)
+    partition = build_partition(model, ZeroConfig(stage=3, param_persistence_threshold=0), [group], None,
+                                torch.device("cpu"), separate_root=True)
+    own = {module: [s.name for u in units for s in u.slots] for module, units in partition.module_units.items()}
+    root = [s.name for u in partition.root_units for s in u.slots]
+    assert own[model.norm] == ["norm.weight"]
+    if tied:
+        assert root == ["embed_tokens.weight"] and model.embed_tokens not in own and model.lm_head not in own
+    else:
+        assert root == [] and own[model.embed_tokens] == ["embed_tokens.weight"]
+        assert own[model.lm_head] == ["lm_head.weight"]
+    every = [s.name for u in partition.units for s in u.slots]
+    assert sorted(every) == sorted(n for n, _ in model.named_parameters())  # each parameter once
 
 
 def test_stage12_buckets_respect_the_bucket_size() -> None:

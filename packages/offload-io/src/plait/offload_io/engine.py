@@ -306,6 +306,10 @@ class AsyncIOEngine:
             op.fail(wrap_os_error(exc, path=op.path, nbytes=op.nbytes, offset=op.offset, action="fsync"))
         finally:
             self._close_fds(op)
+            # A finished operation must not pin its tensor: the dispatcher's loop variable keeps
+            # the last one until the next arrives, which held a whole written shard (125 MiB of
+            # a 32000 x 1024 head) in memory after the engine had freed it.
+            op.flat = op.array = None
             with self._outstanding_lock:
                 self._outstanding.discard(op.handle)
             op.handle._finish(op.error)

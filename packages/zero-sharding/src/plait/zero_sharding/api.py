@@ -295,7 +295,10 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         raise ValueError(f"the placement offloads parameters (OffloadConfig.param_device), which needs "
                          f"ZeroConfig(stage=3), got stage={config.stage}; use stage=3 or param_device='none'.")
     gatherer, reducer = _zeropp_policies(config, group, gatherer, reducer)
-    partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh))
+    # Offloaded parameters (ZeRO-Infinity): the embedding and the head get units of their own, so
+    # memory is bounded by the largest module rather than by the root unit (see partition.py).
+    partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh),
+                                separate_root=getattr(placement, "offloads_parameters", False))
     for unit in partition.units:
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
         if unit.group is group:

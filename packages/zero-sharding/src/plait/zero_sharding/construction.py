@@ -106,12 +106,25 @@ def _store_slice(param: ConstructedParameter, value: torch.Tensor) -> None:
     group = param._plait_group
     flat = value.reshape(-1)
     chunk = group.chunk(flat.numel())
-    piece = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
-    lo, hi = min(group.rank * chunk, flat.numel()), min((group.rank + 1) * chunk, flat.numel())
-    piece[:hi - lo].copy_(flat[lo:hi])
+    if _sole_owner(flat, chunk):
+        # One rank keeps the whole value: keeping the tensor itself, not a copy, saves a second
+        # copy of the largest module (the embedding) while the model is built.
+        piece = flat.detach()  # not a view: see FlatUnit._adopt
+    else:
+        piece = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+        lo, hi = min(group.rank * chunk, flat.numel()), min((group.rank + 1) * chunk, flat.numel())
+        piece[:hi - lo].copy_(flat[lo:hi])
     param._plait_slice = piece
     param._plait_generation += 1
     param._plait_fingerprint = _fingerprint(flat)
+
+
+def _sole_owner(flat: torch.Tensor, chunk: int) -> bool:
+    """Whether ``flat`` can be kept as this rank's slice without a copy: the slice is the whole
+    value (one rank) and ``flat`` is all of its own storage (no other tensor shares its memory, so
+    nothing else can change the slice)."""
+    return chunk == flat.numel() and flat.is_contiguous() and flat.storage_offset() == 0 and \
+        flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
 
 
 def _fingerprint(flat: torch.Tensor, block: int = 1 << 20) -> tuple[float, float]:
@@ -126,23 +139,26 @@ def _fingerprint(flat: torch.Tensor, block: int = 1 << 20) -> tuple[float, float
     return total, squares
 
 
-def whole_value(param: ConstructedParameter, *, gather: bool = True) -> torch.Tensor:
+def whole_value(param: ConstructedParameter, *, gather: bool = True, copy: bool = True) -> torch.Tensor:
     """The whole value of ``param`` as a plain tensor (collective over its construction group
-    unless ``gather=False``, which returns uninitialised memory of the right shape)."""
+    unless ``gather=False``, which returns uninitialised memory of the right shape). On one rank
+    ``copy=False`` returns the slice itself (for a caller that drops the slice right after)."""
     group, piece = param._plait_group, param._plait_slice
     numel = math.prod(param._plait_shape)
     if not gather:
         return torch.empty(param._plait_shape, dtype=piece.dtype, device=piece.device)
     if group.world == 1:
-        return piece[:numel].clone().view(param._plait_shape)
+        whole = piece[:numel]
+        return (whole.clone() if copy else whole).view(param._plait_shape)
     out = torch.empty(piece.numel() * group.world, dtype=piece.dtype, device=piece.device)
     all_gather_into_tensor(out, piece, group=group.group)
     return out[:numel].view(param._plait_shape)
 
 
 def release(param: ConstructedParameter) -> torch.Tensor:
-    """Turn ``param`` back into a plain ``nn.Parameter`` holding its whole value (collective)."""
-    value = whole_value(param)
+    """Turn ``param`` back into a plain ``nn.Parameter`` holding its whole value (collective).
+    The slice is dropped, so on one rank the value is the slice itself, not a copy."""
+    value = whole_value(param, copy=False)
     with torch._C.DisableTorchFunctionSubclass():
         param.data = value
     for attr in ("_plait_shape", "_plait_slice", "_plait_group", "_plait_generation", "_plait_fingerprint"):

@@ -7,6 +7,14 @@ default), the remaining parameters form the root unit, and parameters smaller th
 ``param_persistence_threshold`` go to resident buckets handled like stage 2. A parameter used by
 two module groups (tied weights) belongs to the root unit, which stays gathered from forward
 until backward ends.
+
+With ``separate_root=True`` (chosen when parameters are offloaded, ZeRO-Infinity) every module
+outside the module groups that owns parameters itself (the embedding, the output head) becomes a
+module group of its own: gathered for its forward and again for its backward like a layer,
+instead of staying gathered, with its gradient, through the whole backward inside the root unit.
+That costs one more gather of those parameters per step (a file read when they are offloaded)
+and bounds memory by the largest module instead of the sum of the root's. Tied parameters (an
+embedding shared with the head) are used by two modules and stay in the root unit.
 """
 
 from __future__ import annotations
@@ -125,8 +133,17 @@ def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]
     return [b for b in out if b]
 
 
+def root_modules(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """Modules outside every module group (and not ``model`` itself) that own parameters
+    directly, in pre-order: the groups ``separate_root`` adds (embedding, head, final norm)."""
+    inside = {id(sub) for module in modules for sub in module.modules()}
+    return [m for m in model.modules()
+            if m is not model and id(m) not in inside and any(p is not None for p in m._parameters.values())]
+
+
 def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGroup],
-                    init_fn: Callable[[nn.Module], None] | None, device: torch.device) -> Partition:
+                    init_fn: Callable[[nn.Module], None] | None, device: torch.device, *,
+                    separate_root: bool = False) -> Partition:
     """Create and fill every unit (see the module docstring).
 
     Args:
@@ -136,6 +153,8 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         init_fn: called on a module whose meta parameters were just allocated; default
             ``module.reset_parameters()``.
         device: the compute device every unit's storage is allocated on.
+        separate_root: stage 3: the root's own modules become module groups (see the module
+            docstring).
 
     Returns:
         The :class:`Partition`.
@@ -151,6 +170,9 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
                 plans.append((bucket, og, index, True, None))
     else:
         modules = unit_modules(model, config)
+        if separate_root:
+            order = {id(m): i for i, m in enumerate(model.modules())}
+            modules = sorted(modules + root_modules(model, modules), key=lambda m: order[id(m)])
         owner = _owners(model, modules)
         for index, og in enumerate(groups):
             small = [p for p in og.params if p.numel() < config.param_persistence_threshold]
@@ -174,7 +196,7 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
                         device=device)
         values = materializer.values_for(unit)
-        unit.build(values, config.mixed_precision, config.stage)
+        unit.build(values, config.mixed_precision, config.stage, owned=materializer.owned)
         materializer.done_with(unit)
         units.append(unit)
         for slot in slots:
@@ -197,11 +219,17 @@ class _Materializer:
                     self.owner_of.setdefault(id(p), module)
                     self.locations.setdefault(id(p), []).append((module, name))
         self.pending: dict[str, torch.Tensor] = {}
+        self.owned = False  # see values_for
 
     def values_for(self, unit: FlatUnit) -> dict[str, torch.Tensor] | None:
+        """Slot name -> whole value for a unit with constructed or meta parameters (``None``: the
+        parameters hold their values). Sets :attr:`owned`: every value is a fresh tensor nothing
+        else references (released slices, just-initialised meta parameters)."""
+        self.owned = False
         if not any(slot.param.is_meta or isinstance(slot.param, ConstructedParameter) for slot in unit.slots):
             return None
         values = {}
+        self.owned = True
         for slot in unit.slots:
             if isinstance(slot.param, ConstructedParameter):  # built under sharded_init: gather its slices
                 values[slot.name] = release(slot.param)
@@ -210,6 +238,8 @@ class _Materializer:
                 self._materialize(self.owner_of[id(slot.param)])
                 new = self._current(slot)
                 slot.param = new
+            else:
+                self.owned = False  # a parameter the user built holds this value
             values[slot.name] = slot.param.detach()
         return values
 

@@ -150,7 +150,7 @@ class FlatUnit:
         return out
 
     # ---- construction -------------------------------------------------------------------------
-    def build(self, values: dict[str, torch.Tensor] | None, mixed: bool, stage: int) -> None:
+    def build(self, values: dict[str, torch.Tensor] | None, mixed: bool, stage: int, *, owned: bool = False) -> None:
         """Allocate storage and point the parameters at it.
 
         Args:
@@ -158,16 +158,24 @@ class FlatUnit:
                 hold their values (not on the meta device).
             mixed: keep fp32 masters apart from compute-dtype shards.
             stage: the ZeRO stage (stage 1 gets a persistent full gradient buffer).
+            owned: nothing else references ``values`` (released by sharded construction), so a
+                value that is exactly the master may become it without a copy.
         """
-        full = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         lo, hi = self.shard_range
-        master = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        master = self._adopt(values) if owned else None
+        if master is None:
+            master = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        # A sharded unit's full buffer is released right below: it is never written, so on the
+        # CPU its pages are never touched (building costs the master, not the master twice).
+        full = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device) if self.resident \
+            else torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         for slot in self.slots:
             value = values[slot.name] if values is not None else slot.param.detach()
             flat = value.reshape(-1)
-            full[slot.offset:slot.offset + slot.numel].copy_(flat)
+            if self.resident:
+                full[slot.offset:slot.offset + slot.numel].copy_(flat)
             hit = flat_overlap(slot.flat_range, (lo, hi))
-            if hit is not None:
+            if hit is not None and master.data_ptr() != flat.data_ptr():  # an adopted value is the master
                 master[hit[0] - lo:hit[1] - lo].copy_(flat[hit[0] - slot.offset:hit[1] - slot.offset])
         self.full = full
         if self.resident:
@@ -185,6 +193,19 @@ class FlatUnit:
             for slot in self.slots:
                 if slot.param.requires_grad:
                     slot.param.grad = self.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _adopt(self, values: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """The one value that is exactly this rank's master (one rank, one fp32 parameter, no
+        padding), flattened, or ``None``: the master then starts as that tensor, with no copy."""
+        if values is None or len(self.slots) != 1 or self.shard_numel != self.numel or self.group_size != 1:
+            return None
+        flat = values[self.slots[0].name].reshape(-1)
+        if flat.dtype != torch.float32 or flat.device != self.device or not flat.is_contiguous():
+            return None
+        # detach: not a view. A view keeps its base (the whole value) alive through autograd's
+        # view metadata even after its ``.data`` is swapped for a placeholder (shard offload), so
+        # the memory would never be freed.
+        return flat.detach()
 
     def _point_params(self) -> None:
         for slot in self.slots:
