@@ -133,3 +133,45 @@ def test_resume_after_warmup_at_four_ranks_is_bitwise(tmp_path) -> None:
     for (losses, saved), (again, loaded) in zip(uninterrupted, resumed):
         assert all(torch.equal(a, b) for a, b in zip(saved, loaded)) and any(bool((c != 0).any()) for c in saved)
         assert again == losses
+
+
+def _hf_llama_losses(zero: bool, steps: int) -> list[float]:
+    """The package's 300-step convergence setup (tiny HF Llama, lr 1e-2 as its LAMB rows, half the
+    run as warm-up): ZeRO-2 + 1-bit LAMB, or the reference, data-parallel LAMB (plain ``Lamb`` on
+    DDP-averaged gradients; LAMB itself does not shard: it is not elementwise)."""
+    transformers = pytest.importorskip("transformers")
+    from plait.onebit_optim import Lamb
+    from plait.onebit_optim.exchange import average_gradients
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=SEQ))
+    if zero:
+        model, optimizer = zero_shard(model, OnebitLamb, ZeroConfig(stage=2), lr=1e-2, weight_decay=0.01,
+                                      onebit_config=OnebitLambConfig(freeze_step=steps // 2))
+        losses = train_losses(model, optimizer, steps, batch=BATCH, seq=SEQ)
+    else:
+        lamb = Lamb(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+        class Averaged:  # DDP's arithmetic, then LAMB
+            def step(self) -> None:
+                average_gradients([p.grad for p in model.parameters()])
+                lamb.step()
+
+            def zero_grad(self) -> None:
+                lamb.zero_grad()
+
+        losses = train_losses(model, Averaged(), steps, batch=BATCH, seq=SEQ)
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hf_llama_300_steps_under_zero2_within_2_percent_of_data_parallel_lamb() -> None:
+    onebit = run_distributed(_hf_llama_losses, 2, True, 300, timeout=280)[0]
+    lamb = run_distributed(_hf_llama_losses, 2, False, 300, timeout=280)[0]
+    tail_onebit, tail_lamb = sum(onebit[-20:]) / 20, sum(lamb[-20:]) / 20
+    assert tail_onebit < 1.02 * tail_lamb, (tail_onebit, tail_lamb)

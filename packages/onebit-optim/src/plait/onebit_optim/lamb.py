@@ -102,6 +102,8 @@ class OnebitLamb(CompressedOptimizer):
         config: the 1-bit settings (:class:`OnebitLambConfig`).
         process_group: the data-parallel group.
         momentum_masks: ``{parameter: 0/1 mask}`` applied to the exchanged momentum.
+        onebit_config: another name for ``config``, as :class:`~plait.onebit_optim.OnebitAdam`'s
+            (for ``zero_shard`` and the framework strategies, which have a ``config`` of their own).
 
     Raises:
         ValueError: invalid hyperparameters, config or masks.
@@ -111,7 +113,12 @@ class OnebitLamb(CompressedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitLambConfig | None = None,
-                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None,
+                 onebit_config: OnebitLambConfig | None = None):
+        if onebit_config is not None:
+            if config is not None and config != onebit_config:
+                raise ValueError("OnebitLamb: config and onebit_config differ; pass one of them.")
+            config = onebit_config
         super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
                          momentum_masks=momentum_masks)
 

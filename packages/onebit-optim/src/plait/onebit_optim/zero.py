@@ -123,6 +123,12 @@ class OnebitZeroExchange:
         self.reduced: set[str] = set()
         self.checkpoint_world: int | None = None
         self._staged: dict[str, Any] = {}
+        # Deferred mode (gradient clipping, fp16): each unit's local gradient bucket, kept from its
+        # reduction to the step, where the units are exchanged (see run_deferred).
+        self.deferred = False
+        self.max_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None
+        self._kept: dict[str, tuple[torch.Tensor, Any]] = {}
 
     # ---- engine hooks -------------------------------------------------------------------------
     def bind(self, engine: Any) -> None:
@@ -134,6 +140,13 @@ class OnebitZeroExchange:
                              "average. Shard over every data-parallel dimension (shard_dims) or pass mesh['dp'].")
         self.engine = engine
         self.units = {unit.key: _UnitState(unit) for unit in engine.units}
+        config = engine.config
+        # Clipping needs every unit's local gradient before the first one is exchanged, and an
+        # fp16 step may be skipped after backward: both exchange at the step, not during backward,
+        # so a skipped step leaves the error feedback untouched.
+        self.max_grad_norm = config.max_grad_norm
+        self.deferred = config.max_grad_norm is not None or torch.float16 in (config.compute_dtype,
+                                                                               config.reduce_dtype)
         params = {id(slot.param) for unit in engine.units for slot in unit.slots}
         stray = [pid for pid in self.masks if pid not in params]
         if stray:
@@ -156,8 +169,12 @@ class OnebitZeroExchange:
             commit()
 
     def on_skipped_step(self, step: int) -> None:
-        """A skipped step (never under the refused fp16): nothing was updated."""
+        """A skipped step (a non-finite gradient on some rank): nothing was updated, the freeze
+        counter stays, and the gradients kept for the step (deferred mode) are dropped unused."""
         self.reduced.clear()
+        self._kept.clear()
+        for state in self.units.values():
+            state.momentum = None
 
     def all_reduce(self, tensor: torch.Tensor, *, group: Any, key: str) -> Any:
         """Plain sum (the engine calls it only for HSDP replicas, which 1-bit Adam does not use)."""
@@ -174,13 +191,58 @@ class OnebitZeroExchange:
                 "is exchanged once per step, so accumulate gradients inside model.no_sync() (stage 2) and let the "
                 "last backward of the step reduce.")
         self.reduced.add(key)
+        shard_out.zero_()
+        if self.deferred:
+            # A local check: the engine all-reduces its overflow flag, so every rank skips together.
+            if not bool(torch.isfinite(full).all()):
+                shard_out.fill_(float("nan"))
+            self._kept[key] = (full, group)
+            return None
         state = self.units[key]
         if state.signs is None and state.scales is None:  # no 1-bit form yet (first compressed step, a load)
             self._gather_momentum(state)
         with torch.no_grad():
-            state.momentum = self._exchange(state, full, group)
-        shard_out.zero_()
+            state.momentum = self._exchange(state, full.to(torch.float32), group)
+        if state.momentum is None:  # non-finite momentum somewhere: not exchanged, the engine skips the step
+            shard_out.fill_(float("nan"))
         return None
+
+    def run_deferred(self) -> None:
+        """Deferred mode, at the step (called by the inner optimizer): unscale the kept local
+        gradients (fp16), clip them by ``max_grad_norm`` against the root mean square over ranks of
+        the local gradient norms, and exchange every kept unit, in unit order."""
+        if not self._kept:
+            return
+        kept, self._kept = self._kept, {}
+        scale = float(getattr(getattr(self.engine.model, "zero_optimizer", None), "loss_scale", 1.0))
+        coefficient = 1.0 / scale
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self._local_norm(kept, scale)
+            if self.last_grad_norm > self.max_grad_norm:  # the engine's clipping formula
+                coefficient *= self.max_grad_norm / (self.last_grad_norm + 1e-6)
+        with torch.no_grad():
+            for key, state in self.units.items():
+                if key not in kept:
+                    continue
+                full, group = kept.pop(key)
+                if state.signs is None and state.scales is None:
+                    self._gather_momentum(state)
+                grads = full.to(torch.float32)
+                grads = grads * coefficient if coefficient != 1.0 else grads  # never in place: stage 1's buffer
+                del full
+                state.momentum = self._exchange(state, grads, group)
+
+    def _local_norm(self, kept: dict[str, tuple[torch.Tensor, Any]], scale: float) -> float:
+        """``sqrt(mean over ranks of ||g_rank||^2)``, unscaled: it bounds the averaged gradient's
+        norm from above (equal to it when the ranks' gradients are equal); one float64 all-reduce."""
+        squares = torch.zeros(1, dtype=torch.float64)
+        for full, _ in kept.values():
+            squares += float(torch.linalg.vector_norm(full, dtype=torch.float32)) ** 2
+        group = next(iter(kept.values()))[1]
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if world > 1:
+            collectives.all_reduce(squares, group=group, name="OnebitAdam local gradient-norm all-reduce (clipping)")
+        return math.sqrt(float(squares) / world) / scale
 
     # ---- the exchange -------------------------------------------------------------------------
     def _gather_momentum(self, state: _UnitState) -> None:
@@ -202,7 +264,7 @@ class OnebitZeroExchange:
         unit = state.unit
         if state.signs is None:  # gathered in fp32 (first compressed step / after a load)
             assert state.scales is not None
-            return state.scales
+            return state.scales.clone()  # the caller updates it in place; a skipped step needs it again
         decoded = scaled_signs(unpack_bits(state.signs, state.world * state.chunk).view(state.world, state.chunk),
                                state.scales[:, None])
         flat = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
@@ -216,15 +278,19 @@ class OnebitZeroExchange:
         flat[unit.numel:].zero_()
         return flat
 
-    def _exchange(self, state: _UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor:
+    def _exchange(self, state: _UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor | None:
+        """The unit's 1-bit exchange of ``beta1 m + (1 - beta1) grads`` (fp32, unscaled); returns the
+        owner's averaged momentum shard, or ``None`` (state untouched) when it is not finite somewhere."""
         unit, world = state.unit, state.world
         group_options = self.optimizer.param_groups[unit.option_index]
         beta1 = group_options["betas"][0]
         momentum = self._full_momentum(state)
         local = momentum.view(-1)[:unit.padded_numel]
-        local.mul_(beta1).add_(grads.to(torch.float32), alpha=1 - beta1)
+        local.mul_(beta1).add_(grads, alpha=1 - beta1)
         local[unit.numel:].zero_()
         if world == 1:  # the average of one value is the value: nothing to compress
+            if not bool(torch.isfinite(local).all()):
+                return None
             for slot in unit.slots:
                 mask = self.masks.get(id(slot.param))
                 if mask is not None:
@@ -234,6 +300,8 @@ class OnebitZeroExchange:
         tensors = [local[s.offset:s.offset + s.numel].view(s.shape) for s in unit.slots]
         rms = torch.stack([torch.linalg.vector_norm(t.float()) / math.sqrt(max(t.numel(), 1)) for t in tensors])
         collectives.all_reduce(rms, group=group, name=f"OnebitAdam per-tensor RMS all-reduce of `{unit.key}`")
+        if not bool(torch.isfinite(rms).all()):  # some rank's momentum is not finite: keep it out of the errors
+            return None
         rms.mul_(1.0 / world)
         united = rms.mean()
         factors = torch.where(rms > 0, united / rms, 1.0).tolist()

@@ -67,6 +67,7 @@ class ShardedOnebitLamb(torch.optim.Optimizer):
         """One update of every master shard: LAMB during warm-up, the frozen-variance 1-bit LAMB
         update from the exchanged momentum after it."""
         loss = run_closure(closure)
+        self.exchange.run_deferred()  # clipping / fp16: the units are exchanged now
         keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()}
         self._pending = {}
         for group in self.param_groups:

@@ -41,8 +41,8 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         ``(inner optimizer class, param_groups, hyperparameter kwargs, reducer)`` for ``zero_shard``.
 
     Raises:
-        ValueError: ZeRO-3, ZeRO++, fp16, gradient clipping by the engine, another reducer, a
-            ``process_group``, or 0/1 Adam (naming what works).
+        ValueError: ZeRO-3, ZeRO++, another reducer, a ``process_group``, or 0/1 Adam (naming
+            what works).
     """
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     name = cls.__name__
@@ -96,12 +96,6 @@ def _check_composable(name: str, zero_config: Any, reducer: Any) -> None:
         problems.append(f"reducer= is given, but {name}'s 1-bit exchange is the reducer; drop it")
     if getattr(zero_config, "zeropp", None) is not None:
         problems.append("ZeroConfig.zeropp is set; its quantized reduce replaces the 1-bit exchange: use one of them")
-    if zero_config.compute_dtype == torch.float16 or zero_config.reduce_dtype == torch.float16:
-        problems.append("fp16 compute needs loss scaling, which the 1-bit exchange does not integrate yet; "
-                        "use fp32 or bf16")
-    if zero_config.max_grad_norm is not None:
-        problems.append("ZeroConfig.max_grad_norm is set; after warm-up the engine sees the exchanged momentum, not "
-                        "gradients, so there is nothing it could clip; leave it None")
     if problems:
         raise ValueError(f"zero_shard with {name}: " + "; ".join(problems) + ".")
 
@@ -144,6 +138,7 @@ class ShardedOnebitAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of the master shards (see the class docstring)."""
         loss = run_closure(closure)
+        self.exchange.run_deferred()  # clipping / fp16: the units are exchanged now
         keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()} if self.exchange.engine else {}
         compressed = self.exchange.compressing and any(
             self.exchange.take_momentum(k) is not None for k in keys.values())
