@@ -22,6 +22,7 @@ TABLES = [
     ("kernels/README.md", "kernels/benchmarks/results/kernels.json"),
     ("packages/inference-kernels/README.md", "packages/inference-kernels/benchmarks/results/inference-kernels.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers.json"),
+    ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers-quality.json"),
     ("packages/ulysses-sp/README.md", "packages/ulysses-sp/benchmarks/results/ulysses-sp.json"),
     ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io.json"),
