@@ -1,6 +1,7 @@
 """Cross-package (issue 20): a DeepSpeed tensor-parallel run (AutoTP=2 + ZeRO-1 at W=2), converted
 by plait-universal-ckpt, resumes under plait-zero-sharding ZeRO-3 at W=3 and follows DeepSpeed
-continuing in its own layout for 20 steps.
+continuing in its own layout for 20 steps; a DeepSpeed PipelineModule run (2 stages) loads into
+ZeRO-3 at W=3 with every tensor bitwise.
 
 The DeepSpeed fixture is plait-universal-ckpt's own (``make_autotp``, trained here on CPU/gloo by
 deepspeed 0.19.8); plait ZeRO-3 needs no deepspeed.
@@ -75,3 +76,30 @@ def test_autotp_checkpoint_resumes_under_plait_zero3_w3(tmp_path):
         # three identical data-parallel gradients, each in its own float32 order, and AdamW carries
         # that rounding on (the tolerance of the torch TP resume, LOSS_TOLERANCE).
         torch.testing.assert_close(result["losses"], expected, **ds_mp.LOSS_TOLERANCE)
+
+
+def load_pipeline_zero3(root: str) -> str:
+    """Load the converted PipelineModule run into plait ZeRO-3 over the same layers; re-save."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    model, _ = zero_shard(torch.nn.Sequential(*ds_mp._layers()), torch.optim.AdamW, ZeroConfig(stage=3), lr=1e-2)
+    uc.load({"model": model}, root)
+    return str(uc.save({"model": model}, f"{root}-zero3", step=2).path)
+
+
+def test_pipeline_module_checkpoint_loads_into_plait_zero3_w3(tmp_path):
+    pytest.importorskip("deepspeed")
+    trained = run_distributed(ds_mp.make_pipeline, 2, str(tmp_path / "ds"), 2, timeout=150,
+                              env={"DS_ACCELERATOR": "cpu"})
+    ckpt = import_deepspeed(tmp_path / "ds" / "plain", tmp_path / "uc")
+    resaved = Path(run_distributed(load_pipeline_zero3, 3, str(tmp_path / "uc"), timeout=150)[0])
+    imported, manifest = uc.read_manifest(ckpt), uc.read_manifest(resaved)
+    compared = 0
+    for name, entry in imported.tensors.items():
+        if entry.kind in ("parameter", "optimizer_state"):
+            assert torch.equal(uc.read_full(ckpt, imported, entry),
+                               uc.read_full(resaved, manifest, manifest.tensors[name])), name
+            compared += 1
+    assert compared == 4 * 14  # 7 Linear layers: weights and biases with masters, two moments and a step
+    for name, tensor in (item for stage in trained for item in stage.items()):  # what each stage trained
+        assert torch.equal(uc.read_full(resaved, manifest, manifest.tensors[f"model/model.{name}"]), tensor), name
