@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from plait.kernels.collectives import ByteLedger
-from plait.kernels.ops.quantize import quantize_blockwise
+from plait.kernels.ops.quantize import dequantize_blockwise, quantize_blockwise
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, wait
 from plait.zero_sharding.zeropp import (
@@ -140,6 +140,10 @@ def test_wire_rows_match_per_row_quantization(bits, numel, block):
         assert torch.equal(payload[index, :layout.code_bytes], codes.view(torch.uint8))
         assert torch.equal(payload[index, layout.code_bytes:].clone().view(torch.float32), scales)
     values = dequantize_rows(payload, layout, torch.empty(3 * numel))
+    for index in range(3):  # all rows in one call (padded to whole blocks): each row's own bits
+        codes, scales = quantize_blockwise(rows[index], bits=bits, block_size=block)
+        alone = dequantize_blockwise(codes, scales, bits=bits, block_size=block, numel=numel)
+        assert torch.equal(values[index * numel:(index + 1) * numel], alone)
     summed = dequantize_sum_rows(payload, layout)
     torch.testing.assert_close(summed, values.view(3, numel).sum(dim=0), rtol=0, atol=0)
     bound = payload[:, layout.code_bytes:].contiguous().view(torch.float32).repeat_interleave(block, dim=1)
