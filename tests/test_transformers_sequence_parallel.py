@@ -102,6 +102,11 @@ def _session(tmp: str) -> dict[str, Any]:
                          save_strategy="steps", save_steps=SAVE_AT),
             "sp_resumed": _train(tmp, "sp_resumed", {"zero": {"stage": 3}, "sp_size": 2}, odd, max_grad_norm=CLIP,
                                  resume=f"{tmp}/sp/checkpoint-{SAVE_AT}"),
+            # without the Trainer's global token count: each sp group's token mean, scaled by sp
+            "ddp_local_mean": _train(tmp, "ddp_local_mean", None, odd, max_grad_norm=0.0,
+                                     average_tokens_across_devices=False),
+            "sp_local_mean": _train(tmp, "sp_local_mean", {"zero": {"stage": 3}, "sp_size": 2}, odd,
+                                    max_grad_norm=0.0, average_tokens_across_devices=False),
             "ddp_ragged": _train(tmp, "ddp_ragged", None, Ragged(), pad_collator, max_grad_norm=0.0),
             "sp_ragged": _train(tmp, "sp_ragged", PlaitConfig(zero=ZeroConfig(stage=2), sp_size=2), Ragged(),
                                 pad_collator, max_grad_norm=0.0)}
@@ -135,6 +140,16 @@ def test_sp2_follows_the_trainer_without_sp(runs: list[dict[str, Any]]) -> None:
         assert "PlaitConfig.sp_size=2: predictions and compute_metrics" in sp["predict_refused"]
         assert ddp["losses"][-1] < ddp["losses"][0]
         print(rank, "ddp", ddp["losses"], "sp", sp["losses"], "max rel", worst)
+
+
+@pytest.mark.timeout(480)
+def test_sp2_without_the_global_token_count(runs: list[dict[str, Any]]) -> None:
+    """``average_tokens_across_devices=False``: the Trainer passes no ``num_items_in_batch`` and DDP
+    averages the ranks' means; sp uses ulysses-sp's group mean times sp (equal token counts here)."""
+    for result in runs:
+        worst = _close(result["sp_local_mean"]["losses"], result["ddp_local_mean"]["losses"])
+        _close([result["sp_local_mean"]["eval_loss"]], [result["ddp_local_mean"]["eval_loss"]])
+        print("local mean: max rel", worst)
 
 
 @pytest.mark.timeout(480)
