@@ -36,7 +36,7 @@ from plait.kernels.testing import Fault, global_batch, rank_slice
 from plait.universal_ckpt.testing import small_model
 from plait.zero_sharding import ZeroConfig, zero_shard
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 30.0  # also how long init waits for every rank to join: imports are slow on a loaded machine
 BATCH, SEQ = 12, 16
 
 
@@ -93,7 +93,7 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int 
     start = manager.restore(state) or 0
     if start:
         journal.event("resume", start)
-    guard = collectives.PreemptionGuard(grace_s=2 * TIMEOUT_S).install()
+    guard = collectives.PreemptionGuard(grace_s=TIMEOUT_S).install()
     for step in range(start, steps):
         collectives.set_step(step)
         for fault in faults:
