@@ -226,3 +226,13 @@ def test_a_missing_parallel_package_is_named_with_its_pip_line(tmp_path: Path, m
     with pytest.raises(ImportError, match=rf"PlaitConfig\.{field}=2 needs {package}.*pip install {package} .*"
                                           rf"plait-transformers\[{extra}\]"):
         _trainer(tmp_path, PlaitConfig(**{field: 2}))
+
+
+def test_parallel_sizes_must_divide_the_world() -> None:
+    from plait.transformers.parallel import check_world_size
+
+    check_world_size(2, 2, 8)
+    with pytest.raises(ValueError, match=r"PlaitConfig\.sp_size=2 x ep_size=2 = 4 does not divide the world size 6"):
+        check_world_size(2, 2, 6)
+    with pytest.raises(ValueError, match=r"PlaitConfig\.ep_size=3 does not divide the world size 4.*\[1, 2, 4\]"):
+        check_world_size(1, 3, 4)

@@ -62,10 +62,13 @@ def check_world_size(sp_size: int, ep_size: int, world_size: int) -> None:
         ValueError: naming the field, the world size and the sizes that would work.
     """
     choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for field, value in (("sp_size", sp_size), ("ep_size", ep_size), ("sp_size x ep_size", sp_size * ep_size)):
+    for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
         if world_size % value:
             raise ValueError(f"PlaitConfig.{field}={value} does not divide the world size {world_size} (the "
                              f"launcher's processes); use one of {choices}.")
+    if world_size % (sp_size * ep_size):
+        raise ValueError(f"PlaitConfig.sp_size={sp_size} x ep_size={ep_size} = {sp_size * ep_size} does not divide "
+                         f"the world size {world_size}; make the product one of {choices}.")
 
 
 def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
