@@ -40,16 +40,22 @@ def _config(**extra) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, **extra}
 
 
-def make_autotp_checkpoint(root: str, quick: bool) -> int:
-    """An AutoTP=2 + ZeRO-1 checkpoint of an HF Llama; returns its parameter count."""
-    deepspeed = _deepspeed()
+def _llama(quick: bool):
+    """The benchmark's HF Llama: 106M parameters (hidden 768, 8 layers, vocabulary 32000), tiny with quick."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512) if quick else dict(
         hidden_size=768, intermediate_size=2048, num_hidden_layers=8, vocab_size=32000)
-    model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4 if quick else 12, num_key_value_heads=4 if quick else 12,
-                                         max_position_embeddings=64, tie_word_embeddings=False, **size))
+    return LlamaForCausalLM(LlamaConfig(num_attention_heads=4 if quick else 12, num_key_value_heads=4 if quick else 12,
+                                        max_position_embeddings=64, tie_word_embeddings=False, **size))
+
+
+def make_autotp_checkpoint(root: str, quick: bool) -> int:
+    """An AutoTP=2 + ZeRO-1 checkpoint of an HF Llama; returns its parameter count."""
+    deepspeed = _deepspeed()
+    model = _llama(quick)
+    size = {"vocab_size": model.config.vocab_size}
     count = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=_config(tensor_parallel={"autotp_size": 2}))
@@ -117,4 +123,73 @@ def model_parallel_rows(tmp: Path, quick: bool) -> list[BenchRow]:
         row = timing_row(f"DeepSpeed {label} ZeRO-1 W=2, {count / 1e6:.3g}M params -> universal", stats["ours"],
                          "ds_to_universal", stats["ds"], target_ratio=TARGET_RATIO)
         rows.append(BenchRow(**{**row.__dict__, "note": row.note + f"; {len(stats['ours'].samples)} timed runs"}))
-    return rows
+    return rows + online_load_rows(tmp, quick)
+
+
+def _torch_tp(model, mesh):
+    """torch TP on the Llama: column-parallel q/k/v/gate/up, row-parallel o/down."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for index in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{index}.{name}"] = ColwiseParallel()
+        plan[f"model.layers.{index}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"model.layers.{index}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def resave_under_torch_tp(converted: str, dst: str, quick: bool) -> None:
+    """Load the converted AutoTP run into torch TP=2 (W=2) and save it there: plait's own TP=2 checkpoint."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import plait.universal_ckpt as uc
+
+    model = _torch_tp(_llama(quick), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = uc.ModelParallelConfig(groups={"tp": tuple(range(dist.get_world_size()))})
+    state = {"model": uc.model_parallel(model, optimizer, config=config)}
+    uc.load(state, converted)
+    uc.save(state, dst, step=1)
+
+
+def online_load_rows(tmp: Path, quick: bool) -> list[BenchRow]:
+    """Loading a TP=2 checkpoint into one process (weights, moments, step): plait's online reshard of its
+    own TP=2 checkpoint vs converting DeepSpeed's AutoTP=2 checkpoint of the same run first
+    (``import_deepspeed``, then the load). Both end with the same state in the same model."""
+    from plait.kernels.testing import run_distributed
+    from plait.universal_ckpt import api
+    from plait.universal_ckpt.interop.deepspeed import import_deepspeed
+    from plait.universal_ckpt.parallel_layout import model_parallel
+
+    src = tmp / "online-autotp"
+    count = run_distributed(make_autotp_checkpoint, 2, str(src), quick, timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    converted = import_deepspeed(src, tmp / "online-converted")
+    run_distributed(resave_under_torch_tp, 2, str(converted), str(tmp / "online-tp2"), quick, timeout=600)
+    model = _llama(quick)
+    state = {"model": model_parallel(model, torch.optim.AdamW(model.parameters(), lr=1e-3))}
+    counter = itertools.count()
+
+    def online() -> None:
+        api.load(state, tmp / "online-tp2")
+
+    def convert_then_load() -> None:
+        api.load(state, import_deepspeed(src, tmp / f"online-convert{next(counter)}"))
+
+    stats = interleaved_timing({"online": online, "convert": convert_then_load}, warmup=1, steps=3)
+    row = timing_row(f"TP=2 HF Llama {count / 1e6:.3g}M params -> one process: online load of plait's TP=2 checkpoint",
+                     stats["online"], "import_deepspeed + load", stats["convert"])
+    return [BenchRow(**{**row.__dict__, "note": row.note + f"; {len(stats['online'].samples)} timed runs"})]
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    from plait.kernels.bench import format_table
+
+    parser = argparse.ArgumentParser(description="online load vs convert-then-load (issue 20)")
+    parser.add_argument("--quick", action="store_true")
+    with tempfile.TemporaryDirectory() as workdir:
+        print(format_table(online_load_rows(Path(workdir), parser.parse_args().quick)))
