@@ -3,9 +3,10 @@
 ``teardown_publisher_job.py`` holds the publisher in a real torch store call (a 2 s ``get``)
 when the main thread finishes, and makes interpreter teardown take 4 s. Before the fix, exit
 waited at most 1 s for the publisher, teardown began, the store call returned inside it and the
-process aborted with SIGABRT, "terminate called without an active exception" (the abort one CI
-run saw after a finished two-node ZeRO++ job, which then left with ``os._exit(0)``). Now exit
-waits until the publisher has left the call (its reports have their own short timeout).
+process aborted with SIGABRT, "terminate called without an active exception": one way to the
+abort a CI run saw after a finished two-node ZeRO++ job (not the only one: docs/reliability.md,
+"A finished run exits 0"). Now exit waits until the publisher has left the call (its reports
+have their own short timeout).
 """
 
 from __future__ import annotations
