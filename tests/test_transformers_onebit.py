@@ -24,6 +24,7 @@ pytest.importorskip("plait.onebit_optim")
 pytest.importorskip("plait.transformers")
 
 STEPS, FREEZE, SAVE_AT = 8, 3, 5
+CLIP = 0.3  # below the run's gradient norms (about 0.85), so clipping acts
 # Past warm-up the momentum is exchanged in 1 bit with error feedback, so the curve leaves AdamW's;
 # plait-onebit-optim documents its 1-bit Adam within 2% of AdamW's loss under ZeRO (300-step runs).
 # Measured here (8 steps, lr 1e-3): see the printed max relative difference.
@@ -99,6 +100,10 @@ def _session(tmp: str) -> dict[str, Any]:
             "onebit_zero2_ga": _train(tmp, "onebit_zero2_ga", {"zero": {"stage": 2}, "optimizer": ONEBIT_BLOCK},
                                       per_device_train_batch_size=2, gradient_accumulation_steps=2),
             "lamb": _train(tmp, "lamb", {"zero": {"stage": 2}, "optimizer": LAMB_BLOCK}),
+            # clipping by the engine (ZeroConfig.max_grad_norm; TrainingArguments.max_grad_norm stays 0)
+            "adamw_clip": _train(tmp, "adamw_clip", {"zero": {"stage": 2, "max_grad_norm": CLIP}}),
+            "onebit_clip": _train(tmp, "onebit_clip", {"zero": {"stage": 2, "max_grad_norm": CLIP},
+                                                       "optimizer": ONEBIT_BLOCK}),
             # with Ulysses sp 2 (dp 1): ZeRO and the 1-bit exchange span the dp x sp group
             "sp": _train(tmp, "sp", {"zero": {"stage": 2}, "sp_size": 2, "optimizer": ONEBIT_BLOCK}),
             # saved past the warm-up (error feedback, freeze state, momentum), then resumed
@@ -177,6 +182,17 @@ def test_one_bit_adam_with_sequence_parallelism(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(480)
+def test_clipping_through_the_zero_config(runs: dict[str, Any]) -> None:
+    """The warm-up clips like ZeRO-2 + AdamW with the same ZeroConfig.max_grad_norm, bit for bit."""
+    ours, adamw = runs["onebit_clip"], runs["adamw_clip"]
+    assert min(n for n in adamw["grad_norms"]) > CLIP  # clipping acted at every step
+    assert ours["losses"][:FREEZE + 1] == adamw["losses"][:FREEZE + 1]
+    assert ours["losses"][1:FREEZE + 1] != runs["adamw"]["losses"][1:FREEZE + 1]  # and it did clip
+    assert ours["grad_norms"][:FREEZE] == adamw["grad_norms"][:FREEZE]
+    assert max(abs(a / e - 1) for a, e in zip(ours["losses"], adamw["losses"])) <= RTOL_CURVE
+
+
+@pytest.mark.timeout(480)
 def test_resume_after_the_warm_up_continues_the_same_run(runs: dict[str, Any]) -> None:
     saved, resumed = runs["saved"], runs["resumed"]
     assert saved["losses"] == runs["onebit_json"]["losses"]
@@ -216,7 +232,8 @@ def test_compressed_steps_move_the_one_bit_exchange_bytes(runs: dict[str, Any]) 
 
 @pytest.mark.parametrize(("config", "args", "named"), [
     ({"zero": {"stage": 3}, "optimizer": ONEBIT_BLOCK}, {"max_grad_norm": 0.0}, r"ZeroConfig\(stage=3\).*stage=1"),
-    ({"zero": {"stage": 2}, "optimizer": ONEBIT_BLOCK}, {}, r"TrainingArguments\.max_grad_norm=1\.0"),
+    ({"zero": {"stage": 2}, "optimizer": ONEBIT_BLOCK}, {},
+     r"TrainingArguments\.max_grad_norm=1\.0.*ZeroConfig\.max_grad_norm"),
     ({"zero": {"stage": 2}, "ep_size": 2, "optimizer": ONEBIT_BLOCK}, {"max_grad_norm": 0.0},
      r"PlaitConfig\.ep_size=2"),
 ])

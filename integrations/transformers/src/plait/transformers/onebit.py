@@ -98,7 +98,8 @@ def hyperparameters(args: Any) -> dict[str, Any]:
 
 def check_onebit(onebit: Any, zero: Any, args: Any, ep_size: int) -> None:
     """Refuse what cannot compose, before any work: the package's own ``compose_with_zero`` rules
-    (run as a dry run on the ZeroConfig the Trainer will use), clipping, expert parallelism.
+    (run as a dry run on the ZeroConfig the Trainer will use), the Trainer's own clipping (the
+    engine's ``ZeroConfig.max_grad_norm`` is the 1-bit route to clip), expert parallelism.
 
     Args:
         onebit: the plait 1-bit config.
@@ -114,9 +115,11 @@ def check_onebit(onebit: Any, zero: Any, args: Any, ep_size: int) -> None:
     name = cls.__name__
     clip = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
     if clip > 0:
-        raise ValueError(f"TrainingArguments.max_grad_norm={clip} with PlaitConfig.onebit ({name}): after warm-up the "
-                         "ZeRO engine holds the exchanged momentum, not gradients, so there is nothing it could clip; "
-                         "set max_grad_norm=0 (DeepSpeed's 1-bit optimizers do not clip either).")
+        raise ValueError(f"TrainingArguments.max_grad_norm={clip} with PlaitConfig.onebit ({name}): the Trainer clips "
+                         "the shards before the step, which hold exchanged momentum after the warm-up. Set "
+                         "max_grad_norm=0, and to clip give ZeroConfig.max_grad_norm (\"zero\": {\"max_grad_norm\": "
+                         "...} in the file): the 1-bit exchange then clips at the step, after the warm-up against the "
+                         "ranks' local gradient norms (plait-onebit-optim's rule), not the averaged gradient's norm.")
     if ep_size > 1:
         raise ValueError(f"PlaitConfig.ep_size={ep_size} with PlaitConfig.onebit ({name}): the 1-bit exchange shards "
                          "every parameter over one group and expert parallelism needs a second (the experts'); use "
