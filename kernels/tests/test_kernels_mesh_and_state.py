@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from plait.kernels.mesh import complement_dims, flat_group, make_mesh, resolve_mesh_sizes
+from plait.kernels.mesh import (
+    check_parallel_world,
+    complement_dims,
+    flat_group,
+    make_mesh,
+    parallel_mesh,
+    resolve_mesh_sizes,
+)
 from plait.kernels.sharded_state import ShardedStateful, ShardedTensor, ShardSpec, even_flat_range, flat_overlap
 from plait.kernels.testing import run_distributed
 
@@ -25,12 +32,24 @@ def test_mesh_sizes_resolve_and_refuse_with_names():
 
 def _build_mesh() -> tuple:
     mesh = make_mesh(dp=-1, sp=2)
-    return mesh.mesh_dim_names, tuple(mesh.shape), mesh["sp"].size()
+    both, none = parallel_mesh(2, 2), parallel_mesh(1, 1)
+    return (mesh.mesh_dim_names, tuple(mesh.shape), mesh["sp"].size(), both.mesh_dim_names, tuple(both.shape),
+            none)
 
 
 def test_make_mesh_builds_named_dimensions():
-    for names, shape, sp in run_distributed(_build_mesh, 4, timeout=60):
+    for names, shape, sp, both_names, both_shape, none in run_distributed(_build_mesh, 4, timeout=60):
         assert names == ("dp", "sp") and shape == (2, 2) and sp == 2
+        assert both_names == ("dp", "ep", "sp") and both_shape == (1, 2, 2) and none is None  # sp innermost
+
+
+def test_parallel_sizes_must_divide_the_world():
+    check_parallel_world(2, 2, 8)
+    with pytest.raises(ValueError, match=r"^X\.sp_size=3 does not divide the world size 4 \(ranks\); use one of "
+                                         r"\[1, 2, 4\]"):
+        check_parallel_world(3, 1, 4, field_prefix="X.", world="ranks")
+    with pytest.raises(ValueError, match=r"^sp_size=2 x ep_size=2 = 4 does not divide the world size 6;"):
+        check_parallel_world(2, 2, 6)
 
 
 def test_make_mesh_needs_a_process_group():

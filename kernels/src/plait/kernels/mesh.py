@@ -54,6 +54,44 @@ def resolve_mesh_sizes(world_size: int, **sizes: int) -> dict[str, int]:
     return dict(sizes)
 
 
+def check_parallel_world(sp_size: int, ep_size: int, world_size: int, *, field_prefix: str = "",
+                         world: str = "") -> None:
+    """Refuse an ``sp_size`` / ``ep_size`` (or their product) that does not divide ``world_size``:
+    what every integration's ``sp_size``/``ep_size`` settings must meet (see :func:`parallel_mesh`).
+
+    Args:
+        sp_size, ep_size: the sequence- and expert-parallel sizes (1: off).
+        world_size: the ranks the job runs on.
+        field_prefix: put before the field names in the message (e.g. ``"PlaitConfig."``).
+        world: what the world size counts, said after it (e.g. ``"devices x num_nodes"``).
+
+    Raises:
+        ValueError: naming the field, the world size and the sizes that would work.
+    """
+    choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    said = f" ({world})" if world else ""
+    for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
+        if world_size % value:
+            raise ValueError(f"{field_prefix}{field}={value} does not divide the world size {world_size}{said}; "
+                             f"use one of {choices}.")
+    if world_size % (sp_size * ep_size):
+        raise ValueError(f"{field_prefix}sp_size={sp_size} x ep_size={ep_size} = {sp_size * ep_size} does not divide "
+                         f"the world size {world_size}{said}; make the product one of {choices}.")
+
+
+def parallel_mesh(sp_size: int, ep_size: int, *, device_type: str = "cpu") -> DeviceMesh | None:
+    """The mesh of an integration's ``sp_size``/``ep_size``: ``("dp", "sp")``, ``("dp", "ep")``,
+    ``("dp", "ep", "sp")``, or ``None`` when both are 1. ``sp`` is innermost, so an sp group is
+    consecutive ranks (ulysses-sp's ``dp_coordinates``: ``global_rank // sp`` is the data replica).
+
+    Collective: every rank calls it at the same point.
+    """
+    if sp_size == 1 and ep_size == 1:
+        return None
+    sizes = {**({"ep": ep_size} if ep_size > 1 else {}), **({"sp": sp_size} if sp_size > 1 else {})}
+    return make_mesh(device_type=device_type, dp=-1, **sizes)
+
+
 def make_mesh(*, device_type: str = "cpu", **sizes: int) -> DeviceMesh:
     """Build a named :class:`DeviceMesh` over the default process group.
 

@@ -67,34 +67,22 @@ def check_parallel_sizes(sp_size: Any, ep_size: Any) -> None:
 
 
 def check_world_size(sp_size: int, ep_size: int, world_size: int) -> None:
-    """Refuse an ``sp_size``/``ep_size`` (or their product) that does not divide the world size.
+    """Refuse an ``sp_size``/``ep_size`` (or their product) that does not divide the world size
+    (:func:`plait.kernels.mesh.check_parallel_world`).
 
     Raises:
         ValueError: naming the field, the world size and the sizes that would work.
     """
-    choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
-        if world_size % value:
-            raise ValueError(f"{field}={value} does not divide the world size {world_size} (devices x num_nodes); "
-                             f"use one of {choices}.")
-    if world_size % (sp_size * ep_size):
-        raise ValueError(f"sp_size={sp_size} x ep_size={ep_size} = {sp_size * ep_size} does not divide the world "
-                         f"size {world_size} (devices x num_nodes); make the product one of {choices}.")
+    from plait.kernels.mesh import check_parallel_world
+
+    check_parallel_world(sp_size, ep_size, world_size, world="devices x num_nodes")
 
 
 def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
-    """The strategy's ``DeviceMesh``: ``("dp", "sp")``, ``("dp", "ep")``, ``("dp", "ep", "sp")`` or
-    ``None`` (both 1). ``sp`` is innermost, so an sp group is consecutive ranks (ulysses-sp's
-    ``dp_coordinates``: ``global_rank // sp`` is the data replica).
+    """The strategy's ``DeviceMesh`` (:func:`plait.kernels.mesh.parallel_mesh`), or ``None``. Collective."""
+    from plait.kernels.mesh import parallel_mesh
 
-    Collective: every rank calls it at the same point.
-    """
-    if sp_size == 1 and ep_size == 1:
-        return None
-    from plait.kernels.mesh import make_mesh
-
-    sizes = {**({"ep": ep_size} if ep_size > 1 else {}), **({"sp": sp_size} if sp_size > 1 else {})}
-    return make_mesh(device_type=device_type, dp=-1, **sizes)
+    return parallel_mesh(sp_size, ep_size, device_type=device_type)
 
 
 def sampler_kwargs(kwargs: dict[str, Any], sp_size: int, global_rank: int) -> dict[str, Any]:

@@ -56,29 +56,22 @@ def check_installed(field: str, value: int) -> None:
 
 
 def check_world_size(sp_size: int, ep_size: int, world_size: int) -> None:
-    """Refuse sizes that do not divide the world size.
+    """Refuse sizes that do not divide the world size (:func:`plait.kernels.mesh.check_parallel_world`).
 
     Raises:
         ValueError: naming the field, the world size and the sizes that would work.
     """
-    choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    for field, value in (("sp_size", sp_size), ("ep_size", ep_size)):
-        if world_size % value:
-            raise ValueError(f"PlaitConfig.{field}={value} does not divide the world size {world_size} (the "
-                             f"launcher's processes); use one of {choices}.")
-    if world_size % (sp_size * ep_size):
-        raise ValueError(f"PlaitConfig.sp_size={sp_size} x ep_size={ep_size} = {sp_size * ep_size} does not divide "
-                         f"the world size {world_size}; make the product one of {choices}.")
+    from plait.kernels.mesh import check_parallel_world
+
+    check_parallel_world(sp_size, ep_size, world_size, field_prefix="PlaitConfig.", world="the launcher's processes")
 
 
 def build_mesh(sp_size: int, ep_size: int, device_type: str) -> Any:
-    """The ``DeviceMesh`` ``("dp", ["ep",] ["sp"])``, or ``None`` when both sizes are 1. Collective."""
-    if sp_size == 1 and ep_size == 1:
-        return None
-    from plait.kernels.mesh import make_mesh
+    """The ``DeviceMesh`` ``("dp", ["ep",] ["sp"])`` (:func:`plait.kernels.mesh.parallel_mesh`), or
+    ``None`` when both sizes are 1. Collective."""
+    from plait.kernels.mesh import parallel_mesh
 
-    sizes = {**({"ep": ep_size} if ep_size > 1 else {}), **({"sp": sp_size} if sp_size > 1 else {})}
-    return make_mesh(device_type=device_type, dp=-1, **sizes)
+    return parallel_mesh(sp_size, ep_size, device_type=device_type)
 
 
 def _top_models(module: nn.Module) -> list[nn.Module]:
