@@ -1,8 +1,9 @@
 """plait-onebit-optim with plait-lightning: ``plait_zero1`` / ``plait_zero2`` take a 1-bit Adam
-instance from ``configure_optimizers`` with no other change. The strategies rebuild the optimizer
-from its class, groups and defaults; ``OnebitAdam`` keeps its ``OnebitAdamConfig`` (as
-``onebit_config``) and masks there, so the freeze step survives, and ``zero_shard`` composes it
-(:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2 give the same losses bit for bit."""
+(and ``plait_zero2`` a 1-bit LAMB) instance from ``configure_optimizers`` with no other change.
+The strategies rebuild the optimizer from its class, groups and defaults; ``OnebitAdam`` and
+``OnebitLamb`` keep their config (as ``onebit_config``) and masks there, so the freeze step
+survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2
+give the same losses bit for bit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from plait.kernels.testing import run_distributed
 from plait.lightning.demo import TinyLlamaModule
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig
+from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
 STEPS, FREEZE = 8, 3
@@ -30,6 +31,15 @@ class OnebitModule(TinyLlamaModule):
                           config=OnebitAdamConfig(freeze_step=FREEZE))
 
 
+class OnebitLambModule(TinyLlamaModule):
+    """The demo module with 1-bit LAMB (warm-up of 3 steps) and no scheduler."""
+
+    def configure_optimizers(self) -> Any:
+        """A 1-bit LAMB instance, as a user would write it."""
+        return OnebitLamb(self.parameters(), lr=self.hparams.lr, weight_decay=0.01,
+                          config=OnebitLambConfig(freeze_step=FREEZE))
+
+
 def session() -> dict[str, Any]:
     """Both strategies on this rank (module level: run_distributed imports it in each rank)."""
     from test_lightning_distributed import _fit, _quiet
@@ -37,19 +47,23 @@ def session() -> dict[str, Any]:
     _quiet()
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for strategy in ("plait_zero1", "plait_zero2"):
-        losses, module = _fit(strategy, devices=2, steps=STEPS, module_cls=OnebitModule)
+    for strategy, module_cls in (("plait_zero1", OnebitModule), ("plait_zero2", OnebitModule),
+                                 ("plait_zero2_lamb", OnebitLambModule)):
+        losses, module = _fit(strategy.removesuffix("_lamb"), devices=2, steps=STEPS, module_cls=module_cls)
         optimizer = module.trainer.strategy.optimizers[0]
         exchange = optimizer.engine.reducer
         out[strategy] = (losses, type(optimizer.inner).__name__, exchange.config.freeze_step, int(exchange.steps[0]))
     return out
 
 
-@pytest.mark.timeout(420)
-def test_plait_zero1_and_zero2_take_onebit_adam_from_configure_optimizers() -> None:
-    for result in run_distributed(session, 2, timeout=360):
+@pytest.mark.timeout(600)
+def test_plait_zero1_and_zero2_take_onebit_adam_and_lamb_from_configure_optimizers() -> None:
+    for result in run_distributed(session, 2, timeout=540):
         zero1, zero2 = result["plait_zero1"], result["plait_zero2"]
         assert zero1[1:] == ("OnebitAdam", FREEZE, STEPS)  # composed, freeze step kept, past warm-up
         assert zero1[0] == zero2[0]
         losses = [zero1[0][i] for i in range(STEPS)]
         assert losses[-1] < losses[0]
+        lamb = result["plait_zero2_lamb"]
+        assert lamb[1:] == ("OnebitLamb", FREEZE, STEPS)
+        assert lamb[0][STEPS - 1] < lamb[0][0]
