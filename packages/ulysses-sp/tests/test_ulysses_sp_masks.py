@@ -197,5 +197,5 @@ def _refuse_4d_mask() -> str:
 
 
 def test_a_4d_mask_is_refused_with_the_fix():
-    message = run_distributed(_refuse_4d_mask, 2, timeout=90)[0]
+    message = run_distributed(_refuse_4d_mask, 1, timeout=90)[0]  # refused before any exchange: one rank shows it
     assert "position_ids" in message
