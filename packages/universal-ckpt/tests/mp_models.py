@@ -166,3 +166,36 @@ def train(model, optimizer, steps: int) -> list[float]:
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+def torch_tp_sp(model, mesh):
+    """torch TP with sequence parallelism on a Llama (torchtitan's plan): norms under ``SequenceParallel``
+    (Replicate parameters, sequence-sharded activations), embedding and row-parallel outputs
+    ``Shard(1)`` over the sequence, q/k/v/gate/up column-parallel, the LM head gathering."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    # DTensor outputs between layers (use_local_output=False): HF builds positions and masks from
+    # the hidden states' shape, which must stay the global sequence length.
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                  use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for index in range(len(model.model.layers)):
+        prefix = f"model.layers.{index}"
+        plan.update({
+            f"{prefix}.input_layernorm": SequenceParallel(), f"{prefix}.post_attention_layernorm": SequenceParallel(),
+            f"{prefix}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                      desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            f"{prefix}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{prefix}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+    return parallelize_module(model, mesh, plan)
