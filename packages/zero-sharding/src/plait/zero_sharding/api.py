@@ -250,9 +250,10 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             gatherer / placement for the group's units (``zero_placement``: its masters and optimizer
             state, see :mod:`plait.zero_sharding.placements`; see
             :mod:`plait.zero_sharding.composition` for the optional members the engine calls);
-            ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are divided by (default with ``zero_distinct``: the data-parallel world, i.e. the ranks
-            ``mesh`` shards over, so expert gradients reduced over a smaller group are scaled as
-            dense ones are, as DeepSpeed does; otherwise the group's own size).
+            ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are divided by (default with
+            ``zero_distinct``: the data-parallel world, i.e. the ranks ``mesh`` shards over, so expert gradients
+            reduced over a smaller group are scaled as dense ones are, as DeepSpeed does; otherwise the group's own
+            size).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
         init_fn: initialises a module whose meta parameters were just allocated (default
             ``module.reset_parameters()``).
