@@ -215,3 +215,41 @@ def test_a_skipped_step_leaves_the_one_bit_state_untouched(stage: int, dtype: to
         assert steps == clean_steps == FREEZE + 5 - len(SKIPS)  # the freeze counter counts updates only
         assert untouched
         assert losses == clean and all(math.isfinite(x) for x in losses)
+
+
+# ---- clip_grad_norm_ (Lightning's gradient_clip_val) --------------------------------------------
+def _losses_clipping_by_hand(model: nn.Module, opt: object, steps: int) -> list[float]:
+    """``train_losses``'s loop with ``opt.clip_grad_norm_(CLIP)`` between backward and step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        loss = model(**rank_slice(global_batch(step, BATCH, SEQ), rank, world)).loss
+        loss.backward()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())  # this rank's loss, as train_losses returns
+    return losses
+
+
+def _clip_grad_norm_after_warmup() -> tuple[bool, str]:
+    configured_model, configured_opt = _zero(2, max_grad_norm=CLIP)
+    configured = train_losses(configured_model, configured_opt, FREEZE + 3, batch=BATCH, seq=SEQ)
+    by_hand_model, by_hand_opt = _zero(2, max_grad_norm=1e9)  # deferred, the bound given per step
+    by_hand = _losses_clipping_by_hand(by_hand_model, by_hand_opt, FREEZE + 3)
+    same = configured == by_hand and all(torch.equal(a, b) for a, b in
+                                         zip(_masters(configured_model), _masters(by_hand_model)))
+    model, opt = _zero(2)  # not deferred: after warm-up the request cannot be honoured
+    try:
+        _losses_clipping_by_hand(model, opt, FREEZE + 1)
+    except RuntimeError as exc:
+        return same, str(exc)
+    return same, ""
+
+
+@pytest.mark.timeout(240)
+def test_clip_grad_norm_clips_the_deferred_exchange_and_is_refused_without_it() -> None:
+    for same, refusal in run_distributed(_clip_grad_norm_after_warmup, 2, timeout=200):
+        assert same  # clip_grad_norm_(CLIP) per step = ZeroConfig(max_grad_norm=CLIP), bitwise
+        assert "clip_grad_norm_ after the 1-bit warm-up (freeze_step) cannot clip" in refusal
+        assert "ZeroConfig(max_grad_norm=...)" in refusal

@@ -129,6 +129,7 @@ class OnebitZeroExchange:
         self.max_grad_norm: float | None = None
         self.last_grad_norm: float | None = None
         self._kept: dict[str, tuple[torch.Tensor, Any]] = {}
+        self._clip_request: float | None = None  # from ZeroOptimizer.clip_grad_norm_, for this step
 
     # ---- engine hooks -------------------------------------------------------------------------
     def bind(self, engine: Any) -> None:
@@ -168,11 +169,31 @@ class OnebitZeroExchange:
         if commit is not None:
             commit()
 
+    def clip_requested(self, max_norm: float) -> None:
+        """``ZeroOptimizer.clip_grad_norm_(max_norm)`` (Lightning's ``gradient_clip_val``). In warm-up
+        the engine clips ZeRO's reduced gradients itself. After it the engine's gradient shards are
+        zeros (the momentum is exchanged instead), so the deferred exchange clips the local
+        gradients by ``max_norm`` at the step, as it does for ``max_grad_norm``.
+
+        Raises:
+            RuntimeError: after warm-up without deferral (no ``max_grad_norm``, no fp16): the exchange
+                already ran during backward and nothing could be clipped.
+        """
+        if not self.compressing:
+            return
+        if not self.deferred:
+            raise RuntimeError(
+                "clip_grad_norm_ after the 1-bit warm-up (freeze_step) cannot clip: the momentum was already "
+                "exchanged during backward. Set ZeroConfig(max_grad_norm=...) (the exchange then waits for the "
+                "step and clips there; clip_grad_norm_ may then lower the bound per step), or stop clipping by hand.")
+        self._clip_request = max_norm
+
     def on_skipped_step(self, step: int) -> None:
         """A skipped step (a non-finite gradient on some rank): nothing was updated, the freeze
         counter stays, and the gradients kept for the step (deferred mode) are dropped unused."""
         self.reduced.clear()
         self._kept.clear()
+        self._clip_request = None
         for state in self.units.values():
             state.momentum = None
 
@@ -214,12 +235,13 @@ class OnebitZeroExchange:
         if not self._kept:
             return
         kept, self._kept = self._kept, {}
+        limit, self._clip_request = self._clip_request or self.max_grad_norm, None
         scale = float(getattr(getattr(self.engine.model, "zero_optimizer", None), "loss_scale", 1.0))
         coefficient = 1.0 / scale
-        if self.max_grad_norm is not None:
+        if limit is not None:
             self.last_grad_norm = self._local_norm(kept, scale)
-            if self.last_grad_norm > self.max_grad_norm:  # the engine's clipping formula
-                coefficient *= self.max_grad_norm / (self.last_grad_norm + 1e-6)
+            if self.last_grad_norm > limit:  # the engine's clipping formula
+                coefficient *= limit / (self.last_grad_norm + 1e-6)
         with torch.no_grad():
             for key, state in self.units.items():
                 if key not in kept:

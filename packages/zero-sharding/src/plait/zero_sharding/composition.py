@@ -19,6 +19,9 @@ per object however many groups use it:
 * ``bind(engine)``: right after the engine is built (units, groups and keys are final);
 * ``on_step(step)`` / ``on_skipped_step(step)``: after each optimizer step that updated the
   masters, or that every rank skipped (fp16 overflow), with the number of steps taken so far;
+* ``clip_requested(max_norm)``: ``ZeroOptimizer.clip_grad_norm_(max_norm)`` was called (after
+  backward, before the step), for an extension that reduces something other than the gradients
+  the engine clips (a 1-bit optimizer's momentum); it may raise to refuse;
 * ``sharded_state_dict() -> dict[str, ShardedTensor]`` and ``load_sharded_state_dict(state)``:
   tensors of the extension (error-feedback buffers) saved and resharded with the model's
   :meth:`~plait.zero_sharding.ZeroModule.sharded_state_dict`; names must start with ``ext.``.

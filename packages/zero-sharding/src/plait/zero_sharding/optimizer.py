@@ -188,6 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): pass a positive finite number, e.g. 1.0.")
+        notify(self.engine, "clip_requested", float(max_norm))  # extensions that clip what they reduce
         with torch.no_grad():
             self._cached = self._averaged_grads()
         _grads, sumsq, overflow = self._cached
