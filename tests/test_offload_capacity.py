@@ -95,8 +95,9 @@ def test_streamed_construction_and_separate_units_bound_memory(tmp_path) -> None
     assert result["losses"] and result["weights"], result
     assert result["units"] == {}, result  # embedding, norm and head are units of their own
     model = result["model_bytes"]
-    # Building: the model once plus allocator slack; a copy of each slice would add the embedding.
-    assert result["build"] < 1.15 * model, result
+    # Building: the model once plus allocator slack (1.16-1.22x measured over runs, CI included); a
+    # copy of each slice beside its value would add at least the embedding (32 MiB, 0.37x): >= 1.37x.
+    assert result["build"] < 1.3 * model, result
     # Sharded: the shards are on disk; what stays is the I/O engine's buffers, the store's slots
     # and allocator slack (0.77x measured). A written embedding and head kept alive (a view's
     # base, the engine's last operation) would add 0.7x of the model.
