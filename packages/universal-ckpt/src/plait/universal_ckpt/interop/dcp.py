@@ -97,13 +97,43 @@ def import_dcp(src: str | os.PathLike, dst_root: str | os.PathLike, *, step: int
         objects = {rank: {**objs, **{f"dcp.{k}": v for k, v in extra.items()}} for rank, objs in objects.items()} \
             if objects else {0: {"dcp": extra}}
 
+    place = _plait_place if kinds else _torch_place(state)
+
     def tensors():
         for fqn, value in state.items():
             if isinstance(value, torch.Tensor):
-                key, name = fqn.split("/", 1) if "/" in fqn else ("dcp", fqn)
-                yield key, name, kinds.get(fqn, "parameter"), value
+                key, name, kind = place(fqn)
+                yield key, name, kinds.get(fqn, kind), value
 
     # The import is written by one process as whole tensors; the original layout is kept for reference.
     user_meta = {**(meta.get("user_meta") or {}), "imported_from": "dcp", "source_layout": meta.get("layout")}
     return write_offline(dst_root, step=meta.get("step", 0) if step is None else step, tensors=tensors(),
                          objects=objects, user_meta=user_meta, progress=progress)
+
+
+def _plait_place(fqn: str) -> tuple[str, str, str]:
+    """Key, name and default kind of a tensor in a DCP checkpoint that plait exported (``key/name``)."""
+    key, name = fqn.split("/", 1) if "/" in fqn else ("dcp", fqn)
+    return key, name, "parameter"
+
+
+def _torch_place(state: dict[str, Any]) -> Callable[[str], tuple[str, str, str]]:
+    """How to file the tensors of a DCP checkpoint torch wrote.
+
+    ``get_state_dict(model, optim)`` saved as ``{"model": ..., "optim": ...}`` (the layout torch's
+    docs and FSDP2 users write) flattens to ``model.<param>`` and ``optim.state.<param>.<field>``:
+    the model's tensors become the parameters of key ``model`` under their own names (so an HF
+    export loads with ``from_pretrained``), optimizer tensors become ``optimizer_state`` of key
+    ``optim``, anything else is kept as ``other``. A checkpoint without ``model.`` names (a bare
+    ``state_dict``) keeps every tensor as a parameter of key ``dcp``, under its own name.
+    """
+    if not any(fqn.startswith("model.") for fqn, v in state.items() if isinstance(v, torch.Tensor)):
+        return _plait_place
+
+    def place(fqn: str) -> tuple[str, str, str]:
+        if fqn.startswith("model."):
+            return "model", fqn[len("model."):], "parameter"
+        if fqn.startswith("optim."):
+            return "optim", fqn[len("optim."):], "optimizer_state"
+        return "dcp", fqn, "other"
+    return place
