@@ -112,5 +112,7 @@ def test_checkpoint_names_never_reuse_a_path(tmp_path):
     (tmp_path / "preempted-vx.ckpt").write_text("not ours")
     os.utime(tmp_path / "preempted.ckpt", (1, 1))
     assert PreemptionCheckpoint(tmp_path).ckpt_path == str(tmp_path / "preempted-v1.ckpt")  # newest of its names
+    (tmp_path / "preempted-v3.ckpt" / ".tmp-step-0000000005").mkdir(parents=True)  # a save SIGKILLed mid-way
+    assert PreemptionCheckpoint(tmp_path).ckpt_path == str(tmp_path / "preempted-v1.ckpt")  # never resumed from
     with pytest.raises(ValueError, match="check_every_n_steps"):
         PreemptionCheckpoint(check_every_n_steps=0)

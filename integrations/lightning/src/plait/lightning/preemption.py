@@ -45,6 +45,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from plait.kernels import collectives
+from plait.lightning.checkpoint import is_directory_checkpoint
 
 NAME = "preempted"
 
@@ -86,14 +87,15 @@ class PreemptionCheckpoint(OnExceptionCheckpoint):
     @property
     def ckpt_path(self) -> str:
         """The checkpoint this callback saved, else the newest one of its name in ``dirpath``
-        (what ``fit(ckpt_path="last")`` resumes from), else where it would save first; ``""``
+        (what ``fit(ckpt_path="last")`` resumes from; a plait directory whose save never committed,
+        cut short by SIGKILL, is passed over), else where it would save first; ``""``
         before a save without ``dirpath`` (so Lightning never takes a file of the working
         directory for it)."""
         if self.saved_path is not None:
             return self.saved_path
         if not self.dirpath:
             return ""
-        found = [p for p in _own_paths(self.dirpath, self.filename) if os.path.exists(p)]
+        found = [p for p in _own_paths(self.dirpath, self.filename) if os.path.exists(p) and not _unfinished(p)]
         if found:
             return max(found, key=os.path.getmtime)
         return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
@@ -176,6 +178,15 @@ def _own_paths(directory: str, filename: str) -> list[str]:
                                        and entry[len(stem) + 2:-5].isdigit()):
             out.append(os.path.join(directory, entry))
     return out
+
+
+def _unfinished(path: str) -> bool:
+    """Whether ``path`` is a universal-checkpoint directory whose save never committed: it holds
+    only the hidden in-progress (``.tmp-*``) directory of a save that was killed."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return any(name.startswith(".tmp-") for name in names) and not is_directory_checkpoint(path)
 
 
 def _free_path(directory: str, filename: str) -> str:
