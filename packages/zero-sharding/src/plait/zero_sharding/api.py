@@ -283,6 +283,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if callable(compose):  # an optimizer bringing its own exchange (plait-onebit-optim's 1-bit Adam) or refusing
         optimizer, param_groups, optimizer_kwargs, reducer = compose(
             optimizer, config, param_groups=param_groups, reducer=reducer, **optimizer_kwargs)
+        if gatherer is None and callable(getattr(reducer, "all_gather", None)):
+            gatherer = reducer  # an exchange that also gathers (0/1 Adam's local steps skip the post-step gather)
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
     group, replicate = resolve_groups(mesh, config)

@@ -13,6 +13,11 @@ before any process starts and :func:`apply_extensions` right before ``zero_shard
    choices (``zero_group``, ``zero_distinct``, ``zero_grad_divisor``, ``zero_reducer``,
    ``zero_gatherer``, ``zero_placement``; see :func:`plait.zero_sharding.zero_shard`).
 
+An optimizer class may bring its own exchange: ``zero_shard`` calls its ``compose_with_zero``
+(plait-onebit-optim's 1-bit optimizers), which returns the inner optimizer class and an
+engine-wide reducer; a reducer that also has ``all_gather`` (:class:`ParamGatherer`) is the
+engine's gatherer too, unless ``zero_shard`` was given one.
+
 Optional members of an extension *object* (a reducer, gatherer or placement), each called once
 per object however many groups use it:
 
