@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -212,6 +215,27 @@ def _num(value: float | None) -> str:
     if value == 0 or 1e-3 <= abs(value) < 1e6:
         return f"{value:.4g}"
     return f"{value:.3e}"
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (other jobs' CPU use: timings on a shared machine need it)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not available on this platform
+        return None
+
+
+def run_meta(command: str, load_before: float | None, **extra) -> dict:
+    """The metadata a results file carries, so its README table says when, where and how it was made.
+
+    Args:
+        command: the command line that produced the results (``plait bench NAME``, ``plait train``).
+        load_before: :func:`load_average` taken when the run started (the one after is taken now).
+        **extra: more fields (the suite name, ``quick``).
+    """
+    return {**extra, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": platform.platform(), "processor": platform.processor(), "command": command,
+            "cpus": os.cpu_count(), "load_average": [load_before, load_average()]}
 
 
 def write_json(rows: Sequence[BenchRow], path: Path, *, meta: dict | None = None) -> Path:

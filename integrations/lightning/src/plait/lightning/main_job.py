@@ -31,6 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from plait.kernels.bench import load_average, run_meta
 from plait.kernels.collectives import ByteLedger
 from plait.lightning.demo import LossRecorder, TinyLlamaModule
 from plait.lightning.main_job_cli import register
@@ -69,9 +70,20 @@ def _phase(name: str, args: argparse.Namespace, common: list[str], env: dict[str
     return time.perf_counter() - started
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The ``plait train`` command line of this run (the options that differ from the defaults)."""
+    parser = argparse.ArgumentParser(prog="plait")
+    register(parser.add_subparsers(dest="command"))
+    defaults = vars(parser.parse_args(["train"]))
+    changed = [(name, value) for name, value in vars(args).items()
+               if name in defaults and name not in ("func", "command") and value != defaults[name]]
+    flags = [f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}") for name, value in changed]
+    return " ".join(["plait train", *flags])
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the main job (see the module docstring). Returns the exit code."""
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for name in OUTPUTS:  # only what an earlier run of this job wrote; nothing else in --out is touched
@@ -104,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
                           total_s=time.perf_counter() - started)
     plot = plot_losses(phases, out / "loss.png")
     report["total_wall_s"] = round(time.perf_counter() - started, 1)
+    # The same metadata `plait bench` writes, so `plait bench lightning --table --out <main-job.json>`
+    # prints the README's main-job table from a committed copy of this file.
+    report["meta"] = run_meta(_command(args), load_before)
     (out / "main-job.json").write_text(json.dumps(report, indent=2) + "\n")
     print_report(report)
     print(f"\nwrote {out / 'main-job.json'}, {plot or 'no plot'}, checkpoint {checkpoint}, HF weights {out / 'hf'}")

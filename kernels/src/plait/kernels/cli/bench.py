@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import urllib.parse
 from collections.abc import Sequence
@@ -67,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     stem = args.name + ("-quick" if args.quick else "")
     if args.table:
         return _print_table(args.out or committed_results(args.name, stem))
-    from plait.kernels.bench import format_table, write_json
+    from plait.kernels.bench import format_table, load_average, run_meta, write_json
 
     if args.update_results:
         out = committed_results(args.name, stem)
@@ -77,14 +75,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         out = args.out or default_results_path(stem)
-    load_before = _load_average()
+    load_before = load_average()
     rows = suites[args.name].load()(quick=args.quick)
     print(format_table(rows))
-    now = datetime.datetime.now(datetime.UTC)
-    meta = {"suite": args.name, "quick": args.quick, "date": now.isoformat(timespec="seconds"),
-            "machine": platform.platform(), "processor": platform.processor(),
-            "command": f"plait bench {args.name}" + (" --quick" if args.quick else ""),
-            "cpus": os.cpu_count(), "load_average": [load_before, _load_average()]}
+    meta = run_meta(f"plait bench {args.name}" + (" --quick" if args.quick else ""), load_before,
+                    suite=args.name, quick=args.quick)
     print(f"\nwrote {write_json(rows, out, meta=meta)}")
     if not args.update_results:
         print(f"(the committed results are updated only with: plait bench {args.name}"
@@ -156,14 +151,6 @@ def results_markdown(path: Path) -> str:
                  "the timings are as noisy as that)" if load and None not in load else "")
     return (f"{format_markdown(rows)}\n\n{meta.get('date', 'date unknown')}, {meta.get('machine', 'machine unknown')}"
             f"{load_text}, `{meta.get('command', 'command unknown')}` ({Path(path).name})")
-
-
-def _load_average() -> float | None:
-    """The machine's 1-minute load average (other jobs' CPU use: timings on a shared machine need it)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:  # not available on this platform
-        return None
 
 
 def _bench_options(suite: str, argv: Sequence[str]) -> argparse.Namespace | None:
