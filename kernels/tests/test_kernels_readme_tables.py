@@ -28,6 +28,7 @@ TABLES = [
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io-capacity.json"),
     ("integrations/lightning/README.md", "integrations/lightning/benchmarks/results/lightning.json"),
+    ("integrations/lightning/README.md", "integrations/lightning/benchmarks/results/main-job.json"),
     ("integrations/transformers/README.md", "integrations/transformers/benchmarks/results/transformers.json"),
     ("integrations/transformers/README.md",
      "integrations/transformers/benchmarks/results/transformers-quick.json"),
