@@ -1,5 +1,7 @@
 """The two-node benchmark's parts that need no root: refusal, launch command, figures, table."""
 
+import pathlib
+
 import pytest
 
 from plait.kernels.bench import BenchRow
@@ -115,3 +117,18 @@ def test_summary_table_from_a_results_file(tmp_path, capsys):
     assert two_node.main([str(path)]) == 0
     assert "| DDP | 100.0 MB | 0.50x |" in capsys.readouterr().out
     assert two_node.main([]) == 2
+
+
+def test_readme_summary_is_the_committed_results_summary():
+    """The README's two-node summary is `python -m plait.zero_sharding.benchmarks.two_node` of the
+    committed results file, verbatim (issue 18: every README table comes from a committed file)."""
+    from plait.kernels.bench import read_json
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme, results = root / "README.md", root / "benchmarks" / "results" / "zero-sharding-nodes.json"
+    if not readme.is_file() or not results.is_file():
+        pytest.skip("not a source checkout")
+    rows, _ = read_json(results)
+    assert two_node.summary_table(rows) in readme.read_text(), (
+        "regenerate the README's summary with: python -m plait.zero_sharding.benchmarks.two_node "
+        "benchmarks/results/zero-sharding-nodes.json")
