@@ -36,14 +36,15 @@ def torchrun() -> list[str]:
 
 
 def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int = 2, max_restarts: int = 0,
-            stage: int = 3, limit_s: float = 120.0) -> JobRun:
-    """Run the job once under torchrun; the whole session is SIGKILLed past ``limit_s``.
+            stage: int = 3, limit_s: float = 120.0, job: Path = JOB) -> JobRun:
+    """Run ``job`` (``reliability_restart_job.py`` or a script taking the same arguments) once under
+    torchrun; the whole session is SIGKILLed past ``limit_s``.
 
     Raises:
         TimeoutError: the job ran past ``limit_s`` (it is killed first).
     """
     command = [*torchrun(), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-               "--monitor-interval", "0.2", str(JOB), fault, str(outdir), str(steps), str(save_every), str(stage)]
+               "--monitor-interval", "0.2", str(job), fault, str(outdir), str(steps), str(save_every), str(stage)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -89,3 +90,25 @@ def events(outdir: Path, rank: int) -> list[dict]:
 def pids(outdir: Path) -> list[int]:
     """Every worker pid the job wrote (all ranks, all attempts)."""
     return [int(path.read_text()) for path in outdir.glob("pid*-attempt*")]
+
+
+RESULTS_ENV = "PLAIT_RELIABILITY_RESULTS"
+
+
+def record(package: str, fault: str, **figures: object) -> None:
+    """Append one row of docs/reliability.md's table to the file ``PLAIT_RELIABILITY_RESULTS`` names.
+
+    Nothing happens when the variable is unset (a plain test run); ``reliability_report.py run``
+    sets it, collects the rows into the committed results file and renders the table from it.
+
+    Args:
+        package: what ran (``zero-sharding ZeRO-3``, ``onebit-optim``, ``plait-lightning``...).
+        fault: what went wrong (``rank 1 SIGKILLed at step 2``...).
+        figures: the measured values (``named``, ``seconds``, ``left``, ``lost_steps``, ``lost_s``,
+            ``bitwise``, ``exit_zero``...), JSON values.
+    """
+    target = os.environ.get(RESULTS_ENV)
+    if not target:
+        return
+    with open(target, "a") as handle:
+        handle.write(json.dumps({"package": package, "fault": fault, **figures}) + "\n")

@@ -41,7 +41,7 @@ from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitFabricPrecision, precision_name_of
-from plait.lightning.strategy import build_config, move_module, parallel_plan, rebind_schedulers
+from plait.lightning.strategy import build_config, join_restart_safe, move_module, parallel_plan, rebind_schedulers
 from plait.universal_ckpt.directory import resolve
 from plait.zero_sharding import ZeroConfig, ZeroModule, ZeroOptimizer, sharded_init
 
@@ -132,6 +132,12 @@ class PlaitFabricStrategy(DDPStrategy):
         failures.die_with_launcher()
         super().setup_environment()
         collectives.ensure_publisher()  # report from the start, before this rank's first collective
+
+    def _setup_distributed(self) -> None:
+        """Join the process group restart-safely under torchrun (see
+        :func:`plait.lightning.strategy.join_restart_safe`), then as DDP does."""
+        join_restart_safe(self)
+        super()._setup_distributed()
 
     @property
     def precision(self) -> PlaitFabricPrecision:  # type: ignore[override]

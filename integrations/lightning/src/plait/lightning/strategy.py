@@ -19,13 +19,18 @@ imports deepspeed). What differs from DDP:
   sequence for the sp ranks (and the sampler sized to ``dp``).
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
+* under ``torchrun --max-restarts`` the default group is joined through
+  :func:`plait.kernels.collectives.init_process_group` (:func:`join_restart_safe`), so a restarted
+  worker never reads the previous attempt's addresses and ``fit(ckpt_path="last")`` resumes.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
+import os
 import shutil
 import sys
 from collections.abc import Generator, Mapping
@@ -35,7 +40,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -133,6 +140,35 @@ def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple
         added.append(parallel.ExpertParallel(mesh))
     plan = dataclasses.replace(plan, extensions=(*plan.extensions, *added))
     return plan, mesh, (mesh if plan.ep_size == 1 else None)
+
+
+def join_restart_safe(strategy: Any) -> bool:
+    """Join the default process group restart-safely when torchrun's agent store is in use.
+
+    Lightning's strategies call ``torch.distributed.init_process_group`` themselves, whose store
+    keys are the same in every torchrun attempt: a restarted rank could read the previous attempt's
+    gloo addresses and fail (see :mod:`plait.kernels.collectives.restarts`). Under torchelastic
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) this joins first through
+    :func:`plait.kernels.collectives.init_process_group`, with the strategy's backend, timeout and
+    device; Lightning's own setup then finds the group initialized and keeps it. Elsewhere
+    (Lightning's launcher, SLURM) it does nothing.
+
+    Args:
+        strategy: a Lightning Trainer or Fabric DDP-derived strategy (``_get_process_group_backend``,
+            ``_timeout``, ``root_device``).
+
+    Returns:
+        Whether it joined the group.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return False
+    backend = strategy._get_process_group_backend()
+    device = strategy.root_device
+    collectives.init_process_group(backend, timeout=strategy._timeout or default_pg_timeout,
+                                   device_id=device if device.type != "cpu" else None)
+    if backend == "nccl":  # what Lightning's own init registers (torch warns about an undestroyed NCCL group)
+        atexit.register(_destroy_dist_connection)
+    return True
 
 
 def rebind_schedulers(schedulers: list[Any], old: Any, new: Any) -> None:
@@ -270,6 +306,12 @@ class PlaitStrategy(DDPStrategy):
         failures.die_with_launcher()
         super().setup_environment()
         collectives.ensure_publisher()  # report from the start, before this rank's first collective
+
+    def setup_distributed(self) -> None:
+        """Join the process group restart-safely under torchrun (:func:`join_restart_safe`), then
+        as DDP does (which keeps a group already joined)."""
+        join_restart_safe(self)
+        super().setup_distributed()
 
     def on_exception(self, exception: BaseException) -> None:
         """Lightning's hook on any exception: on rank 0, kill the ranks it launched (else they
