@@ -138,7 +138,8 @@ def _rank_main(ref: _FunctionRef, rank: int, world_size: int, port: int, backend
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, backend: str = "gloo",
-                    threads: int = 1, env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+                    threads: int = 1, env: dict[str, str] | None = None, expect_dead: tuple[int, ...] = (),
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` freshly spawned ranks and return their results.
 
     Each rank has ``RANK``/``WORLD_SIZE`` set and the default process group initialised with
@@ -153,6 +154,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
         threads: torch threads per rank (the project measures with one).
         env: extra environment variables for the ranks (the caller's environment is inherited).
+        expect_dead: ranks a test kills on purpose (a dead rank, R9): such a rank dying without
+            a result is not a failure, its result is ``None``, and the others' results come back.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -164,6 +167,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
+    if any(not 0 <= rank < world_size for rank in expect_dead):
+        raise ValueError(f"expect_dead={expect_dead!r} must hold ranks of 0..{world_size - 1}.")
     timeout *= settings.test_timeout_scale()
     ref = _FunctionRef.of(fn)
     environ = {**os.environ, **(env or {})}
@@ -179,7 +184,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         for proc in procs:
             proc.start()
         try:
-            outcomes = _wait_for_ranks(procs, Path(workdir), time.monotonic() + timeout, timeout)
+            outcomes = _wait_for_ranks(procs, Path(workdir), time.monotonic() + timeout, timeout, expect_dead)
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -197,7 +202,8 @@ def _read_outcome(workdir: Path, rank: int) -> tuple[str, Any, float] | None:
     return torch.load(path, weights_only=False)
 
 
-def _wait_for_ranks(procs: list, workdir: Path, deadline: float, timeout: float) -> list[tuple[str, Any, float]]:
+def _wait_for_ranks(procs: list, workdir: Path, deadline: float, timeout: float,
+                    expect_dead: tuple[int, ...] = ()) -> list[tuple[str, Any, float]]:
     outcomes: dict[int, tuple[str, Any, float]] = {}
     failed_at: float | None = None
     while len(outcomes) < len(procs):
@@ -206,6 +212,8 @@ def _wait_for_ranks(procs: list, workdir: Path, deadline: float, timeout: float)
                 continue
             proc.join()
             outcome = _read_outcome(workdir, rank)
+            if outcome is None and rank in expect_dead:
+                outcome = ("ok", None, time.time())  # killed on purpose by the test
             outcomes[rank] = outcome or ("error", f"rank {rank} died with exit code {proc.exitcode} "
                                                   "before returning (killed, crashed or os._exit).", time.time())
             if outcomes[rank][0] == "error" and failed_at is None:
