@@ -186,8 +186,10 @@ def read_verified(path: Path, rel: str, offset: int, nbytes: int, *, start: int,
                   into: memoryview | None = None) -> memoryview:
     """Read bytes ``[start, stop)`` of a piece stored at ``offset`` of ``path``, checking hashes.
 
-    With ``hashes`` the read widens to whole chunks and every chunk is checked; without, exactly
-    ``[start, stop)`` is read.
+    With ``hashes`` every chunk the range touches is read whole and checked right after it is
+    read, while it is still in cache: a chunk wholly inside the range is read straight into the
+    destination, only the partial chunks at its ends go through a scratch buffer. Without, exactly
+    ``[start, stop)`` is read, straight into the destination.
 
     Args:
         path: the data file.
@@ -197,41 +199,52 @@ def read_verified(path: Path, rel: str, offset: int, nbytes: int, *, start: int,
         hashes: the piece's chunk digests, or None to skip verification.
         chunk_bytes: chunk size of ``hashes``.
         algorithm: their algorithm (a hashlib name or :data:`CHECKSUM_ALGORITHM`).
-        into: optional writable buffer of ``stop - start`` bytes to fill; when the wanted range is
-            already chunk-aligned the file is read straight into it (no extra copy).
+        into: optional writable buffer of ``stop - start`` bytes to fill (the destination);
+            without it a new buffer is.
 
     Returns:
-        The bytes of ``[start, stop)`` (a view of ``into`` when given).
+        The bytes of ``[start, stop)`` (``into`` itself when given).
 
     Raises:
         CheckpointIntegrityError: the file is missing or short, or a chunk digest differs.
     """
-    lo, hi = start, stop
-    if hashes is not None:
-        lo, hi = chunk_bounds(start, stop, nbytes, chunk_bytes)
-    direct = into is not None and lo == start and hi == stop
-    buffer = into if direct else bytearray(hi - lo)
+    out = memoryview(into if into is not None else bytearray(stop - start)).cast("B")
     try:
         with open(path, "rb", buffering=0) as file:
-            file.seek(offset + lo)
-            got = file.readinto(buffer)
-            while got < len(buffer):
-                more = file.readinto(memoryview(buffer)[got:])
-                if not more:
-                    break
-                got += more
+            if hashes is None:
+                _read_exactly(file, rel, offset, start, out)
+                return out
+            lo, hi = chunk_bounds(start, stop, nbytes, chunk_bytes)
+            scratch = None
+            for begin in range(lo, hi, chunk_bytes) if hi > lo else (lo,):
+                end = min(hi, begin + chunk_bytes)
+                direct = start <= begin and end <= stop  # a whole chunk wanted: read it into its place
+                if direct:
+                    chunk = out[begin - start:end - start]
+                else:  # an end of the range: read the whole chunk aside, keep the wanted part
+                    scratch = scratch if scratch is not None and len(scratch) >= end - begin else bytearray(end - begin)
+                    chunk = memoryview(scratch)[:end - begin]
+                _read_exactly(file, rel, offset, begin, chunk)
+                check_chunks(chunk, rel, offset, nbytes, begin, end, digests=hashes, chunk_bytes=chunk_bytes,
+                             algorithm=algorithm)
+                if not direct:
+                    keep_lo, keep_hi = max(begin, start), min(end, stop)
+                    out[keep_lo - start:keep_hi - start] = chunk[keep_lo - begin:keep_hi - begin]
     except FileNotFoundError as exc:
         raise CheckpointIntegrityError(f"checkpoint file {rel} is missing.", file=rel,
                                        expected="present", actual="missing") from exc
-    if got < len(buffer):
-        raise CheckpointIntegrityError(
-            f"checkpoint file {rel} is truncated: needed bytes up to {offset + hi}, file ends at {offset + lo + got}.",
-            file=rel, expected=f">= {offset + hi} bytes", actual=f"{offset + lo + got} bytes")
-    if hashes is not None:
-        check_chunks(memoryview(buffer), rel, offset, nbytes, lo, hi, digests=hashes, chunk_bytes=chunk_bytes,
-                     algorithm=algorithm)
-    wanted = memoryview(buffer)[start - lo:stop - lo]  # a view: no second copy of the bytes
-    if into is not None and not direct:
-        into[:] = wanted
-        return into
-    return wanted
+    return out
+
+
+def _read_exactly(file, rel: str, offset: int, at: int, buffer: memoryview) -> None:
+    """Fill ``buffer`` from byte ``offset + at`` of ``file``, or say the file is truncated."""
+    file.seek(offset + at)
+    got = 0
+    while got < len(buffer):
+        more = file.readinto(buffer[got:])
+        if not more:
+            raise CheckpointIntegrityError(
+                f"checkpoint file {rel} is truncated: needed bytes up to {offset + at + len(buffer)}, "
+                f"file ends at {offset + at + got}.", file=rel, expected=f">= {offset + at + len(buffer)} bytes",
+                actual=f"{offset + at + got} bytes")
+        got += more
