@@ -201,7 +201,8 @@ def test_module_loads_experts_and_matches_mixtral_loop():
         layer(torch.zeros(3, 23))
 
 
-def test_gradients_flow_through_the_reference_even_when_triton_is_forced(triton_backend):
+def test_gradients_flow_through_the_triton_backward_kernels(triton_backend):
+    """With gradients the op units run one by one on their Triton forward and backward kernels."""
     x, w_gate_up, w_down, logits = _moe_inputs(SHAPES[0], torch.float32, device=triton_backend)
     params = [t.clone().requires_grad_() for t in (x, w_gate_up, w_down)]
     fused_moe(*params, logits, top_k=2).square().sum().backward()
@@ -210,6 +211,24 @@ def test_gradients_flow_through_the_reference_even_when_triton_is_forced(triton_
     per_expert_loop(*oracle_in, weights, ids).square().sum().backward()
     for got, want in zip(params, oracle_in, strict=True):
         torch.testing.assert_close(got.grad, want.grad.float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_serving_numerics_are_the_shared_op_units_with_fp32_activation(dtype):
+    """The CPU path is plait-kernels' permutation, grouped GEMM and combine (the op units training
+    uses) with ``precision="fp32"``, bitwise; training's ``"input"`` precision gives other bits."""
+    from plait.kernels.ops import combine_rows, grouped_gated_mlp, permute_by_expert, permute_tokens
+
+    x, w_gate_up, w_down, logits = _moe_inputs(SHAPES[2], dtype)
+    weights, ids = topk_routing(logits, 3)
+    order, counts = permute_by_expert(ids.reshape(-1), w_gate_up.shape[0])
+    token = order // 3
+    rows = permute_tokens(x, token)
+    route_w = weights.reshape(-1)[order]
+    served, trained = (combine_rows(grouped_gated_mlp(rows, counts, w_gate_up, w_down, precision=p), token,
+                                    route_w, x.shape[0]) for p in ("fp32", "input"))
+    out = fused_experts_reference(x, w_gate_up, w_down, weights, ids)
+    assert torch.equal(out, served) and not torch.equal(out, trained)
 
 
 def test_no_tokens(triton_backend):

@@ -11,7 +11,16 @@ from plait.kernels.ops.gated_activation import (
     gelu_and_mul,
     silu_and_mul,
 )
-from plait.kernels.ops.moe_grouped import grouped_gated_mlp, grouped_gated_mlp_reference, permute_by_expert
+from plait.kernels.ops.moe_grouped import gate_product, grouped_gated_mlp, grouped_gated_mlp_reference
+from plait.kernels.ops.moe_permute import (
+    BlockAlignment,
+    align_tokens_to_blocks,
+    combine_rows,
+    combine_rows_reference,
+    permute_by_expert,
+    permute_tokens,
+    permute_tokens_reference,
+)
 from plait.kernels.ops.quantize import (
     dequantize_blockwise,
     dequantize_blockwise_reference,
@@ -37,14 +46,19 @@ from plait.kernels.ops.sign import (
 )
 
 __all__ = [
+    "BlockAlignment",
     "GeluAndMul",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
+    "align_tokens_to_blocks",
     "apply_rotary",
+    "combine_rows",
+    "combine_rows_reference",
     "compress_with_error_feedback",
     "dequantize_blockwise",
     "dequantize_blockwise_reference",
+    "gate_product",
     "gated_activation_reference",
     "gelu_and_mul",
     "grouped_gated_mlp",
@@ -52,6 +66,8 @@ __all__ = [
     "pack_signs",
     "packed_numel",
     "permute_by_expert",
+    "permute_tokens",
+    "permute_tokens_reference",
     "quantize_blockwise",
     "quantize_blockwise_reference",
     "rms_norm",

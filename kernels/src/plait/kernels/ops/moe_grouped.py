@@ -1,41 +1,60 @@
-"""Mixture-of-Experts token permutation and the grouped gated-MLP GEMM, with backward.
+"""The Mixture-of-Experts grouped gated-MLP GEMM, forward and backward, for training and serving.
 
-A MoE layer hands each (token, slot) assignment to one expert. Two steps sit between the
-router and the experts' GEMMs, and the same two are needed for training and for serving:
+After the token permutation (:mod:`plait.kernels.ops.moe_permute`) the rows of one expert form one
+contiguous segment. :func:`grouped_gated_mlp` runs every expert's gated MLP
+``down(act(gate(x)) * up(x))`` on its segment, with the stacked weight layout of vLLM, Liger and
+HF transformers 5.x (``w_gate_up [E, 2I, H]``: gate rows then up rows; ``w_down [E, H, I]``).
+plait-moe-layers (training) and plait-inference-kernels (serving) both call it.
 
-1. :func:`permute_by_expert` sorts the assignments by expert (stable, so within an expert the
-   original order is kept) and counts the rows of each expert: the rows of one expert become one
-   contiguous segment.
-2. :func:`grouped_gated_mlp` runs every expert's gated MLP ``down(act(gate(x)) * up(x))`` on its
-   segment, with the stacked weight layout of vLLM, Liger and HF transformers 5.x
-   (``w_gate_up [E, 2I, H]``: gate rows then up rows; ``w_down [E, H, I]``).
+**Precision of the activation** (``precision``, the one place training and serving differ):
 
-The grouped path runs torch's grouped GEMM (``torch.nn.functional.grouped_mm``, forward and
-backward, CPU and CUDA) over the segments' offsets: two GEMM calls for all experts, no padding.
-Where that op is missing or its 16-byte stride rule is not met (``H`` or ``I`` times the element
-size not a multiple of 16), the segments are scattered into one zero-padded
-``[E, max_rows, H]`` buffer and run as two ``torch.bmm``; padding wastes work when the load is
-very uneven, so that path falls back to the loop once the padded buffer would exceed
-``MAX_PADDING_FACTOR`` times the real rows. The reference (:func:`grouped_gated_mlp_reference`,
-the test oracle) loops over the experts with one GEMM pair per non-empty segment. All are built
-from differentiable torch ops, so autograd gives the backward; every path keeps every expert's
-weights in the graph, so an expert that got no rows receives a zero gradient rather than none
-(distributed gradient reductions then see the same tensors on every rank).
+* ``"input"`` (training, the default): gate and up are the GEMM outputs in the input dtype, and
+  ``act(gate) * up`` is computed as eager torch computes it there (each op rounded to the input
+  dtype). This is what HF transformers' experts compute, so converted models keep their logits.
+* ``"fp32"`` (serving): ``act(gate) * up`` is computed in fp32 and rounded once to the input dtype
+  before the down GEMM. The Triton kernel applies it to its fp32 accumulators; the reference to
+  the GEMM outputs upcast. This is plait-inference-kernels' and vLLM's fused-MoE numerics.
+
+For fp32 inputs the two are the same computation. The backward takes the local derivative of the
+same formula (autograd of :func:`gate_product`) on both paths.
+
+**Paths.** CUDA tensors run the Triton kernels of :mod:`plait.kernels.ops.moe_grouped_triton`
+(two grouped GEMMs forward with the activation fused into the first one's epilogue; three
+grouped GEMMs and two per-expert weight-gradient reductions backward). Elsewhere (and with
+``PLAIT_KERNEL_BACKEND=reference``) torch runs (:func:`grouped_gated_mlp_torch`): on CPU one GEMM
+pair per expert written straight into whole-batch buffers, the activation once over all rows,
+and a hand-written backward that writes each expert's weight gradient into its row of one
+stacked gradient; on CUDA without Triton torch's grouped GEMM (``F.grouped_mm``) over the
+segments' offsets where its 16-byte stride rule holds, else the segments zero-padded into one
+``[E, max_rows, H]`` buffer run as two ``torch.bmm`` (falling back to the loop once the padding
+would exceed ``MAX_PADDING_FACTOR`` times the real rows). The reference
+(:func:`grouped_gated_mlp_reference`, the test oracle) loops over the experts with ``F.linear``
+and takes autograd's backward. Every path gives an expert that got no rows a zero weight
+gradient rather than none (distributed gradient reductions then see the same tensors on every
+rank).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from plait.kernels import dispatch
 
 MAX_PADDING_FACTOR = 4
 """The grouped path pads to at most this many times the real rows, else it loops (see module doc)."""
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Dtypes torch's grouped GEMM takes; others (float64 in tests) use the padded path."""
+"""Dtypes torch's grouped GEMM and the Triton kernels take; others (float64 in tests) use torch."""
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 """Gate activations: SwiGLU (``silu``), GeGLU with erf (``gelu``) or tanh (``gelu_tanh``) GELU."""
+
+PRECISIONS = ("input", "fp32")
+"""Where ``act(gate) * up`` is computed: in the input dtype (training) or fp32 (serving); see above."""
 
 
 def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -44,32 +63,26 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def permute_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Order assignments by expert and count each expert's rows.
+def gate_product(gate_up: torch.Tensor, activation: str = "silu", precision: str = "input") -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up`` ``[..., 2I]`` (gate columns first), in ``gate_up``'s dtype.
 
     Args:
-        expert_ids: ``[N]`` integer expert id of each assignment, in ``[0, num_experts)``.
-        num_experts: the number of experts (segments), so empty experts get a count of 0.
+        gate_up: the first GEMM's output.
+        activation: one of :data:`ACTIVATIONS`.
+        precision: one of :data:`PRECISIONS` (see the module docstring).
 
     Returns:
-        ``(order, counts)``: ``order`` ``[N]`` int64 such that ``expert_ids[order]`` is sorted
-        (stable), and ``counts`` ``[num_experts]`` int64 rows per expert.
-
-    Raises:
-        ValueError: ``expert_ids`` is not a 1-D integer tensor or ``num_experts < 1``.
+        ``[..., I]`` in ``gate_up.dtype``.
     """
-    if expert_ids.dim() != 1 or expert_ids.is_floating_point() or expert_ids.is_complex():
-        raise ValueError(f"expert_ids must be a 1-D integer tensor, got {expert_ids.dtype} {tuple(expert_ids.shape)}.")
-    if num_experts < 1:
-        raise ValueError(f"num_experts={num_experts} must be >= 1.")
-    ids = expert_ids.to(torch.int64)
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=num_experts)
-    return order, counts
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if precision == "fp32" and gate_up.dtype != torch.float32:
+        return (_activate(gate.float(), activation) * up.float()).to(gate_up.dtype)
+    return _activate(gate, activation) * up
 
 
 def check_grouped_inputs(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                         w_down: torch.Tensor, activation: str) -> None:
+                         w_down: torch.Tensor, activation: str, precision: str = "input") -> None:
     """Refuse inconsistent grouped-MLP inputs before any work (see :func:`grouped_gated_mlp`)."""
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(
@@ -88,15 +101,18 @@ def check_grouped_inputs(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch
         raise ValueError(f"counts sum to {int(counts.sum())} but x has {x.shape[0]} rows; they must match.")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; use 'input' (training numerics) or "
+                         "'fp32' (serving numerics).")
 
 
 def grouped_gated_mlp_reference(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                                w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                                w_down: torch.Tensor, activation: str = "silu",
+                                precision: str = "input") -> torch.Tensor:
     """Per-expert loop over contiguous segments (the oracle; inputs not validated).
 
     Args and Returns: as :func:`grouped_gated_mlp`.
     """
-    inter = w_down.shape[2]
     outputs = []
     start = 0
     # unbind: one gradient stack per weight in backward (indexing w[e] would add a full-size
@@ -104,8 +120,7 @@ def grouped_gated_mlp_reference(x: torch.Tensor, counts: torch.Tensor, w_gate_up
     for count, w_gu, w_d in zip(counts.tolist(), w_gate_up.unbind(0), w_down.unbind(0)):
         if count == 0:
             continue
-        gate_up = F.linear(x[start:start + count], w_gu)
-        act = _activate(gate_up[:, :inter], activation) * gate_up[:, inter:]
+        act = gate_product(F.linear(x[start:start + count], w_gu), activation, precision)
         outputs.append(F.linear(act, w_d))
         start += count
     if not outputs:
@@ -130,39 +145,141 @@ def _grouped_mm_fits(x: torch.Tensor, inter: int) -> bool:
             and (x.shape[1] * size) % 16 == 0 and (inter * size) % 16 == 0)
 
 
+def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
+    """``(expert, start, end)`` of every non-empty segment."""
+    bounds, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            bounds.append((expert, start, start + count))
+        start += count
+    return bounds
+
+
+class _SegmentGatedMLP(torch.autograd.Function):
+    """The CPU path: per expert one GEMM pair written straight into whole-batch buffers (``out=``),
+    the activation once over all rows, and a backward that writes each expert's weight gradient
+    into its row of one stacked gradient (no per-expert zero tensors, gathers or sums).
+
+    torch's CPU ``grouped_mm`` runs one ``mm`` per group too, but on strided views with extra
+    copies and zero fills, and its backward does the same: measured 1.3x slower than this on the
+    benchmark shape (``plait bench moe-layers``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                activation: str, precision: str) -> torch.Tensor:
+        segments = _segments(counts)
+        gate_up = x.new_empty(x.shape[0], w_gate_up.shape[1])
+        for expert, start, end in segments:
+            torch.mm(x[start:end], w_gate_up[expert].t(), out=gate_up[start:end])
+        act = gate_product(gate_up, activation, precision)
+        out = x.new_empty(x.shape[0], w_down.shape[1])
+        for expert, start, end in segments:
+            torch.mm(act[start:end], w_down[expert].t(), out=out[start:end])
+        ctx.save_for_backward(x, w_gate_up, w_down, gate_up)
+        ctx.segments, ctx.activation, ctx.precision = segments, activation, precision
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None, None]:
+        x, w_gate_up, w_down, gate_up = ctx.saved_tensors
+        grad = grad.contiguous()
+        with torch.enable_grad():  # the activation's local derivative: autograd of the same formula
+            gate_up = gate_up.detach().requires_grad_()
+            act = gate_product(gate_up, ctx.activation, ctx.precision)
+        d_act = grad.new_empty(act.shape)
+        d_w_down = _stacked_grad(w_down, ctx.segments)
+        for expert, start, end in ctx.segments:
+            torch.mm(grad[start:end], w_down[expert], out=d_act[start:end])
+            torch.mm(grad[start:end].t(), act[start:end].detach(), out=d_w_down[expert])
+        (d_gate_up,) = torch.autograd.grad(act, gate_up, d_act)
+        d_x = torch.empty_like(x)
+        d_w_gate_up = _stacked_grad(w_gate_up, ctx.segments)
+        for expert, start, end in ctx.segments:
+            torch.mm(d_gate_up[start:end], w_gate_up[expert], out=d_x[start:end])
+            torch.mm(d_gate_up[start:end].t(), x[start:end], out=d_w_gate_up[expert])
+        return d_x, None, d_w_gate_up, d_w_down, None, None
+
+
+def _stacked_grad(weight: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """An uninitialised stacked gradient with the experts that got no rows zeroed."""
+    grad = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    filled = torch.zeros(weight.shape[0], dtype=torch.bool)
+    filled[[expert for expert, _, _ in segments]] = True
+    if not filled.all():
+        grad[~filled.to(weight.device)] = 0
+    return grad
+
+
+TORCH_METHODS = ("segments", "grouped_mm", "padded_bmm")
+"""The torch path's ways of running the GEMMs (see :func:`grouped_gated_mlp_torch`)."""
+
+
+def grouped_gated_mlp_torch(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                            activation: str = "silu", precision: str = "input", *,
+                            method: str | None = None) -> torch.Tensor:
+    """The torch path of :func:`grouped_gated_mlp` whatever the device (inputs not validated).
+
+    Args:
+        x, w_gate_up, w_down, activation, precision: as :func:`grouped_gated_mlp`.
+        counts: ``[E]`` int64 rows per expert.
+        method: ``"segments"`` (one GEMM pair per expert into shared buffers; the default on CPU),
+            ``"grouped_mm"`` (torch's grouped GEMM where its stride rule holds, else the padded
+            path; the default on CUDA) or ``"padded_bmm"`` (zero-padded batched GEMMs, falling back to the loop past
+            ``MAX_PADDING_FACTOR``; CUDA otherwise). ``None`` picks the default.
+
+    Returns:
+        ``[N, H]`` in ``x``'s dtype.
+    """
+    experts, hidden, inter = w_down.shape
+    if method is None:
+        method = "grouped_mm" if x.is_cuda else "segments"
+    if method == "segments":
+        return _SegmentGatedMLP.apply(x, counts.tolist(), w_gate_up, w_down, activation, precision)
+    if method == "grouped_mm" and _grouped_mm_fits(x, inter):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = F.grouped_mm(x, w_gate_up.transpose(1, 2), offs=offsets)
+        return F.grouped_mm(gate_product(gate_up, activation, precision), w_down.transpose(1, 2), offs=offsets)
+    rows, max_rows = _padded_rows(counts)
+    if experts * max_rows > MAX_PADDING_FACTOR * max(x.shape[0], 1):
+        return grouped_gated_mlp_reference(x, counts, w_gate_up, w_down, activation, precision)
+    padded = x.new_zeros(experts * max_rows, hidden).index_copy(0, rows, x).view(experts, max_rows, hidden)
+    act = gate_product(torch.bmm(padded, w_gate_up.transpose(1, 2)), activation, precision)
+    out = torch.bmm(act, w_down.transpose(1, 2)).reshape(experts * max_rows, hidden)
+    return out.index_select(0, rows)
+
+
 def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                      *, activation: str = "silu") -> torch.Tensor:
-    """Every expert's gated MLP on its contiguous segment of ``x``, as batched GEMMs.
+                      *, activation: str = "silu", precision: str = "input") -> torch.Tensor:
+    """Every expert's gated MLP on its contiguous segment of ``x``, as grouped GEMMs.
 
     ``out[rows of e] = down_e(act(gate_e(x)) * up_e(x))`` where the rows of expert ``e`` are
-    ``x[sum(counts[:e]) : sum(counts[:e+1])]`` (see :func:`permute_by_expert`).
+    ``x[sum(counts[:e]) : sum(counts[:e+1])]`` (see
+    :func:`~plait.kernels.ops.moe_permute.permute_by_expert`).
 
     Args:
         x: ``[N, H]`` rows sorted by expert.
         counts: ``[E]`` integer rows per expert, summing to ``N``.
-        w_gate_up: ``[E, 2I, H]``, gate rows then up rows.
-        w_down: ``[E, H, I]``.
+        w_gate_up: ``[E, 2I, H]``, gate rows then up rows, ``x``'s dtype.
+        w_down: ``[E, H, I]``, ``x``'s dtype.
         activation: one of :data:`ACTIVATIONS`.
+        precision: ``"input"`` (training: HF's eager numerics) or ``"fp32"`` (serving: the
+            activation in fp32); see the module docstring.
 
     Returns:
         ``[N, H]`` in ``x``'s dtype; differentiable in ``x`` and both weights.
 
     Raises:
-        ValueError: inconsistent shapes, counts that do not sum to ``N``, an unknown activation.
+        ValueError: inconsistent shapes, counts that do not sum to ``N``, an unknown activation
+            or precision.
     """
-    check_grouped_inputs(x, counts, w_gate_up, w_down, activation)
-    experts, hidden, inter = w_down.shape
+    check_grouped_inputs(x, counts, w_gate_up, w_down, activation, precision)
     counts = counts.to(device=x.device, dtype=torch.int64)
-    if _grouped_mm_fits(x, inter):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate_up = F.grouped_mm(x, w_gate_up.transpose(1, 2), offs=offsets)
-        act = _activate(gate_up[:, :inter], activation) * gate_up[:, inter:]
-        return F.grouped_mm(act, w_down.transpose(1, 2), offs=offsets)
-    rows, max_rows = _padded_rows(counts)
-    if experts * max_rows > MAX_PADDING_FACTOR * max(x.shape[0], 1):
-        return grouped_gated_mlp_reference(x, counts, w_gate_up, w_down, activation)
-    padded = x.new_zeros(experts * max_rows, hidden).index_copy(0, rows, x).view(experts, max_rows, hidden)
-    gate_up = torch.bmm(padded, w_gate_up.transpose(1, 2))
-    act = _activate(gate_up[..., :inter], activation) * gate_up[..., inter:]
-    out = torch.bmm(act, w_down.transpose(1, 2)).reshape(experts * max_rows, hidden)
-    return out.index_select(0, rows)
+    # No rows: nothing to launch (a zero-size grid); the torch path returns the empty graph.
+    if (dispatch.select_backend(x, w_gate_up, w_down) == dispatch.TRITON and x.dtype in GROUPED_MM_DTYPES
+            and w_gate_up.dtype == x.dtype == w_down.dtype and x.shape[0] > 0):
+        from plait.kernels.ops import moe_grouped_triton
+
+        return moe_grouped_triton.grouped_gated_mlp_triton(x, counts, w_gate_up, w_down, activation, precision)
+    return grouped_gated_mlp_torch(x, counts, w_gate_up, w_down, activation, precision)

@@ -1,7 +1,10 @@
 """Token dispatch to the experts and combine, on one rank or across an expert-parallel group.
 
 One rank: the kept (token, slot) assignments are sorted by expert, their tokens gathered, run
-through the experts as one grouped GEMM, weighted and summed back per token.
+through the experts as one grouped GEMM, weighted and summed back per token. The sort, the gather
+and the weighted sum are plait-kernels' token-permutation op unit
+(:mod:`plait.kernels.ops.moe_permute`) and the experts its grouped GEMM
+(:mod:`plait.kernels.ops.moe_grouped`): the ops plait-inference-kernels serves with.
 
 Expert parallel (``ep`` ranks, rank ``r`` holding experts ``[r * E/ep, (r + 1) * E/ep)``):
 
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 
 from plait.kernels import collectives
-from plait.kernels.ops import permute_by_expert
+from plait.kernels.ops import combine_rows, permute_by_expert, permute_tokens
 from plait.moe_layers.router import Routing
 
 
@@ -84,7 +87,7 @@ def _expert_parallel(rows: torch.Tensor, counts: torch.Tensor, experts: torch.nn
     received = all_to_all_rows(rows, send, recv, group, f"{label} token dispatch all-to-all")
     local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
     order, local_counts = permute_by_expert(torch.repeat_interleave(local_ids, recv_counts), local)
-    out = experts(received.index_select(0, order), local_counts)
+    out = experts(permute_tokens(received, order), local_counts)
     back = out.new_zeros(out.shape).index_copy(0, order, out)
     return all_to_all_rows(back, recv, send, group, f"{label} token combine all-to-all")
 
@@ -110,12 +113,10 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module
     token, slot = routing.kept.nonzero(as_tuple=True)
     order, counts = permute_by_expert(routing.expert_ids[token, slot], num_experts)
     token = token[order]
-    rows = x.index_select(0, token)
+    rows = permute_tokens(x, token)
     if ep_size > 1:
         out_rows = _expert_parallel(rows, counts, experts, group, ep_size, label)
     else:
         out_rows = experts(rows, counts)
     weights = routing.weights[token, slot[order]]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    out = out.index_add(0, token, out_rows.float() * weights[:, None])
-    return out.to(x.dtype), counts
+    return combine_rows(out_rows, token, weights, x.shape[0]).to(x.dtype), counts

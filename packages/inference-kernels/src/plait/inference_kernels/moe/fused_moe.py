@@ -10,18 +10,21 @@ Weight layout (vLLM's and Liger's): ``w_gate_up [E, 2I, H]`` with the gate proje
 ``[0, I)`` and the up projection in rows ``[I, 2I)``; ``w_down [E, H, I]``. The expert MLP is
 ``down(act(gate(x)) * up(x))``.
 
-The reference path (CPU fallback and test baseline) sorts the (token, slot) pairs by expert,
-runs one fused gate/up GEMM and one down GEMM per expert over its contiguous segment and
-combines with ``index_add_`` in fp32. The Triton path runs
-:mod:`~plait.inference_kernels.moe.fused_moe_triton`. Both are forward-only kernels; when
-autograd needs gradients (an input requires grad under grad mode) the reference runs, because
-it is built from differentiable torch ops.
+The work is done by plait-kernels' MoE op units, the same ones plait-moe-layers trains with:
+the token permutation (:mod:`plait.kernels.ops.moe_permute`) and the grouped gated-MLP GEMM
+(:mod:`plait.kernels.ops.moe_grouped`), called with ``precision="fp32"``: serving computes
+``act(gate) * up`` in fp32 and rounds it once (training keeps the input dtype, as HF does; the
+argument is the one difference). Without gradients on the Triton backend one fused launch pair
+runs (:func:`plait.kernels.ops.moe_grouped_triton.routed_experts_triton`: the permutation folded
+into the GEMMs' loads and stores, the routing weight into the down GEMM). With gradients
+on the Triton backend the op units run one after another - sort by expert, gather, grouped GEMMs,
+combine in fp32 - each with its Triton backward. Elsewhere :func:`fused_experts_reference` (the CPU
+path and the test baseline) runs the same steps with the op units' torch paths.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from plait.inference_kernels.input_checks import (
     check_float,
@@ -31,16 +34,15 @@ from plait.inference_kernels.input_checks import (
 )
 from plait.inference_kernels.moe.routing import topk_routing
 from plait.kernels.dispatch import TRITON, select_backend
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-
-
-def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "gelu":
-        return F.gelu(x)
-    return F.gelu(x, approximate="tanh")
+from plait.kernels.ops import (
+    combine_rows,
+    combine_rows_reference,
+    grouped_gated_mlp,
+    permute_by_expert,
+    permute_tokens,
+    permute_tokens_reference,
+)
+from plait.kernels.ops.moe_grouped import ACTIVATIONS, grouped_gated_mlp_torch
 
 
 def validate_experts(
@@ -86,6 +88,17 @@ def validate_experts(
                     fix=f"expert ids index the {num_experts} experts of w_gate_up.")
 
 
+def _routed(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, activation: str, *, permute, grouped, combine) -> torch.Tensor:
+    """Sort by expert, gather (``permute``), grouped GEMMs (``grouped``), combine in fp32 (``combine``)."""
+    top_k = topk_ids.shape[1]
+    order, counts = permute_by_expert(topk_ids.reshape(-1), w_gate_up.shape[0])
+    token_of_row = order // top_k
+    rows = permute(hidden, token_of_row)
+    out_rows = grouped(rows, counts.to(hidden.device), w_gate_up, w_down, activation, "fp32")
+    return combine(out_rows, token_of_row, topk_weights.reshape(-1).index_select(0, order), hidden.shape[0])
+
+
 def fused_experts_reference(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -94,44 +107,19 @@ def fused_experts_reference(
     topk_ids: torch.Tensor,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """Pure-torch fused MoE over routed tokens: permute, per-expert segment GEMMs, combine.
+    """Fused MoE over routed tokens with the torch paths of plait-kernels' op units, on any device.
 
-    Args and Returns: as :func:`fused_experts` (inputs are not validated here).
+    Permute (``permute_tokens_reference``), grouped GEMMs (``grouped_gated_mlp_torch`` with
+    ``precision="fp32"``), combine in fp32 (``combine_rows_reference``); differentiable by
+    autograd. The CPU path and the test baseline. Args and Returns: as :func:`fused_experts`
+    (inputs are not validated here).
     """
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    token_of_row = order // top_k
-    # One host read of E counts: segment boundaries must be Python ints to slice.
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    gathered = hidden.index_select(0, token_of_row)
-    # Without autograd the fp32 activation can run in place on the GEMM output (two fewer
-    # [rows, I] temporaries per expert); with autograd it must not overwrite saved tensors.
-    in_place = hidden.dtype == torch.float32 and not (
-        torch.is_grad_enabled() and (hidden.requires_grad or w_gate_up.requires_grad))
-    outputs = []
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        segment = gathered[start:start + count]
-        gate_up = F.linear(segment, w_gate_up[expert])
-        # Activation in fp32 like the Triton path, which applies it to its fp32 accumulators.
-        if in_place and activation == "silu":
-            act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
-        else:
-            act = _activate(gate_up[:, :inter].float(), activation) * gate_up[:, inter:].float()
-        outputs.append(F.linear(act.to(hidden.dtype), w_down[expert]))
-        start += count
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-    if not outputs:
-        return out.to(hidden.dtype)
-    route_w = topk_weights.reshape(-1).index_select(0, order).to(torch.float32)
-    rows = torch.cat(outputs).to(torch.float32) * route_w[:, None]
-    return out.index_add_(0, token_of_row, rows).to(hidden.dtype)
+    return _routed(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation,
+                   permute=permute_tokens_reference, grouped=grouped_gated_mlp_torch, combine=combine_rows_reference)
+
+
+def _grouped(rows, counts, w_gate_up, w_down, activation, precision):
+    return grouped_gated_mlp(rows, counts, w_gate_up, w_down, activation=activation, precision=precision)
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -175,9 +163,13 @@ def fused_experts(
         return hidden.new_empty(hidden.shape)
     backend = select_backend(hidden, w_gate_up, w_down)
     if backend == TRITON and not _needs_grad(hidden, w_gate_up, w_down, topk_weights):
-        from plait.inference_kernels.moe.fused_moe_triton import fused_experts_triton
+        from plait.kernels.ops.moe_grouped_triton import routed_experts_triton
 
-        return fused_experts_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation)
+        return routed_experts_triton(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, "fp32")
+    if backend == TRITON:
+        # Gradients wanted: the op units one by one, each with its Triton backward.
+        return _routed(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation, permute=permute_tokens,
+                       grouped=_grouped, combine=combine_rows)
     return fused_experts_reference(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation)
 
 
