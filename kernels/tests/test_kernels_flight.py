@@ -140,3 +140,38 @@ def test_mesh_groups_take_the_job_timeout():
     # others in an sp or ep collective for half an hour whatever timeout the job set.
     for timeouts in run_distributed(_mesh_group_timeouts, 4, timeout=60):
         assert timeouts == [str(SHORT)] * 4
+
+
+def _two_groups_over_the_world() -> tuple[list[tuple[str, int]], int]:
+    """Collectives on the default group and on a second group over the same ranks, the second one
+    from another thread (as an async checkpoint save issues them), in a different order per rank."""
+    import threading
+
+    twin = dist.new_group([0, 1], timeout=SHORT)
+    collectives.clear_history()
+    collectives.all_reduce(torch.ones(1), name="main 1")
+
+    def other() -> None:
+        for i in range(2):
+            collectives.all_reduce(torch.ones(1), group=twin, name=f"side {i}")
+
+    thread = threading.Thread(target=other)
+    if dist.get_rank() == 0:  # rank 0's side thread enters before its next main collective, rank 1's after
+        thread.start()
+        time.sleep(0.2)
+        collectives.all_reduce(torch.ones(1), name="main 2")
+    else:
+        collectives.all_reduce(torch.ones(1), name="main 2")
+        thread.start()
+    thread.join()
+    numbered = sorted((e.group, e.seq) for e in collectives.history())
+    return numbered, collectives.wait_summary().collectives
+
+
+def test_groups_over_the_same_ranks_are_numbered_apart():
+    for numbered, compared in run_distributed(_two_groups_over_the_world, 2, timeout=40):
+        twin = [group for group, _ in numbered if group != "world"]
+        assert len(set(twin)) == 1 and twin[0].startswith("world (group "), numbered
+        # each group numbered from 1 on its own: the same number is the same collective on every rank
+        assert numbered == sorted([("world", 1), ("world", 2), (twin[0], 1), (twin[0], 2)])
+        assert compared == 4  # the straggler summary compares both groups' collectives

@@ -34,10 +34,29 @@ _FLIGHT_OP = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "
               "all_to_all_single": "all_to_all", "isend": "send", "irecv": "recv"}
 
 
+def flight_group(group: Any | None) -> str:
+    """The flight log's name of ``group``: the ledger's (``world``, ``ranks[0,2]``), plus torch's
+    own group name for every group but the default one (``world (group 3)``).
+
+    Two process groups over the same ranks (ZeRO-3's reduce twin, an async checkpoint save's
+    private group, a mesh dimension spanning the world) order their collectives independently: an
+    async save's thread interleaves with the training loop differently on each rank. Numbered
+    under one name, the same number would mean different collectives on different ranks. torch
+    names groups in creation order, which every rank shares (every rank creates every group).
+    """
+    name = group_name(group)
+    if group is None or group is dist.group.WORLD:
+        return name
+    try:
+        return f"{name} (group {group.group_name})"
+    except (AttributeError, RuntimeError):
+        return name
+
+
 def _issue(fn: str, name: str | None, /, *args: Any, **kwargs: Any) -> Any:
     """Call torch's ``fn`` through the flight log (numbered per group, named, timed, failures named)."""
     group = kwargs.get("group")
-    return hangs.run(_FLIGHT_OP.get(fn, fn), group, group_name(group), flight.current_label(name), None,
+    return hangs.run(_FLIGHT_OP.get(fn, fn), group, flight_group(group), flight.current_label(name), None,
                      _torch[fn], *args, **kwargs)
 
 

@@ -55,16 +55,19 @@ class WaitSummary:
         return f"{head}; time blocked in collectives: {per_rank}"
 
 
-def _arrivals(group: str) -> dict[int, tuple[float, float]]:
-    """This rank's (entry time, blocked seconds) per collective number on ``group``."""
-    return {e.seq: (e.start, e.wait_s) for e in LOG.events if e.group == group}
+def _arrivals(group: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """This rank's (entry time, blocked seconds) per collective on ``group``, keyed by the flight
+    log's group and number: the default group and every other group over the same ranks
+    (``world`` and ``world (group 3)``) count, each numbered on its own."""
+    return {(e.group, e.seq): (e.start, e.wait_s) for e in LOG.events
+            if e.group == group or e.group.startswith(f"{group} (group ")}
 
 
-def summarize(per_rank: list[dict[int, tuple[float, float]]], ranks: list[int]) -> WaitSummary:
+def summarize(per_rank: list[dict[Any, tuple[float, float]]], ranks: list[int]) -> WaitSummary:
     """Build the summary from each rank's :func:`_arrivals` (pure; the test oracle).
 
     Args:
-        per_rank: one dict per rank, collective number -> (entry time, blocked seconds).
+        per_rank: one dict per rank, collective (number, or (group, number)) -> (entry time, blocked seconds).
         ranks: the global ranks, in the same order.
     """
     common = sorted(set.intersection(*(set(arrivals) for arrivals in per_rank))) if per_rank else []
