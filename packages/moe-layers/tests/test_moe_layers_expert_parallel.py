@@ -1,6 +1,7 @@
 """Expert parallelism on gloo: EP=2 and EP=4 (and dp=2 x ep=2) against one process running the
-same layer on every rank's tokens: outputs, expert and router gradients; all-to-all bytes per
-layer against the formula; dropless under extreme imbalance; bad ep sizes refused."""
+same layer on every rank's tokens: outputs, expert and router gradients (also with GRIN's router);
+all-to-all bytes per layer against the formula; dropless under extreme imbalance; bad ep sizes
+refused."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ H, I, E, TOKENS = 8, 6, 8, 12
 
 
 def _layer(case: str) -> MoE:
-    options = {"capacity": {"capacity_factor": 1.0, "min_capacity": 1}, "dropless": {}, "skewed": {}}[case]
+    options = {"capacity": {"capacity_factor": 1.0, "min_capacity": 1}, "dropless": {}, "skewed": {},
+               "grin": {"router_gradient": "grin"}}[case]
     torch.manual_seed(0)
     layer = MoE(MoEConfig(hidden_size=H, num_experts=E, intermediate_size=I, top_k=2, **options))
     if case == "skewed":
@@ -54,11 +56,15 @@ def _ep_worker(case: str, ep_size: int, use_mesh: bool) -> dict:
     xs, probes = _inputs(world)
     ref_xs = xs.clone().requires_grad_()
     x = xs[rank].clone().requires_grad_()  # as after earlier layers: the tokens need gradients too
+    # GRIN samples its experts from torch's generator: each rank draws for its own tokens, so the
+    # one-process reference seeds the same way before each rank's tokens.
+    torch.manual_seed(100 + rank)
     with ByteLedger() as ledger:
         out, losses = layer(x, return_losses=True)
         (out * probes[rank]).sum().backward()
     ref_loss = 0.0
     for r in range(world):  # one process: the same layer on every rank's tokens, one after another
+        torch.manual_seed(100 + r)
         ref_out = reference(ref_xs[r])
         ref_loss = ref_loss + (ref_out * probes[r]).sum()
         if r == rank:
@@ -88,11 +94,14 @@ def _ep_worker(case: str, ep_size: int, use_mesh: bool) -> dict:
     ("dropless", 2, 2, False),
     ("capacity", 4, 4, False),
     ("skewed", 4, 2, True),
+    ("grin", 2, 2, False),  # GRIN's sampled top-2 under EP, dropless, router gradient summed over ranks
 ])
 def test_expert_parallel_equals_one_process(case: str, world: int, ep_size: int, use_mesh: bool) -> None:
     results = run_distributed(_ep_worker, world, case, ep_size, use_mesh, timeout=120)
     if case == "capacity":
         assert sum(r["dropped"] for r in results) > 0
+    if case == "grin":
+        assert all(r["dropped"] == 0 for r in results)  # GRIN's top-2 drops no token
     if case == "skewed":
         # Dropless at any imbalance: every assignment ran, and the rank owning experts 0-1 got them all.
         assert all(r["dropped"] == 0 for r in results)
