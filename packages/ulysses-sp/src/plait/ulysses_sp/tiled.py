@@ -176,11 +176,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 labels: torch.Tensor, sizes: list[int], ignore_index: int, wanted: bool) -> torch.Tensor:
         grads = _LinearCEGrads(hidden, weight, bias) if wanted else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # One [chunk, V] fp32 buffer for every chunk's logits: a fresh one per chunk costs a page-faulting
+        # allocation of the largest tensor of the step each time (on the CPU allocator).
+        buffer = torch.empty((hidden.shape[0] * max(sizes), weight.shape[0]), dtype=torch.float32,
+                             device=hidden.device)
         start = 0
         for size in sizes:
             part = hidden[:, start:start + size].flatten(0, 1)
             total += _chunk_loss(part, weight, bias, labels[:, start:start + size].flatten(), ignore_index,
-                                 grads, start, size)
+                                 grads, start, size, buffer[:part.shape[0]])
             start += size
         ctx.grads = grads
         return total
@@ -222,16 +226,27 @@ class _LinearCEGrads:
 
 
 def _chunk_loss(part: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                ignore_index: int, grads: _LinearCEGrads | None, start: int, size: int) -> torch.Tensor:
-    """One chunk's summed cross-entropy; its gradients go into ``grads`` (softmax - one-hot, in place)."""
-    logits = F.linear(part, weight, bias).float()
+                ignore_index: int, grads: _LinearCEGrads | None, start: int, size: int,
+                buffer: torch.Tensor) -> torch.Tensor:
+    """One chunk's summed cross-entropy; its gradients go into ``grads`` (softmax - one-hot, in place).
+
+    Every elementwise pass over the ``[n, V]`` logits runs in ``buffer``: log-softmax in place (one
+    fused kernel), then ``exp_`` turns it into the softmax that is the gradient.
+    """
+    if weight.dtype == torch.float32:
+        logits = torch.mm(part, weight.t(), out=buffer)
+        if bias is not None:
+            logits.add_(bias)
+    else:  # bf16/fp16 head: the logits in the head's dtype (as autograd computes them), then fp32
+        logits = buffer.copy_(F.linear(part, weight, bias))
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = ((lse - logits.gather(1, target[:, None])[:, 0]) * valid).sum()
+    logp = torch.log_softmax(logits, dim=-1, out=logits)
+    loss = -(logp.gather(1, target[:, None])[:, 0] * valid).sum()
     if grads is not None:
-        dlogits = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+        dlogits = logp.exp_()  # softmax
         dlogits[torch.arange(len(target), device=target.device), target] -= 1.0
-        dlogits.mul_(valid[:, None])
+        if not bool(valid.all()):
+            dlogits[~valid] = 0.0
         grads.add(dlogits.to(weight.dtype), part, weight, start, size)
     return loss
