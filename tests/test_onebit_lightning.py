@@ -1,7 +1,7 @@
 """plait-onebit-optim with plait-lightning: ``plait_zero1`` / ``plait_zero2`` take a 1-bit Adam
-(and ``plait_zero2`` a 1-bit LAMB) instance from ``configure_optimizers`` with no other change.
-The strategies rebuild the optimizer from its class, groups and defaults; ``OnebitAdam`` and
-``OnebitLamb`` keep their config (as ``onebit_config``) and masks there, so the freeze step
+(and ``plait_zero2`` a 1-bit LAMB and a 0/1 Adam) instance from ``configure_optimizers`` with no
+other change. The strategies rebuild the optimizer from its class, groups and defaults; the three
+optimizers keep their config (as ``onebit_config``) and masks there, so the freeze step
 survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2
 give the same losses bit for bit."""
 
@@ -16,7 +16,14 @@ import torch
 
 from plait.kernels.testing import run_distributed
 from plait.lightning.demo import TinyLlamaModule
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
+from plait.onebit_optim import (
+    OnebitAdam,
+    OnebitAdamConfig,
+    OnebitLamb,
+    OnebitLambConfig,
+    ZeroOneAdam,
+    ZeroOneAdamConfig,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
 STEPS, FREEZE = 8, 3
@@ -40,6 +47,16 @@ class OnebitLambModule(TinyLlamaModule):
                           config=OnebitLambConfig(freeze_step=FREEZE))
 
 
+class ZeroOneModule(TinyLlamaModule):
+    """The demo module with 0/1 Adam: variance frozen after step 3, then local steps synchronised
+    at steps 4, 5, 6 and 8 (the run ends on a synchronisation)."""
+
+    def configure_optimizers(self) -> Any:
+        """A 0/1 Adam instance, as a user would write it."""
+        return ZeroOneAdam(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, config=ZeroOneAdamConfig(
+            var_freeze_step=FREEZE, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2))
+
+
 def session() -> dict[str, Any]:
     """Both strategies on this rank (module level: run_distributed imports it in each rank)."""
     from test_lightning_distributed import _fit, _quiet
@@ -48,16 +65,19 @@ def session() -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for strategy, module_cls in (("plait_zero1", OnebitModule), ("plait_zero2", OnebitModule),
-                                 ("plait_zero2_lamb", OnebitLambModule)):
-        losses, module = _fit(strategy.removesuffix("_lamb"), devices=2, steps=STEPS, module_cls=module_cls)
+                                 ("plait_zero2_lamb", OnebitLambModule), ("plait_zero2_zero_one", ZeroOneModule)):
+        name = strategy.removesuffix("_lamb").removesuffix("_zero_one")
+        losses, module = _fit(name, devices=2, steps=STEPS, module_cls=module_cls)
         optimizer = module.trainer.strategy.optimizers[0]
         exchange = optimizer.engine.reducer
-        out[strategy] = (losses, type(optimizer.inner).__name__, exchange.config.freeze_step, int(exchange.steps[0]))
+        config = exchange.config
+        kept = getattr(config, "freeze_step", None) or getattr(config, "var_freeze_step", None)
+        out[strategy] = (losses, type(optimizer.inner).__name__, kept, int(exchange.steps[0]))
     return out
 
 
 @pytest.mark.timeout(600)
-def test_plait_zero1_and_zero2_take_onebit_adam_and_lamb_from_configure_optimizers() -> None:
+def test_plait_zero1_and_zero2_take_the_onebit_optimizers_from_configure_optimizers() -> None:
     for result in run_distributed(session, 2, timeout=540):
         zero1, zero2 = result["plait_zero1"], result["plait_zero2"]
         assert zero1[1:] == ("OnebitAdam", FREEZE, STEPS)  # composed, freeze step kept, past warm-up
@@ -67,3 +87,6 @@ def test_plait_zero1_and_zero2_take_onebit_adam_and_lamb_from_configure_optimize
         lamb = result["plait_zero2_lamb"]
         assert lamb[1:] == ("OnebitLamb", FREEZE, STEPS)
         assert lamb[0][STEPS - 1] < lamb[0][0]
+        zero_one = result["plait_zero2_zero_one"]
+        assert zero_one[1:] == ("ZeroOneAdam", FREEZE, STEPS)  # composed as 0/1 Adam under ZeRO-2
+        assert zero_one[0][STEPS - 1] < zero_one[0][0]

@@ -15,7 +15,8 @@ engine's reducer, with the owner of each ZeRO shard as the server of its chunk
   the gradient-norm all-reduce, by formula;
 * universal checkpoints: save after warm-up at W=4, resume at W=4 bitwise; resume at W=2 with
   the worker error resharded (:func:`plait.onebit_optim.zero.expect_checkpoint_world`);
-* 0/1 Adam and ZeRO-3 are refused, naming what works and why (1-bit LAMB: test_onebit_zero_lamb.py).
+* ZeRO-3 is refused, naming what works and why (1-bit LAMB: test_onebit_zero_lamb.py; 0/1 Adam:
+  test_onebit_zero_one.py).
 """
 
 from __future__ import annotations
@@ -310,17 +311,7 @@ def test_hf_llama_300_steps_under_zero2_within_2_percent_of_zero_adamw() -> None
 
 
 # ---- refusals -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_one_adam_is_refused_naming_what_works(stage: int) -> None:
-    for elementwise in (None, True):
-        with pytest.raises(ValueError, match=r"ZeroOneAdam does not compose with ZeRO.*OnebitAdam and OnebitLamb.*"
-                                             r"local step"):
-            zero_shard(nn.Linear(4, 4), ZeroOneAdam, ZeroConfig(stage=stage, elementwise_optimizer=elementwise),
-                       lr=1e-3)
-    assert not dist.is_initialized()
-
-
-@pytest.mark.parametrize("optimizer", [OnebitAdam, OnebitLamb])
+@pytest.mark.parametrize("optimizer", [OnebitAdam, OnebitLamb, ZeroOneAdam])
 def test_onebit_with_zero3_is_refused_naming_stages_one_and_two(optimizer: type) -> None:
     name = optimizer.__name__
     with pytest.raises(ValueError, match=rf"{name} composes with ZeroConfig\(stage=1\) and stage=2, not stage=3.*"

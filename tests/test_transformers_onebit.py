@@ -36,6 +36,9 @@ ONEBIT_BLOCK = {"type": "OneBitAdam", "params": {"freeze_step": FREEZE, "lr": "a
 
 
 LAMB_BLOCK = {"type": "OneBitLamb", "params": {"freeze_step": FREEZE, "max_coeff": 5.0, "weight_decay": "auto"}}
+# 0/1 Adam: variance steps 1 and 2, a 1-bit step 3, then local steps synchronising at 4, 5, 6 and 8.
+ZERO_ONE_BLOCK = {"type": "ZeroOneAdam", "params": {"var_freeze_step": FREEZE, "var_update_scaler": 1,
+                                                    "local_step_scaler": 2, "local_step_clipper": 2}}
 
 
 def _bytes_callback() -> Any:
@@ -100,6 +103,7 @@ def _session(tmp: str) -> dict[str, Any]:
             "onebit_zero2_ga": _train(tmp, "onebit_zero2_ga", {"zero": {"stage": 2}, "optimizer": ONEBIT_BLOCK},
                                       per_device_train_batch_size=2, gradient_accumulation_steps=2),
             "lamb": _train(tmp, "lamb", {"zero": {"stage": 2}, "optimizer": LAMB_BLOCK}),
+            "zero_one": _train(tmp, "zero_one", {"zero": {"stage": 2}, "optimizer": ZERO_ONE_BLOCK}),
             # clipping by the engine (ZeroConfig.max_grad_norm; TrainingArguments.max_grad_norm stays 0)
             "adamw_clip": _train(tmp, "adamw_clip", {"zero": {"stage": 2, "max_grad_norm": CLIP}}),
             "onebit_clip": _train(tmp, "onebit_clip", {"zero": {"stage": 2, "max_grad_norm": CLIP},
@@ -160,6 +164,23 @@ def test_one_bit_lamb_from_the_deepspeed_block_trains_past_its_warm_up(runs: dic
     assert [step.get("all_to_all") for step in lamb["bytes"][FREEZE:]] == \
         [step.get("all_to_all") for step in adam["bytes"][FREEZE:]]
     assert all("reduce_scatter" not in step for step in lamb["bytes"][FREEZE:])
+
+
+@pytest.mark.timeout(480)
+def test_zero_one_adam_from_the_deepspeed_block_takes_local_steps_under_zero2(runs: dict[str, Any]) -> None:
+    """0/1 Adam composes with ZeRO-1/2 (plait-onebit-optim's tests check it bitwise against plain 0/1
+    Adam); here: the Trainer route builds it from DeepSpeed's block and its local step moves only
+    the engine's 16-byte norm/overflow all-reduce."""
+    from plait.onebit_optim import ZeroOneAdamConfig
+
+    ours, adamw = runs["zero_one"], runs["adamw"]
+    assert ours["inner"] == "ZeroOneAdam" and ours["onebit_config"] == ZeroOneAdamConfig(
+        var_freeze_step=FREEZE, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
+    assert ours["exchange_steps"] == STEPS and all(math.isfinite(x) for x in ours["losses"])
+    assert ours["losses"][0] == adamw["losses"][0]  # same model and data
+    assert ours["bytes"][6]["total"] == 16  # step 7: a local step without synchronisation
+    assert "all_to_all" in ours["bytes"][7] and "all_gather" in ours["bytes"][7]  # step 8 synchronises
+    assert "reduce_scatter" in ours["bytes"][0] and "reduce_scatter" not in ours["bytes"][2]  # exact, then 1 bit
 
 
 @pytest.mark.timeout(480)

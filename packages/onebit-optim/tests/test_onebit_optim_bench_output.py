@@ -46,3 +46,18 @@ def test_the_plot_is_written_outside_the_checkout(tmp_path: Path, monkeypatch: p
     path = suite._plot(results, quick=True)
     assert path is not None and path.parent == tmp_path / "bench" and path.stat().st_size > 1000
     assert [p.name for p in tmp_path.iterdir()] == ["bench"]  # nothing in the current directory
+
+
+def test_zero_rows_are_against_zero_adamw_of_their_stage() -> None:
+    from plait.onebit_optim.benchmarks import suite
+
+    def result(seconds: float, nbytes: int) -> dict:
+        return {"blocks": [{"seconds": seconds, "losses": [1.0] * 4, "bytes": nbytes, "timed": True}], "numel": 10}
+
+    results = {"1gbit": {"ddp_adamw": result(4.0, 400), "zero2_adamw": result(4.4, 440),
+                         "zero2_onebit_adam": result(2.2, 44)}}
+    rows = {row.benchmark.split(",")[0]: row for row in suite._rows(results, None)}
+    onebit, zero = rows["zero2_onebit_adam step"], rows["zero2_adamw step"]
+    assert onebit.peer == "ZeRO-2 + AdamW" and onebit.ratio == 0.5 and onebit.target == ""
+    assert rows["zero2_onebit_adam bytes"].ratio == 0.1 and rows["zero2_onebit_adam bytes"].target == ""
+    assert zero.peer == "DDP + AdamW" and abs(zero.ratio - 1.1) < 1e-12

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as torch_adam
 
-from plait.onebit_optim.base import CompressedOptimizer, run_closure
+from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
 
 
@@ -91,11 +91,8 @@ class OnebitAdam(CompressedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitAdamConfig | None = None,
                  process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None,
                  onebit_config: OnebitAdamConfig | None = None):
-        if onebit_config is not None:
-            if config is not None and config != onebit_config:
-                raise ValueError("OnebitAdam: config and onebit_config differ; pass one of them.")
-            config = onebit_config
-        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+        super().__init__(params, lr, betas, eps, weight_decay, config=pick_config(name_of(self), config, onebit_config),
+                         process_group=process_group,
                          momentum_masks=momentum_masks)
 
     @property

@@ -38,6 +38,25 @@ def check_hyperparameters(owner: str, lr: float, betas: tuple[float, float], eps
         raise ValueError(f"{owner}: weight_decay={weight_decay!r} must be >= 0.")
 
 
+def name_of(optimizer: Any) -> str:
+    """The class name of ``optimizer`` (for messages)."""
+    return type(optimizer).__name__
+
+
+def pick_config(owner: str, config: Any | None, onebit_config: Any | None) -> Any | None:
+    """``config``, or its other name ``onebit_config`` (for calls through functions that take a
+    ``config`` of their own: ``zero_shard``, Lightning's plait strategies).
+
+    Raises:
+        ValueError: both are given and differ.
+    """
+    if onebit_config is None:
+        return config
+    if config is not None and config != onebit_config:
+        raise ValueError(f"{owner}: config and onebit_config differ; pass one of them.")
+    return onebit_config
+
+
 def run_closure(closure: Callable[[], Any] | None) -> Any:
     """Call an optimizer ``step`` closure with gradients enabled (``None`` without one)."""
     if closure is None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, run_closure
+from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
 
 
@@ -32,6 +32,53 @@ def _init_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
+
+
+def lamb_direction_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
+    """Advance ``state``'s step and moments with ``p.grad`` (in place) and return LAMB's update
+    before its trust ratio: ``m / (sqrt(v) + eps) + weight_decay * p``.
+
+    Shared by :class:`Lamb` (whole tensors) and 1-bit LAMB under ZeRO (shard pieces of flat
+    masters, :mod:`plait.onebit_optim.zero_lamb`): the arithmetic is elementwise, so both give
+    the same bits for the same elements.
+    """
+    beta1, beta2 = group["betas"]
+    state["step"] += 1
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    return update
+
+
+def frozen_lamb_direction(p: torch.Tensor, state: dict[str, Any], momentum: torch.Tensor, last_momentum: torch.Tensor,
+                          group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compressed-phase part of 1-bit LAMB that is elementwise, shared by :class:`OnebitLamb`
+    and its ZeRO inner optimizer.
+
+    The averaged gradient of the step is recovered from how the synchronised momentum moved
+    (``last_momentum``, consumed in place, to ``momentum``) and updates the fresh variance
+    ``state["exp_avg_sq_fresh"]``; ``state["exp_avg"]`` becomes ``momentum``.
+
+    Returns:
+        ``(denominator, preliminary update, update)``: ``sqrt(v_frozen) + eps``,
+        ``m / denominator`` and that plus ``weight_decay * p``.
+    """
+    beta1, beta2 = group["betas"]
+    eps, weight_decay = group["eps"], group["weight_decay"]
+    state["step"] += 1
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    fresh = state.setdefault("exp_avg_sq_fresh", exp_avg_sq.clone())
+    grad = (momentum - last_momentum.mul_(beta1)).div_(1 - beta1)
+    if exp_avg is not momentum:
+        exp_avg.copy_(momentum)
+    fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = exp_avg_sq.sqrt().add_(eps)
+    prelim = exp_avg / denom
+    update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
+    return denom, prelim, update
 
 
 def lamb_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], max_coeff: float,
@@ -47,15 +94,7 @@ def lamb_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
     Returns:
         The clamped trust ratio ``||p|| / ||update||`` (1 where either norm is 0).
     """
-    _init_state(state, p)
-    beta1, beta2 = group["betas"]
-    state["step"] += 1
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
-    if group["weight_decay"]:
-        update.add_(p, alpha=group["weight_decay"])
+    update = lamb_direction_(p, _init_state(state, p), group)
     weight_norm, update_norm = p.norm().item(), update.norm().item()
     coeff = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
     coeff = min(max(coeff, min_coeff), max_coeff)
@@ -115,11 +154,8 @@ class OnebitLamb(CompressedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: OnebitLambConfig | None = None,
                  process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None,
                  onebit_config: OnebitLambConfig | None = None):
-        if onebit_config is not None:
-            if config is not None and config != onebit_config:
-                raise ValueError("OnebitLamb: config and onebit_config differ; pass one of them.")
-            config = onebit_config
-        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+        super().__init__(params, lr, betas, eps, weight_decay, config=pick_config(name_of(self), config, onebit_config),
+                         process_group=process_group,
                          momentum_masks=momentum_masks)
 
     @torch.no_grad()
@@ -163,19 +199,9 @@ class OnebitLamb(CompressedOptimizer):
 
     def _frozen_update(self, p: torch.Tensor, state: dict[str, Any], last_momentum: torch.Tensor,
                        group: dict[str, Any]) -> None:
-        cfg = self.config
-        beta1, beta2 = group["betas"]
-        eps, weight_decay = group["eps"], group["weight_decay"]
-        state["step"] += 1
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        fresh = state.setdefault("exp_avg_sq_fresh", exp_avg_sq.clone())
-        # The averaged gradient this step, recovered from how the synchronised momentum moved.
-        grad = (exp_avg - last_momentum.mul_(beta1)).div_(1 - beta1)
-        fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = exp_avg_sq.sqrt().add_(eps)
-        prelim = exp_avg / denom
-        update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
-        factor = (denom / fresh.sqrt().add_(eps)).max().item()
+        cfg, weight_decay = self.config, group["weight_decay"]
+        denom, prelim, update = frozen_lamb_direction(p, state, state["exp_avg"], last_momentum, group)
+        factor = (denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"])).max().item()
         if weight_decay:
             update_norm = update.norm().item()
             ratio = min(1.0, prelim.norm().item() / update_norm) if update_norm > 0 else 1.0

@@ -114,6 +114,8 @@ class OnebitZeroExchange:
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
+    NAME = "OnebitAdam"  # in the flight log's collective names
+
     def __init__(self, config: OnebitAdamConfig | OnebitLambConfig, masks: dict[int, torch.Tensor]) -> None:
         self.config, self.masks = config, masks
         self.optimizer: ShardedOnebitAdam | ShardedOnebitLamb | None = None
@@ -206,19 +208,11 @@ class OnebitZeroExchange:
         ``shard_out`` gets zeros (the inner step reads the averaged momentum shard from here)."""
         if not self.compressing:
             return collectives.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
-        if key in self.reduced:
-            raise RuntimeError(
-                f"OnebitAdam under ZeRO: unit {key!r} was reduced twice before one step; after warm-up the momentum "
-                "is exchanged once per step, so accumulate gradients inside model.no_sync() (stage 2) and let the "
-                "last backward of the step reduce.")
-        self.reduced.add(key)
-        shard_out.zero_()
+        self._claim(key)
         if self.deferred:
-            # A local check: the engine all-reduces its overflow flag, so every rank skips together.
-            if not bool(torch.isfinite(full).all()):
-                shard_out.fill_(float("nan"))
-            self._kept[key] = (full, group)
+            self._keep(full, shard_out, group, key)
             return None
+        shard_out.zero_()
         state = self.units[key]
         if state.signs is None and state.scales is None:  # no 1-bit form yet (first compressed step, a load)
             self._gather_momentum(state)
@@ -227,6 +221,24 @@ class OnebitZeroExchange:
         if state.momentum is None:  # non-finite momentum somewhere: not exchanged, the engine skips the step
             shard_out.fill_(float("nan"))
         return None
+
+    def _claim(self, key: str) -> None:
+        """Note that unit ``key`` is reduced this step; a second reduction before the step is refused."""
+        if key in self.reduced:
+            raise RuntimeError(
+                f"{self.NAME} under ZeRO: unit {key!r} was reduced twice before one step; after warm-up the "
+                "exchange runs once per step, so accumulate gradients inside model.no_sync() (stage 2) and let the "
+                "last backward of the step reduce.")
+        self.reduced.add(key)
+
+    def _keep(self, full: torch.Tensor, shard_out: torch.Tensor, group: Any, key: str) -> None:
+        """Keep this rank's local gradient bucket for the step; ``shard_out`` gets zeros, or NaN when
+        the bucket is not finite (a local check: the engine all-reduces its overflow flag, so every
+        rank skips together)."""
+        shard_out.zero_()
+        if not bool(torch.isfinite(full).all()):
+            shard_out.fill_(float("nan"))
+        self._kept[key] = (full, group)
 
     def run_deferred(self) -> None:
         """Deferred mode, at the step (called by the inner optimizer): unscale the kept local
@@ -278,7 +290,7 @@ class OnebitZeroExchange:
             shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
         full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.device)
         collectives.all_gather_into_tensor(full, shard.detach().contiguous(), group=unit.group,
-                                           name=f"OnebitAdam momentum all-gather of `{unit.key}` (once)")
+                                           name=f"{self.NAME} momentum all-gather of `{unit.key}` (once)")
         state.signs, state.scales, state.factors = None, full, []
 
     def _full_momentum(self, state: _UnitState) -> torch.Tensor:
@@ -319,10 +331,26 @@ class OnebitZeroExchange:
                     local[slot.offset:slot.offset + slot.numel].mul_(mask.reshape(-1))
             state.signs, state.scales, state.factors = None, local, []
             return local[:unit.shard_numel].clone()
+        scaled = self._scaled_buffer(state, local, group)
+        if scaled is None:  # some rank's momentum is not finite: keep it out of the errors
+            return None
+        buffer, factors = scaled
+        del local, momentum
+        signs, scales, own = self._compressed_allreduce(state, buffer, group, unit.key)
+        state.signs, state.scales, state.factors = signs, scales, factors
+        return self._own_shard(state, own, factors)
+
+    def _scaled_buffer(self, state: _UnitState, local: torch.Tensor,
+                       group: Any) -> tuple[torch.Tensor, list[float]] | None:
+        """``local`` (the unit's padded flat fp32 values, not modified) brought to a common scale
+        per tensor (its RMS averaged over ranks: one all-reduce of ``4 x tensors`` bytes, as the
+        plain exchange does) and laid out as ``world`` server chunks; ``None`` when some rank's RMS
+        is not finite. Returns ``(flat buffer, per-tensor factors)``."""
+        unit, world = state.unit, state.world
         tensors = [local[s.offset:s.offset + s.numel].view(s.shape) for s in unit.slots]
         rms = torch.stack([torch.linalg.vector_norm(t.float()) / math.sqrt(max(t.numel(), 1)) for t in tensors])
-        collectives.all_reduce(rms, group=group, name=f"OnebitAdam per-tensor RMS all-reduce of `{unit.key}`")
-        if not bool(torch.isfinite(rms).all()):  # some rank's momentum is not finite: keep it out of the errors
+        collectives.all_reduce(rms, group=group, name=f"{self.NAME} per-tensor RMS all-reduce of `{unit.key}`")
+        if not bool(torch.isfinite(rms).all()):
             return None
         rms.mul_(1.0 / world)
         united = rms.mean()
@@ -332,10 +360,12 @@ class OnebitZeroExchange:
             logical[slot.offset:slot.offset + slot.numel] = tensor.reshape(-1) * factor
         buffer = torch.zeros(world, state.chunk, dtype=torch.float32, device=unit.device)
         buffer[:, :state.shard].copy_(logical.view(world, state.shard))
-        del logical, local, momentum, tensors
-        signs, scales, own = self._compressed_allreduce(state, buffer.view(-1), group, unit.key)
-        state.signs, state.scales, state.factors = signs, scales, factors
-        # The owner's averaged momentum shard, in the unit's coordinates, unscaled and masked.
+        return buffer.view(-1), factors
+
+    def _own_shard(self, state: _UnitState, own: torch.Tensor, factors: list[float]) -> torch.Tensor:
+        """This rank's decoded server chunk as its shard of the unit: unscaled per tensor, masked,
+        padding zero."""
+        unit = state.unit
         shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
         shard.copy_(own[:state.shard])
         for slot, (plo, phi), (slo, shi) in unit.local_pieces():
@@ -349,14 +379,16 @@ class OnebitZeroExchange:
         shard[max(0, unit.numel - lo):].zero_()
         return shard
 
-    def _compressed_allreduce(self, state: _UnitState, buffer: torch.Tensor, group: Any,
-                              key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _compressed_allreduce(self, state: _UnitState, buffer: torch.Tensor, group: Any, key: str, *,
+                              gather: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """``plait.kernels.collectives.compressed_allreduce``'s algorithm, keeping the packed server
-        signs (the 1-bit momentum every rank holds) and decoding only this rank's chunk."""
+        signs (the 1-bit values every rank holds) and decoding only this rank's chunk. With
+        ``gather=False`` the server signs and scales stay on their owner (only the owner needs its
+        chunk: 0/1 Adam's gradient exchange): ``(None, None, own chunk)``."""
         world, chunk = state.world, state.chunk
         packed, worker_scale = compress_with_error_feedback(buffer, state.worker_error)
         received = torch.empty_like(packed)
-        label = f"OnebitAdam 1-bit exchange of `{key}`"
+        label = f"{self.NAME} 1-bit exchange of `{key}`"
         collectives.all_to_all_single(received, packed, group=group, name=f"{label}: worker-sign all-to-all")
         worker_scales = buffer.new_empty(world)
         collectives.all_gather_into_tensor(worker_scales, worker_scale.reshape(1), group=group,
@@ -367,6 +399,8 @@ class OnebitZeroExchange:
             total += scaled_signs(unpack_bits(received[worker], chunk), worker_scales[worker])
         server = total.mul_(1.0 / world)
         server_packed, server_scale = compress_with_error_feedback(server, state.server_error)
+        if not gather:
+            return None, None, scaled_signs(unpack_bits(server_packed, chunk), server_scale)
         signs = torch.empty(world * server_packed.numel(), dtype=torch.uint8, device=buffer.device)
         collectives.all_gather_into_tensor(signs, server_packed, group=group, name=f"{label}: server-sign all-gather")
         scales = buffer.new_empty(world)
@@ -464,3 +498,19 @@ def _from_logical(values: torch.Tensor, state: _UnitState) -> torch.Tensor:
     out = torch.zeros(state.world, state.chunk, device=values.device)
     out[:, :state.shard] = flat.view(state.world, state.shard)
     return out.view(-1)
+
+
+class ShardedInner(torch.optim.Optimizer):
+    """Base of the inner optimizers ``zero_shard`` builds over the fp32 master shards for the three
+    1-bit optimizers (through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`, which
+    sets ``EXCHANGE``, the reducer they cooperate with); not meant to be built by hand.
+    """
+
+    EXCHANGE: OnebitZeroExchange
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.exchange = self.EXCHANGE
+        self.exchange.optimizer = self
+        self.config = self.exchange.config

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 from plait.onebit_optim.base import run_closure
-from plait.onebit_optim.zero import OnebitZeroExchange
+from plait.onebit_optim.lamb import frozen_lamb_direction, lamb_direction_
+from plait.onebit_optim.zero import ShardedInner
 
 
 def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -44,18 +45,13 @@ def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
-class ShardedOnebitLamb(torch.optim.Optimizer):
+class ShardedOnebitLamb(ShardedInner):
     """The inner optimizer of 1-bit LAMB under ZeRO (see the module docstring). ``zero_shard``
     builds it through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`."""
 
-    EXCHANGE: OnebitZeroExchange
-
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.exchange = self.EXCHANGE
-        self.exchange.optimizer = self
-        self.config = self.exchange.config
+        super().__init__(params, lr, betas, eps, weight_decay)
         # Per unit key, one entry per tensor (slot) of the unit, float64, equal on every rank.
         self.coeff_freeze: dict[str, torch.Tensor] = {}
         self.last_factor: dict[str, torch.Tensor] = {}
@@ -100,38 +96,22 @@ class ShardedOnebitLamb(torch.optim.Optimizer):
         unit = self.exchange.units[key].unit
         self._ensure_coeff(key, len(unit.slots))
         state = _lamb_state(self.state[p], p)
-        beta1, beta2 = group["betas"]
-        state["step"] += 1
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-        update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
-        if group["weight_decay"]:
-            update.add_(p, alpha=group["weight_decay"])
+        update = lamb_direction_(p, state, group)
         weight_norm, update_norm = _tensor_norms(unit, (p, update))
         coeffs = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
         coeffs.clamp_(self.config.min_coeff, self.config.max_coeff)
         self._apply(p, unit, update, -group["lr"] * coeffs)
-        state["exp_avg_sq_fresh"].copy_(exp_avg_sq)  # the fresh variance starts from the frozen one
+        state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])  # the fresh variance starts from the frozen one
         self._pending[key] = ("warmup", coeffs)
 
     def _compressed_update(self, p: torch.Tensor, key: str, momentum: torch.Tensor, group: dict[str, Any]) -> None:
         cfg, unit = self.config, self.exchange.units[key].unit
         self._ensure_coeff(key, len(unit.slots))
         state = _lamb_state(self.state[p], p)
-        beta1, beta2 = group["betas"]
-        eps, weight_decay = group["eps"], group["weight_decay"]
-        state["step"] += 1
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        fresh = state["exp_avg_sq_fresh"]
-        # The averaged gradient of this step, recovered from how the synchronised momentum moved.
-        grad = (momentum - exp_avg.mul_(beta1)).div_(1 - beta1)
-        exp_avg.copy_(momentum)
-        fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = exp_avg_sq.sqrt().add_(eps)
-        prelim = exp_avg / denom
-        update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
-        factors = _tensor_max(unit, denom / fresh.sqrt().add_(eps))
+        weight_decay = group["weight_decay"]
+        # exp_avg (the last synchronised momentum shard) is consumed and becomes ``momentum``.
+        denom, prelim, update = frozen_lamb_direction(p, state, momentum, state["exp_avg"], group)
+        factors = _tensor_max(unit, denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"]))
         if weight_decay:
             prelim_norm, update_norm = _tensor_norms(unit, (prelim, update))
             ratio = torch.where(update_norm > 0, (prelim_norm / update_norm).clamp(max=1.0), 1.0)

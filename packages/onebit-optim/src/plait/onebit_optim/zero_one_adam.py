@@ -40,8 +40,36 @@ from typing import Any
 
 import torch
 
-from plait.onebit_optim.base import CompressedOptimizer, run_closure
+from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import ZeroOneAdamConfig
+
+
+def zero_one_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     group: dict[str, Any], *, variance: bool) -> None:
+    """One 0/1 Adam update of ``p`` in place: ``m <- beta1 m + (1 - beta1) g``, on variance steps
+    ``v <- beta2 v + (1 - beta2) g^2``, then ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
+
+    Elementwise, so :class:`ZeroOneAdam` (whole tensors) and its ZeRO form (flat shards and units,
+    :mod:`plait.onebit_optim.zero_one_zero`) give the same bits for the same elements.
+    """
+    beta1, beta2 = group["betas"]
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    if variance:
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    p.sub_(update, alpha=group["lr"])
+
+
+def resynchronise_(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, anchor: torch.Tensor,
+                   change: torch.Tensor, eps: float, lr_sum: float) -> None:
+    """After the averaged parameter ``change`` since the last synchronisation came back: the
+    momentum becomes ``-change x (sqrt(v) + eps) / sum(lr)`` and ``p`` and ``anchor`` become
+    ``anchor + change`` (module docstring)."""
+    denom = exp_avg_sq.sqrt().add_(eps)
+    exp_avg.copy_(change.mul(denom)).div_(-lr_sum)
+    p.copy_(anchor.add_(change))
 
 
 class ZeroOneAdam(CompressedOptimizer):
@@ -54,6 +82,8 @@ class ZeroOneAdam(CompressedOptimizer):
         config: the schedule (:class:`ZeroOneAdamConfig`).
         process_group: the data-parallel group.
         momentum_masks: ``{parameter: 0/1 mask}`` applied to everything exchanged in 1 bit.
+        onebit_config: another name for ``config``, as :class:`~plait.onebit_optim.OnebitAdam`'s
+            (for ``zero_shard`` and the framework strategies, which have a ``config`` of their own).
 
     Raises:
         ValueError: invalid hyperparameters, config or masks.
@@ -63,8 +93,10 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, config: ZeroOneAdamConfig | None = None,
-                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, config=config, process_group=process_group,
+                 process_group: Any | None = None, momentum_masks: dict[torch.Tensor, torch.Tensor] | None = None,
+                 onebit_config: ZeroOneAdamConfig | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, config=pick_config(name_of(self), config, onebit_config),
+                         process_group=process_group,
                          momentum_masks=momentum_masks)
         self.var_interval, self.var_counter = 1, 0
         self.local_step_interval, self.local_step_counter = 1, 0
@@ -133,14 +165,10 @@ class ZeroOneAdam(CompressedOptimizer):
                 continue
             if not variance_step:
                 self.exchange_momentum_(index, [p.grad for p in params], params)
-            beta1, beta2 = group["betas"]
             for p in params:
                 state = self._state(p)
                 state["step"] += 1
-                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if variance_step:
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                p.sub_(self._update(p, state, group), alpha=group["lr"])
+                zero_one_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, variance=variance_step)
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.config.var_update_scaler:
@@ -157,12 +185,10 @@ class ZeroOneAdam(CompressedOptimizer):
         params = self.params_with_grad(group)
         if not params:
             return
-        beta1 = group["betas"][0]
         for p in params:
             state = self._state(p)
             state["step"] += 1
-            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            p.sub_(self._update(p, state, group), alpha=group["lr"])
+            zero_one_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, variance=False)
         self.lr_sums[index] += group["lr"]
         if self.step_count % self.local_step_interval == 0:
             self._synchronise(index, group, params)
@@ -175,12 +201,6 @@ class ZeroOneAdam(CompressedOptimizer):
         changes = [p - s["anchor"] for p, s in zip(params, states)]
         self.exchange_momentum_(index, changes, params)
         for p, state, change in zip(params, states, changes):
-            denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
-            state["exp_avg"].copy_(change.mul(denom)).div_(-self.lr_sums[index])
-            p.copy_(state["anchor"].add_(change))
+            resynchronise_(p, state["exp_avg"], state["exp_avg_sq"], state["anchor"], change, group["eps"],
+                           self.lr_sums[index])
         self.lr_sums[index] = 0.0
-
-    @staticmethod
-    def _update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
-        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-        return update.add_(p, alpha=group["weight_decay"]) if group["weight_decay"] else update

@@ -1,6 +1,7 @@
-"""The optimizer side of 1-bit Adam and 1-bit LAMB under ZeRO: what ``zero_shard`` builds for them,
-and 1-bit Adam's inner optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero`
-for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer)."""
+"""The optimizer side of 1-bit Adam, 1-bit LAMB and 0/1 Adam under ZeRO: what ``zero_shard`` builds
+for them, and 1-bit Adam's inner optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero`
+for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer and
+:mod:`plait.onebit_optim.zero_one_zero` for 0/1 Adam's exchange and inner optimizer)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,12 @@ import torch
 
 from plait.onebit_optim.adam import adam_state, adamw_step, frozen_variance_update
 from plait.onebit_optim.base import check_hyperparameters, run_closure
-from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
-from plait.onebit_optim.zero import OnebitZeroExchange
+from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig, ZeroOneAdamConfig
+from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # The optimizers that compose with ZeRO-1/2: their config class.
-COMPOSABLE = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig}
-# Why the other one stays plain-data-parallel only.
-REFUSED = {
-    "ZeroOneAdam": "0/1 Adam's local steps skip synchronisation, but ZeRO reduces gradients and all-gathers the "
-                   "parameters at every step (its sharded masters and variance cannot take a local step: every "
-                   "rank would need the whole fp32 variance and masters, which is what ZeRO shards)",
-}
+COMPOSABLE = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
 
 
 def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[dict[str, Any]] | None,
@@ -30,7 +25,8 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     """What ``zero_shard`` builds for a 1-bit optimizer (see the module docstring).
 
     Args:
-        optimizer: ``OnebitAdam`` or ``OnebitLamb`` (the class) or an instance without state.
+        optimizer: ``OnebitAdam``, ``OnebitLamb`` or ``ZeroOneAdam`` (the class) or an instance
+            without state.
         zero_config: the ``ZeroConfig``.
         param_groups: ``zero_shard``'s ``param_groups`` (class form only).
         reducer: ``zero_shard``'s ``reducer`` (must be ``None``: the exchange is the reducer).
@@ -41,8 +37,7 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         ``(inner optimizer class, param_groups, hyperparameter kwargs, reducer)`` for ``zero_shard``.
 
     Raises:
-        ValueError: ZeRO-3, ZeRO++, another reducer, a ``process_group``, or 0/1 Adam (naming
-            what works).
+        ValueError: ZeRO-3, ZeRO++, another reducer, a ``process_group`` (naming what works).
     """
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     name = cls.__name__
@@ -68,10 +63,11 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     if param_groups is not None:
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
-    exchange = OnebitZeroExchange(config, masks)
     from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
+    from plait.onebit_optim.zero_one_zero import ShardedZeroOneAdam, ZeroOneZeroExchange
 
-    base = ShardedOnebitAdam if name == "OnebitAdam" else ShardedOnebitLamb
+    exchange = (ZeroOneZeroExchange if name == "ZeroOneAdam" else OnebitZeroExchange)(config, masks)
+    base = {"OnebitAdam": ShardedOnebitAdam, "OnebitLamb": ShardedOnebitLamb, "ZeroOneAdam": ShardedZeroOneAdam}[name]
     inner = type(name, (base,), {"EXCHANGE": exchange, "__module__": __name__})
     return inner, param_groups, hyper, exchange
 
@@ -79,18 +75,18 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
 def _check_composable(name: str, zero_config: Any, reducer: Any) -> None:
     """Refuse, naming what works, what a 1-bit optimizer cannot honour under ZeRO."""
     if name not in COMPOSABLE:
-        why = REFUSED.get(name, "it exchanges its own compressed momentum over the whole model")
         raise ValueError(
-            f"optimizer {name} does not compose with ZeRO sharding (any stage); only OnebitAdam and OnebitLamb do, "
-            f"at stages 1 and 2: {why}. Use {name} on the plain, unwrapped model (no zero_shard, no DDP), or "
-            "OnebitAdam / torch.optim.AdamW with ZeRO.")
+            f"optimizer {name} does not compose with ZeRO sharding (any stage); only {', '.join(COMPOSABLE)} do, at "
+            f"stages 1 and 2: it exchanges its own compressed momentum over the whole model. Use {name} on the "
+            "plain, unwrapped model (no zero_shard, no DDP), or one of those / torch.optim.AdamW with ZeRO.")
     stage = zero_config.stage
     if stage not in (1, 2):
         raise ValueError(
             f"{name} composes with ZeroConfig(stage=1) and stage=2, not stage={stage}: after warm-up every rank "
-            "needs the whole unit's momentum (held in 1 bit) and its own local gradient bucket at each step, and "
-            "stage 3 frees parameters and gathers them per module; use stage=1 or 2 (the fp32 masters and "
-            "optimizer state are sharded there too), or torch.optim.AdamW with stage 3.")
+            "needs the whole unit's momentum (held in 1 bit; 0/1 Adam: its own whole copy of the parameters for "
+            "local steps) and its own local gradient bucket at each step, and stage 3 frees parameters and "
+            "gathers them per module; use stage=1 or 2 (the fp32 masters and optimizer state are sharded there "
+            "too), or torch.optim.AdamW with stage 3.")
     problems = []
     if reducer is not None:
         problems.append(f"reducer= is given, but {name}'s 1-bit exchange is the reducer; drop it")
@@ -117,22 +113,13 @@ def _class_options(name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[int, to
     return config, masks, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
 
 
-class ShardedOnebitAdam(torch.optim.Optimizer):
+class ShardedOnebitAdam(ShardedInner):
     """The inner optimizer of 1-bit Adam under ZeRO, over the fp32 master shards.
 
     Warm-up: torch's AdamW kernel on the averaged gradient shards. After it: the averaged
     momentum shard from :class:`OnebitZeroExchange` and the frozen variance. ``zero_shard``
     builds it (through :func:`compose_with_zero`); it is not meant to be built by hand.
     """
-
-    EXCHANGE: OnebitZeroExchange
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.exchange = self.EXCHANGE
-        self.exchange.optimizer = self
-        self.config = self.exchange.config
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -7,7 +7,9 @@ rate limit (1 Gbit/s, 100 Mbit/s, and unthrottled: the compute floor), gloo over
 them (:mod:`.netem`; as root). Without namespaces the suite says why and runs on loopback only.
 
 Rows, per link: seconds per step after warm-up (alternating blocks, median with p10/p90) and
-ledger volume per step, each against DDP + AdamW in the same run; the communication time
+ledger volume per step, each against DDP + AdamW in the same run (the ZeRO rows, at 1 Gbit/s and
+on the floor link: ``zero1_*`` / ``zero2_*`` against ZeRO + AdamW of the same stage, launched
+together per stage; ZeRO + AdamW itself against DDP + AdamW); the communication time
 ``step - floor`` against DDP's; and the peers that cannot run, with the reason. A PNG of loss
 against each variant's own training time is written where the run's JSON goes (:mod:`.output`).
 
@@ -31,13 +33,14 @@ from typing import Any
 from plait.kernels.bench import BenchRow, TimingStats
 from plait.kernels.cli.bench import plot_path
 from plait.onebit_optim.benchmarks import netem
-from plait.onebit_optim.benchmarks.worker import VARIANTS
+from plait.onebit_optim.benchmarks.worker import ONEBIT, VARIANTS, ZERO_VARIANTS
 
 REFERENCE = "ddp_adamw"
 SPEEDUP_TARGET = {"onebit_adam": 1 / 3, "zero_one_adam": 1 / 3}  # >= 3x faster per step at 1 Gbit/s
 BYTES_TARGET = 1 / 20
 COMM_TARGET = 0.1  # communication time (step - floor) cut >= 10x
 RATES = ("1gbit", "100mbit", None)
+ZERO_RATES = ("1gbit", None)  # ZeRO rows: the target's link and the floor (100 Mbit/s: not run, its length)
 
 
 def _spec(quick: bool) -> dict[str, Any]:
@@ -72,10 +75,13 @@ def run(quick: bool) -> list[BenchRow]:
                     results[label] = _launch(link, spec, main_variants)
                     if rate is not None:
                         results[label].update(_launch(link, spec, ["ddp_powersgd"]))
+                    if rate in ZERO_RATES:
+                        results[label].update(_zero_launches(link, spec))
         except RuntimeError as exc:
             reason = str(exc)
     if reason is not None:
-        results = {"loopback": {**_launch(None, spec, main_variants), **_launch(None, spec, ["ddp_powersgd"])}}
+        results = {"loopback": {**_launch(None, spec, main_variants), **_launch(None, spec, ["ddp_powersgd"]),
+                                **_zero_launches(None, spec)}}
     rows = _rows(results, reason)
     _plot(results, quick=quick)
     return rows
@@ -121,6 +127,23 @@ def _launch(link: netem.Link | None, spec: dict[str, Any], variants: list[str]) 
         return {name: {"blocks": [], "error": f"{failure}: {tail[0][:200]}"} for name in variants}
 
 
+def _zero_launches(link: netem.Link | None, spec: dict[str, Any]) -> dict[str, Any]:
+    """One launch per ZeRO stage: ZeRO + AdamW and the three 1-bit optimizers composed with it,
+    alternating (their ratios are against ZeRO + AdamW of the same launch)."""
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        out.update(_launch(link, spec, [v for v in ZERO_VARIANTS if v.startswith(f"zero{stage}_")]))
+    return out
+
+
+def _reference_of(name: str) -> tuple[str, str]:
+    """``(variant, label)`` a variant's ratios are against: ZeRO + AdamW of its stage for the ZeRO
+    1-bit variants, DDP + AdamW for the others."""
+    if name in ZERO_VARIANTS and not name.endswith("_adamw"):
+        return f"{name[:6]}adamw", f"ZeRO-{name[4]} + AdamW"
+    return REFERENCE, "DDP + AdamW"
+
+
 def _per_step(result: dict[str, Any], spec_block: int = 4) -> TimingStats | None:
     timed = [b for b in result.get("blocks", []) if b["timed"]]
     return TimingStats.of([b["seconds"] / len(b["losses"]) for b in timed]) if timed else None
@@ -140,7 +163,13 @@ def _rows(results: dict[str, dict[str, Any]], reason: str | None) -> list[BenchR
         ref_bytes = _bytes_per_step(by_variant.get(REFERENCE, {}))
         numel = by_variant.get(REFERENCE, {}).get("numel", 0)
         where = f"W=2, {numel / 1e6:.1f}M params, {link}" + (f" ({reason})" if reason else "")
-        for name in (v for v in VARIANTS if v in by_variant):  # PowerSGD is not launched on the floor link
+        for name in (v for v in (*VARIANTS, *ZERO_VARIANTS) if v in by_variant):  # not every link runs all
+            peer, label = _reference_of(name)
+            if peer != REFERENCE:
+                peer_result = by_variant.get(peer, {})
+                rows += _variant_rows(name, by_variant[name], _per_step(peer_result), _bytes_per_step(peer_result),
+                                      None, link, where, peer=label)
+                continue
             rows += _variant_rows(name, by_variant.get(name, {}), ref, ref_bytes, floor, link, where)
         if "onebit_adam" in by_variant:
             rows.append(BenchRow(benchmark=f"onebit_adam step, {where}", figure="time/step (ms)",
@@ -150,7 +179,7 @@ def _rows(results: dict[str, dict[str, Any]], reason: str | None) -> list[BenchR
 
 
 def _variant_rows(name: str, result: dict[str, Any], ref: TimingStats | None, ref_bytes: float | None,
-                  floor: TimingStats | None, link: str, where: str) -> list[BenchRow]:
+                  floor: TimingStats | None, link: str, where: str, *, peer: str = "DDP + AdamW") -> list[BenchRow]:
     if name == REFERENCE:
         stats = _per_step(result)
         return [BenchRow(benchmark=f"{name} step, {where}", figure="time/step (ms)", ours=_ms(stats),
@@ -158,17 +187,17 @@ def _variant_rows(name: str, result: dict[str, Any], ref: TimingStats | None, re
     stats, nbytes = _per_step(result), _bytes_per_step(result)
     if stats is None:
         return [BenchRow(benchmark=f"{name} step, {where}", figure="time/step (ms)", ours=float("nan"),
-                         peer="DDP + AdamW", note=f"could not run: {result.get('error', 'no result')}")]
+                         peer=peer, note=f"could not run: {result.get('error', 'no result')}")]
     ratio = stats.median / ref.median if ref else None
     target = SPEEDUP_TARGET.get(name) if link == "1gbit" else None
     rows = [BenchRow(benchmark=f"{name} step, {where}", figure="time/step (ms)", ours=_ms(stats),
-                     peer="DDP + AdamW", peer_value=_ms(ref), ratio=ratio,
+                     peer=peer, peer_value=_ms(ref), ratio=ratio,
                      target="" if target is None else f"<= {target:.3g}",
                      passed=None if target is None or ratio is None else ratio <= target, note=_spread(stats))]
     if nbytes is not None and ref_bytes:
-        onebit = name in SPEEDUP_TARGET or name == "onebit_lamb"
+        onebit = name in ONEBIT  # under ZeRO the exact parameter gather stays: no 1/20 target there
         rows.append(BenchRow(benchmark=f"{name} bytes, {where}", figure="bytes/step", ours=nbytes,
-                             peer="DDP + AdamW", peer_value=ref_bytes, ratio=nbytes / ref_bytes,
+                             peer=peer, peer_value=ref_bytes, ratio=nbytes / ref_bytes,
                              target=f"<= {BYTES_TARGET:g}" if onebit else "",
                              passed=(nbytes / ref_bytes <= BYTES_TARGET) if onebit else None,
                              note="ledger volume after warm-up (an all-reduce counts twice: RS + AG)"))

@@ -1,6 +1,8 @@
 """One rank of the benchmark: every variant trains the same model, in alternating blocks of steps.
 
-Run by :mod:`plait.onebit_optim.benchmarks.suite` as
+The ``zero{1,2}_*`` variants shard the model with plait-zero-sharding (ZeRO stage 1 or 2) and
+compose the 1-bit optimizers through its extension points. Run by
+:mod:`plait.onebit_optim.benchmarks.suite` as
 ``python -m plait.onebit_optim.benchmarks.worker '<json spec>'`` (inside a network namespace when
 the link is emulated). Each variant is a model and an optimizer of its own; rounds go A B C ...
 A B C, so every variant sees the same machine load. A sample is one *block* of ``block`` steps
@@ -36,21 +38,31 @@ from plait.onebit_optim import (
 
 LR = 3e-4
 VARIANTS = ("ddp_adamw", "ddp_fp16_hook", "ddp_powersgd", "onebit_adam", "zero_one_adam", "onebit_lamb")
+ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+# Under plait-zero-sharding (launched per stage, each against ZeRO + AdamW of the same stage).
+ZERO_VARIANTS = tuple(f"zero{stage}_{name}" for stage in (1, 2) for name in ("adamw", *ONEBIT))
+
+
+def onebit_optimizer(name: str, spec: dict[str, Any]) -> tuple[type, Any]:
+    """The class and config of a 1-bit variant: 1-bit Adam/LAMB frozen after step 2; 0/1 Adam's
+    variance frozen after step 2, its sync interval doubling every step up to one per block."""
+    if name == "onebit_adam":
+        return OnebitAdam, OnebitAdamConfig(freeze_step=2)
+    if name == "onebit_lamb":
+        return OnebitLamb, OnebitLambConfig(freeze_step=2)
+    return ZeroOneAdam, ZeroOneAdamConfig(var_freeze_step=2, var_update_scaler=1, local_step_scaler=1,
+                                          local_step_clipper=spec["block"])
 
 
 def build(name: str, spec: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     """The model (seeded identically on every rank) and optimizer of one variant."""
     torch.manual_seed(0)
     model = tiny_llama(**spec["model"])
-    params = list(model.parameters())
-    if name == "onebit_adam":
-        return model, OnebitAdam(params, lr=LR, config=OnebitAdamConfig(freeze_step=2))
-    if name == "onebit_lamb":
-        return model, OnebitLamb(params, lr=LR, config=OnebitLambConfig(freeze_step=2))
-    if name == "zero_one_adam":
-        # Variance frozen after step 2; the sync interval doubles every step up to one per block.
-        return model, ZeroOneAdam(params, lr=LR, config=ZeroOneAdamConfig(
-            var_freeze_step=2, var_update_scaler=1, local_step_scaler=1, local_step_clipper=spec["block"]))
+    if name in ZERO_VARIANTS:
+        return _zero(name, model, spec)
+    if name in ONEBIT:
+        cls, config = onebit_optimizer(name, spec)
+        return model, cls(list(model.parameters()), lr=LR, config=config)
     ddp = DistributedDataParallel(model)
     if name == "ddp_adamw":
         collectives.count_ddp(ddp)
@@ -64,6 +76,19 @@ def build(name: str, spec: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.0)
+
+
+def _zero(name: str, model: torch.nn.Module, spec: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """``zero{stage}_{optimizer}``: the model sharded by plait-zero-sharding (imported here: it is
+    not a dependency of this package; a missing one becomes the variant's "could not run" row)."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    stage, base = int(name[4]), name[6:]
+    config = ZeroConfig(stage=stage)
+    if base == "adamw":
+        return zero_shard(model, torch.optim.AdamW, config, lr=LR, weight_decay=0.0)
+    cls, onebit_config = onebit_optimizer(base, spec)
+    return zero_shard(model, cls, config, lr=LR, onebit_config=onebit_config)
 
 
 def run_block(model: torch.nn.Module, optimizer: Any, first_step: int, spec: dict[str, Any]) -> dict[str, Any]:
