@@ -19,7 +19,9 @@ Two kernels:
 
 ``precision`` (see :mod:`plait.kernels.ops.moe_grouped`): ``"fp32"`` applies the activation to the
 fp32 accumulators; ``"input"`` first rounds gate and up to the input dtype and rounds the
-activation before the product, as eager torch does.
+activation before the product, as eager torch does. (Under the interpreter those bf16 casts
+truncate where CUDA rounds to nearest even; the bf16 tests' tolerance covers it, and GPU runs
+round as eager torch does.)
 
 Backward (:class:`_GroupedGatedMLP`) recomputes ``gate_up`` with one plain grouped GEMM (instead of
 keeping ``[N, 2I]`` alive from the forward), takes the activation's local derivative with torch
