@@ -103,12 +103,15 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int 
         journal.loss(step, train_step(model, optimizer, step))
         done = step + 1
         if guard.should_stop():
+            began = time.time()
             manager.save(state, step=done)
-            journal.event("preempted", done, signalled_at=guard.signalled_at, stopped_at=guard.stopped_at)
+            journal.event("preempted", done, signalled_at=guard.signalled_at, stopped_at=guard.stopped_at,
+                          save_s=time.time() - began)
             break
         if done % save_every == 0 or done == steps:
+            began = time.time()
             manager.save(state, step=done)
-            journal.event("save", done)
+            journal.event("save", done, save_s=time.time() - began)  # one whole save: what an async one costs
     else:
         journal.event("done", steps)
     guard.uninstall()

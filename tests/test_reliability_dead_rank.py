@@ -209,8 +209,85 @@ def test_a_dead_rank_during_an_async_save_keeps_the_last_committed_checkpoint(tm
     latest, save_outcome = outcome.split(" | ")
     print(f"async save in flight: {save_outcome}; latest committed: {latest}, {len(read)} tensors read, hashes checked")
     assert latest == "step-0000000001"  # the half-written step 2 is never taken for the latest
+    # The writer's failure surfaces on wait(): usually its own collective, named ("rank 1 did not enter universal
+    # checkpoint object all-gather ..."); torch's error, unnamed, when rank 1's writer died inside that collective.
     assert save_outcome != "the async save committed"
     assert len(read) > 0
     assert not (tmp_path / "ckpt" / "step-0000000002").exists()
     _check_named(message, "ZeRO-3", tmp_path, failed_at, "universal-ckpt: ZeRO-3, async save of step 2 in flight",
-                 checkpoint=f"{latest} stays the latest, every hash checked; the async save raised {save_outcome}")
+                 checkpoint=f"{latest} stays the latest, every hash checked; the async save's wait raised "
+                            f"{save_outcome.split(' (step')[0]}")
+
+
+def _ddp_dies(workdir: str) -> tuple[str, float]:
+    """The same fault under plain torch DDP (no plait): what rank 0 is told, and when."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)  # its checks across ranks, under the harness's timeout
+    dist.distributed_c10d._set_pg_timeout(SHORT)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fault = Fault.parse(KILL)
+    try:
+        for step in range(STEPS):
+            if fault.fires(step, dist.get_rank()):
+                Path(workdir, "killed").write_text(repr(time.time()))
+                fault.maybe_inject(step)
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", time.time()
+    return "finished", time.time()
+
+
+def test_the_same_death_under_plain_ddp_is_not_named(tmp_path):
+    """The comparison row: torch reports the lost connection, not which rank or which collective."""
+    (message, failed_at), dead = run_distributed(_ddp_dies, 2, str(tmp_path), timeout=60, expect_dead=(1,))
+    assert dead is None and message != "finished"
+    seconds = failed_at - float((tmp_path / "killed").read_text())
+    print(f"ddp: rank 1 SIGKILLed at step 2 -> rank 0 told {seconds:.1f} s later: {message}")
+    assert "rank 1" not in message  # what plait adds
+    record("torch DDP (no plait), for comparison", FAULT, named=f"no: {message[:160]}", seconds=round(seconds, 2),
+           timeout_s=SHORT.total_seconds())
+
+
+def _deepspeed_dies(workdir: str) -> tuple[str, float]:
+    """The same fault under DeepSpeed ZeRO-3 on CPU (gloo): what rank 0 is told, and when."""
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo needs no JIT-built shm all-reduce
+    dist.distributed_c10d._set_pg_timeout(SHORT)
+    deepspeed.init_distributed("gloo")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                      config=config)
+    fault = Fault.parse(KILL)
+    try:
+        for step in range(STEPS):
+            if fault.fires(step, dist.get_rank()):
+                Path(workdir, "killed").write_text(repr(time.time()))
+                fault.maybe_inject(step)
+            engine.backward(engine(torch.randn(4, 8)).square().mean())
+            engine.step()
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", time.time()
+    return "finished", time.time()
+
+
+def test_the_same_death_under_deepspeed_zero3_is_not_named(tmp_path):
+    """The comparison row for DeepSpeed (ZeRO-3 on CPU with gloo), where it runs."""
+    pytest.importorskip("deepspeed")
+    (message, failed_at), dead = run_distributed(_deepspeed_dies, 2, str(tmp_path), timeout=90, expect_dead=(1,),
+                                                 env={"DS_ACCELERATOR": "cpu"})
+    assert dead is None and message != "finished"
+    seconds = failed_at - float((tmp_path / "killed").read_text())
+    print(f"deepspeed ZeRO-3: rank 1 SIGKILLed at step 2 -> rank 0 told {seconds:.1f} s later: {message}")
+    assert "rank 1" not in message
+    record("DeepSpeed 0.19 ZeRO-3 on CPU (no plait), for comparison", FAULT, named=f"no: {message[:160]}",
+           seconds=round(seconds, 2), timeout_s=SHORT.total_seconds())

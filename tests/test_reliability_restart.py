@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_jobs import events, live_processes_mentioning, losses, pids, run_job
+from reliability_jobs import events, live_processes_mentioning, losses, pids, record, run_job
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
@@ -106,6 +106,17 @@ def test_killed_restarted_preempted_and_relaunched_runs_lose_nothing(tmp_path, s
         _assert_losses_like(before[1], reference, range(3, 7))  # the restart, up to the preemption
         _assert_losses_like(losses(outdir, rank)[0], reference, range(7, STEPS))  # the relaunch
     _assert_same_tensors(_consolidated(outdir / "ckpt"), _consolidated(straight / "ckpt"))
+    loop = "zero-sharding ZeRO-3: torchrun loop, --max-restarts 1, CheckpointManager.restore"
+    record(loop, "rank 1 of 2 SIGKILLed before step 4", named="by torchrun (exit code -9)", left=0,
+           resumed_after_s=round(resumed[1]["time"] - kill["time"], 1), lost_steps=kill["step"] - committed["step"],
+           lost_s=round(kill["time"] - committed["time"], 2), bitwise=True)
+    to_checkpoint = max(e["time"] for e in stops) - sigterm["time"]
+    one_save = max(e["save_s"] for e in rank0 + rank1 if e["event"] == "save")  # a whole save, as async would take
+    print(f"preemption to committed checkpoint {to_checkpoint:.2f} s = {to_checkpoint / one_save:.1f}x one whole "
+          f"save ({one_save:.2f} s; it includes finishing the step in flight)")
+    record(loop, "SIGTERM to rank 0 of 2 before step 6 (preemption)", left=0, lost_steps=0,
+           checkpoint_after_s=round(to_checkpoint, 2), one_save_s=round(one_save, 2),
+           exit_after_s=round(job.ended - sigterm["time"], 1), bitwise=True)
 
 
 def test_a_guard_checks_its_arguments():

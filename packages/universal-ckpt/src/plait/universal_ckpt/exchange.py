@@ -63,12 +63,13 @@ def all_gather_objects(obj: Any, group: Group) -> list[Any]:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = torch.zeros(group.world_size, dtype=torch.int64)
     collectives.all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64),
-                                       group=group.handle)
+                                       group=group.handle, name="universal checkpoint object all-gather (sizes)")
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:payload.numel()] = payload
     gathered = torch.empty(longest * group.world_size, dtype=torch.uint8)
-    collectives.all_gather_into_tensor(gathered, padded, group=group.handle)
+    collectives.all_gather_into_tensor(gathered, padded, group=group.handle,
+                                       name="universal checkpoint object all-gather (payload)")
     out = []
     for index, size in enumerate(sizes.tolist()):
         chunk = gathered[index * longest:index * longest + size]
@@ -85,11 +86,12 @@ def broadcast_object(obj: Any, group: Group) -> Any:
     if group.rank == group.leader:
         data = pickle.dumps(obj)
         size[0] = len(data)
-    collectives.broadcast(size, src=group.leader, group=group.handle)
+    collectives.broadcast(size, src=group.leader, group=group.handle, name="universal checkpoint broadcast (size)")
     buffer = torch.zeros(int(size[0]), dtype=torch.uint8)
     if group.rank == group.leader:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    collectives.broadcast(buffer, src=group.leader, group=group.handle)
+    collectives.broadcast(buffer, src=group.leader, group=group.handle,
+                          name="universal checkpoint broadcast (payload)")
     return pickle.loads(buffer.numpy().tobytes())
 
 

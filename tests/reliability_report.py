@@ -1,0 +1,115 @@
+"""The failure table of docs/reliability.md: measured by the reliability tests, kept in a results file.
+
+``python tests/reliability_report.py run [TEST ...]`` runs the given tests (default: the dead-rank
+and restart tests) with ``PLAIT_RELIABILITY_RESULTS`` set, so each of them appends its measured row
+(:func:`reliability_jobs.record`); the rows replace those of the same package and fault in
+``tests/reliability_results.json``, each stamped with the date, the machine's load before and after
+and the command. ``python tests/reliability_report.py render`` writes the table rendered from that
+committed file into docs/reliability.md, between its two marker lines;
+``test_reliability_report.py`` checks that the page holds exactly that rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "reliability_results.json"
+PAGE = HERE.parent / "docs" / "reliability.md"
+START, END = "<!-- reliability-table: start (tests/reliability_report.py render) -->", "<!-- reliability-table: end -->"
+DEFAULT_TESTS = ("tests/test_reliability_dead_rank.py", "tests/test_reliability_restart.py",
+                 "tests/test_reliability_lightning_restart.py")
+HEADER = ("| what ran | fault | who is named, with which collective | fault to named / resumed | processes left "
+          "| work lost | resume bitwise | measured |\n|---|---|---|---|---|---|---|---|")
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+
+
+def _timing(row: dict) -> str:
+    """The row's time figure in words."""
+    if "seconds" in row:
+        return f"{row['seconds']:.1f} s (timeout {row['timeout_s']:g} s)"
+    if "resumed_after_s" in row:
+        return f"resumed {row['resumed_after_s']:.1f} s after the kill"
+    if "checkpoint_after_s" in row:
+        ratio = f" ({row['checkpoint_after_s'] / row['one_save_s']:.1f}x one whole save)" if "one_save_s" in row else ""
+        return (f"checkpoint committed {row['checkpoint_after_s']:.2f} s after SIGTERM{ratio}; "
+                f"exit 0 {row['exit_after_s']:.1f} s after")
+    if "exit_zero" in row:
+        return f"exit code 0 in {row['exit_zero']} runs"
+    return ""
+
+
+def _lost(row: dict) -> str:
+    if "lost_steps" not in row:
+        return ""
+    seconds = f", {row['lost_s']:.2f} s of training" if "lost_s" in row else ""
+    return f"{row['lost_steps']} step{'s' if row['lost_steps'] != 1 else ''}{seconds}"
+
+
+def _cell(value: object) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return "" if value is None else str(value).replace("|", "\\|")
+
+
+def render(results: dict) -> str:
+    """The markdown table of ``results`` (the results file's content), one row per package and fault."""
+    lines = [HEADER]
+    for row in results["rows"]:
+        named = row.get("named", "")
+        if "checkpoint" in row:
+            named = f"{named}; {row['checkpoint']}"
+        lines.append("| " + " | ".join(_cell(v) for v in (
+            row["package"], row["fault"], named, _timing(row), row.get("left", ""), _lost(row),
+            row.get("bitwise"), f"{row['date']}, load {row['load']}")) + " |")
+    return "\n".join(lines)
+
+
+def write_page(results: dict) -> None:
+    """Put :func:`render`'s table between the page's markers."""
+    text = PAGE.read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    if not rest:
+        raise SystemExit(f"{PAGE} has no line {START!r}; add the two marker lines where the table goes.")
+    PAGE.write_text(f"{head}{START}\n{render(results)}\n{END}{tail}")
+
+
+def run(tests: list[str]) -> int:
+    """Run ``tests`` collecting their rows; merge them into the results file. Returns pytest's code."""
+    before, started = _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as rows_file:
+        env = {**os.environ, "PLAIT_RELIABILITY_RESULTS": rows_file.name}
+        command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *tests]
+        code = subprocess.call(command, env=env, cwd=HERE.parent)
+        rows = [json.loads(line) for line in Path(rows_file.name).read_text().splitlines() if line]
+    stamp = {"date": started, "load": f"{before} -> {_load()}",
+             "command": "python tests/reliability_report.py run " + " ".join(tests)}
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"machine": "", "rows": []}
+    fresh = {(row["package"], row["fault"]) for row in rows}
+    kept = [row for row in old["rows"] if (row["package"], row["fault"]) not in fresh]
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    RESULTS.write_text(json.dumps({"machine": machine, "rows": kept + [{**row, **stamp} for row in rows]},
+                                  indent=1) + "\n")
+    print(f"{len(rows)} rows from {len(tests)} test files into {RESULTS} (pytest exit code {code})")
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in ("run", "render"):
+        raise SystemExit("usage: python tests/reliability_report.py run [TEST ...] | render")
+    if sys.argv[1] == "run":
+        sys.exit(run(sys.argv[2:] or list(DEFAULT_TESTS)))
+    write_page(json.loads(RESULTS.read_text()))
