@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from plait.universal_ckpt import CheckpointIntegrityError, CheckpointLayoutError, save
+from plait.universal_ckpt.mapped import MappedReader
 from plait.universal_ckpt.reader import read_manifest
 from plait.vllm.checkpoint_weights import CheckpointWeights
 from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
@@ -180,3 +181,112 @@ def test_vllm_simulated_rank_reads_and_checks_only_its_rows(tmp_path, monkeypatc
             assert sum(checked) < whole  # the rank touched less than the whole checkpoint
     if producer == "zero-w2":
         assert split_names, "the W=2 save should have split at least one dim-0 tensor over two pieces"
+
+
+def _copy_all(weights: CheckpointWeights, dest: dict[str, torch.Tensor]) -> None:
+    """What the loader does: vLLM's weight loaders copy every streamed tensor into a parameter."""
+    with weights.checked_on_copy() as stream:
+        for name, tensor in stream:
+            dest[name].copy_(tensor)
+
+
+@pytest.mark.timeout(60)
+def test_vllm_checked_on_copy_copies_every_value_and_checks_every_byte_once(tmp_path):
+    model = _saved(tmp_path)
+    expected = model.state_dict()
+    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    weights = CheckpointWeights(tmp_path / "ckpt")
+    _copy_all(weights, dest)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(dest[name], tensor, rtol=0, atol=0)
+    pieces = [p for e in weights.entries() for p in e.pieces]
+    assert weights.checked_bytes == sum(p.nbytes for p in pieces)
+
+
+def _flip(step, tensor_name: str) -> str:
+    piece = read_manifest(step).tensors[tensor_name].pieces[0]
+    raw = bytearray((step / piece.file).read_bytes())
+    raw[piece.offset + 1] ^= 0x01
+    (step / piece.file).write_bytes(bytes(raw))
+    return piece.file
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use", ["copy", "clone", "in_place", "untouched"])
+def test_vllm_checked_on_copy_flipped_byte_fails_naming_the_file(tmp_path, use):
+    """However the consumer uses a damaged tensor (copies it, reads it otherwise, writes to it, or
+    never touches it), the load fails naming the file; no damaged value reaches the caller."""
+    _saved(tmp_path)
+    step = tmp_path / "ckpt" / "step-0000000003"
+    damaged = _flip(step, "model/proj.weight")
+    weights = CheckpointWeights(step)
+    seen = {}
+    with pytest.raises(CheckpointIntegrityError) as info, weights.checked_on_copy() as stream:
+        for name, tensor in stream:
+            if name != "proj.weight":
+                continue
+            if use == "copy":
+                torch.zeros_like(tensor).copy_(tensor)
+            elif use == "clone":
+                seen[name] = tensor.clone()
+            elif use == "in_place":
+                tensor.mul_(2)
+    assert info.value.file == damaged and damaged in str(info.value) and "model/proj.weight" in str(info.value)
+    assert not seen
+
+
+def _tiny_llama_saved(root, producer: str):
+    if producer == "one-process":
+        save({"model": _tiny_llama()}, root, step=0, chunk_bytes=4096)  # small chunks: rows fall in different chunks
+    else:
+        from plait.kernels.testing import run_distributed
+
+        run_distributed(save_split, 2, str(root), 2, timeout=120)
+
+
+def _vllm_like_copy(name: str, tensor: torch.Tensor, tp: TensorParallelRank) -> torch.Tensor:
+    """A rank's part as vLLM's weight loaders take it: dim-0 rows by plait.vllm.tensor_parallel's rules,
+    row-parallel o_proj/down_proj narrowed along dim 1, everything else whole; copied into a new tensor."""
+    rows = rank_rows(name, tuple(tensor.shape), tp)
+    if rows is not None:
+        part = tensor.narrow(0, rows[0], rows[1] - rows[0])
+    elif name.endswith(("o_proj.weight", "down_proj.weight")) and tensor.shape[1] % tp.size == 0:
+        cols = tensor.shape[1] // tp.size
+        part = tensor.narrow(1, tp.rank * cols, cols)
+    else:
+        part = tensor
+    return torch.empty(part.shape, dtype=part.dtype).copy_(part)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("producer", ["one-process", "zero-w2"])
+def test_vllm_tp_rank_reads_and_checks_only_the_byte_ranges_it_copies(tmp_path, producer):
+    """At TP 1, 2 and 4, each simulated rank copies its part as vLLM does, under the loader's
+    checked_on_copy: every part equals the slice of the full tensor, and the bytes the rank checked
+    (for a mapped tensor, the only bytes it reads) are exactly the chunks its dim-0 rows span plus
+    whole tensors elsewhere; at TP > 1 less than the checkpoint, at TP 1 all of it."""
+    root = tmp_path / "ckpt"
+    expected = _tiny_llama().state_dict()
+    _tiny_llama_saved(root, producer)
+    whole = sum(t.numel() * t.element_size() for t in expected.values())
+    for size in (1, 2, 4):
+        for rank in range(size):
+            tp = TensorParallelRank(rank=rank, size=size, num_key_value_heads=2)
+            weights = CheckpointWeights(root, key="model", tensor_parallel=tp)
+            want_checked = 0
+            with weights.checked_on_copy() as stream:
+                for name, tensor in stream:
+                    got = _vllm_like_copy(name, tensor, tp)
+                    assert torch.equal(got, _vllm_like_copy(name, expected[name], tp)), (size, rank, name)
+                    entry = weights.manifest.tensors[f"model/{name}"]
+                    if MappedReader.whole_piece(entry) is None:
+                        continue  # consolidated: checked as it is read, not by the mode
+                    rows = rank_rows(name, entry.global_shape, tp)
+                    row = entry.nbytes // entry.global_shape[0]
+                    start, stop = (0, entry.nbytes) if rows is None else (rows[0] * row, rows[1] * row)
+                    chunk = weights.manifest.chunk_bytes
+                    want_checked += (min(entry.nbytes, -(-stop // chunk) * chunk) - start // chunk * chunk
+                                     if stop > start else 0)
+            assert weights.checked_bytes == want_checked, (size, rank)
+            if producer == "one-process":
+                assert (weights.checked_bytes == whole) if size == 1 else (weights.checked_bytes < whole), (size, rank)

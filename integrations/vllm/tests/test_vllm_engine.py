@@ -153,7 +153,75 @@ def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs, family):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_plait_universal_checks_every_byte_once_inside_the_copy(runs, family):
+    """One process, no TP: the loader's report says every byte of the checkpoint's tensors was checked,
+    each once (they were read once, inside vLLM's copies); vLLM's safetensors load leaves no report."""
+    (report,) = runs["on"][family]["load_reports"]
+    assert report["tensor_parallel"] is None and report["checked_bytes"] == report["mapped_bytes"] > 0, report
+    assert runs["off"][family]["load_reports"] == [None]
+
+
+@pytest.mark.timeout(900)
 def test_vllm_flipped_byte_fails_startup_naming_the_file(runs):
     error = runs["on"]["corrupt_error"]
     assert error is not None, "the engine started on a corrupted checkpoint"
     assert "CheckpointIntegrityError" in error and runs["corrupt_file"] in error, error[-3000:]
+
+
+TP_CHUNK = 4096  # small checksum chunks, so that a rank's rows and the others' fall in different chunks
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """One engine at tensor_parallel_size=2 (vLLM's CPU workers, one core each) on a universal checkpoint."""
+    tmp = tmp_path_factory.mktemp("vllm_tp2")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    universal = tmp / "llama-universal"
+    save({"model": model}, universal, step=1, chunk_bytes=TP_CHUNK)
+    config.save_pretrained(universal)
+    env = {"PLAIT_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    run = _run_engine(tmp, "tp2", env, "--tp", "2", "--job", f"llama={universal}@plait_universal")
+    return {"hf": _hf_tokens(model), "run": run["llama"], "universal": universal}
+
+
+def _rank_bytes(universal: Path, rank: int, size: int) -> tuple[int, int]:
+    """(bytes a rank must read and check, bytes of the checkpoint): the chunks its dim-0 rows span
+    (plait.vllm.tensor_parallel), whole tensors elsewhere (o_proj/down_proj are split along dim 1)."""
+    from plait.vllm.checkpoint_weights import CheckpointWeights
+    from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
+
+    weights = CheckpointWeights(universal)
+    tp = TensorParallelRank(rank=rank, size=size, num_key_value_heads=2)
+    want = total = 0
+    for entry in weights.entries():
+        rows = rank_rows(weights.name_of(entry), entry.global_shape, tp)
+        row = entry.nbytes // entry.global_shape[0]
+        start, stop = (0, entry.nbytes) if rows is None else (rows[0] * row, rows[1] * row)
+        want += min(entry.nbytes, -(-stop // TP_CHUNK) * TP_CHUNK) - start // TP_CHUNK * TP_CHUNK
+        total += entry.nbytes
+    return want, total
+
+
+@pytest.mark.timeout(900)
+def test_vllm_tp2_serves_the_checkpoint_with_hf_tokens(tp_run):
+    assert tp_run["run"]["tokens"] == tp_run["hf"]
+
+
+@pytest.mark.timeout(900)
+def test_vllm_tp2_each_rank_reads_and_checks_only_its_byte_ranges(tp_run):
+    """vLLM's own TP=2 engine: each rank's loader checked (and, through the mapped file, read) exactly
+    the chunks its rows span of the dim-0-split weights and the whole of the others: less than the
+    checkpoint, and the two ranks different parts of it."""
+    reports = tp_run["run"]["load_reports"]
+    assert sorted(tuple(r["tensor_parallel"]) for r in reports) == [(0, 2), (1, 2)], reports
+    for report in reports:
+        rank = report["tensor_parallel"][0]
+        want, total = _rank_bytes(tp_run["universal"], rank, 2)
+        assert report["mapped_bytes"] == total, report
+        assert report["checked_bytes"] == want < total, (rank, report, want)

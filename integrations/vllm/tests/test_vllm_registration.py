@@ -97,6 +97,21 @@ def test_vllm_switched_off_by_env_registers_nothing():
     assert "reason='PLAIT_VLLM=0'" in result.stdout and result.stdout.rstrip().endswith("[]"), result.stdout[-2000:]
 
 
+
+@pytest.mark.timeout(180)
+def test_vllm_plugins_filter_without_plait_registers_nothing():
+    """vLLM's own switch: ``VLLM_PLUGINS`` names the plugins to load; a list without ``plait`` leaves it out."""
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.model_executor.custom_op import op_registry_oot; "
+            "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as formats; "
+            "import plait.vllm as pv; "
+            "print('REPORT', pv.registration_report(), sorted(op_registry_oot), 'plait_universal' in formats)")
+    env = {**__import__("os").environ, "VLLM_PLUGINS": "some_other_plugin"}
+    env.pop("PLAIT_VLLM", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REPORT None [] False" in result.stdout, result.stdout[-2000:]
+
 def _both_paths(monkeypatch, build, call):
     """``call(build())`` with vLLM's CPU path, then with plait's (a layer reads the setting when built)."""
     out = []
@@ -205,7 +220,7 @@ def test_vllm_loader_refuses_nan_after_per_rank_row_reads():
     from plait.vllm.loader import _check_no_nan
 
     model = torch.nn.Linear(4, 3)
-    weights = SimpleNamespace(directory="/ckpt", rows_read={"weight": (0, 2)})
+    weights = SimpleNamespace(directory="/ckpt", nan_filled={"weight"})
     _check_no_nan(model, weights)  # no NaN: nothing to say
     with torch.no_grad():
         model.weight[2, 1] = float("nan")

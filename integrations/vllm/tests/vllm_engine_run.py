@@ -1,10 +1,11 @@
 """One vLLM engine run for the end-to-end tests (a script: ``LLM()`` starts processes, hence the guard).
 
 For each ``--job NAME=DIR@FORMAT`` in turn, starts ``LLM(DIR, load_format=FORMAT)`` on the CPU
-platform (one engine at a time, in this process), generates greedily from token-id prompts (no
-tokenizer), and records the generated token ids, the layer classes the engine built and the
-start-up time. With ``--corrupt DIR`` it then tries to start an engine on the corrupted checkpoint
-``DIR`` and records the error it fails with. Writes everything as JSON to ``--out``.
+platform (one engine at a time, in this process; ``--tp N``: with N tensor-parallel ranks),
+generates greedily from token-id prompts (no tokenizer), and records the generated token ids, the
+layer classes the engine built, the start-up time and each rank's ``plait_universal`` load report.
+With ``--corrupt DIR`` it then tries to start an engine on the corrupted checkpoint ``DIR`` and
+records the error it fails with. Writes everything as JSON to ``--out``.
 
     python vllm_engine_run.py --job llama=ckpt@plait_universal --out result.json
 """
@@ -12,6 +13,7 @@ start-up time. With ``--corrupt DIR`` it then tries to start an engine on the co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
@@ -20,13 +22,15 @@ PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]
 NEW_TOKENS = 12
 
 
-def _engine_args(model: str, load_format: str) -> dict:
+def _engine_args(model: str, load_format: str, tp: int = 1) -> dict:
     return dict(model=model, load_format=load_format, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-                max_model_len=128, max_num_seqs=4, seed=0)
+                max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp)
 
 
 def _layer_classes(model) -> list[str]:
     return sorted({type(module).__name__ for module in model.modules()})
+
+
 
 
 def main() -> None:
@@ -34,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", action="append", required=True, help="NAME=MODEL_DIR@LOAD_FORMAT")
     parser.add_argument("--corrupt", default=None)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
@@ -45,11 +50,16 @@ def main() -> None:
         name, _, rest = job.partition("=")
         model, _, load_format = rest.rpartition("@")
         start = time.perf_counter()
-        llm = LLM(**_engine_args(model, load_format))
+        llm = LLM(**_engine_args(model, load_format, args.tp))
         startup = time.perf_counter() - start
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-        result[name] = {"tokens": [list(out.outputs[0].token_ids) for out in outputs],
-                        "layers": llm.apply_model(_layer_classes)[0], "startup_seconds": startup}
+        from plait.vllm.loader import load_report  # importable, so worker processes can unpickle it
+
+        reports = [None if r is None else dataclasses.asdict(r) for r in llm.apply_model(load_report)]
+        result[name] = {"tokens": [list(out.outputs[0].token_ids) for out in outputs], "startup_seconds": startup,
+                        # a function of this script pickles only into this process (TP=1 runs here)
+                        "layers": llm.apply_model(_layer_classes)[0] if args.tp == 1 else None,
+                        "load_reports": reports}  # one per tensor-parallel rank
         del llm
     if args.corrupt:
         try:

@@ -7,10 +7,14 @@ own ``state_dict`` names. Either way the stream carries the HF ``state_dict`` na
 what vLLM's ``load_weights`` maps onto its fused layers (qkv, gate|up) and tensor-parallel slices.
 A tensor stored as one piece is handed over as a view of the mapped data file (no copy before
 vLLM's own copy into its parameter, as with safetensors); a tensor split over several pieces is
-consolidated, each piece read straight into its place. Every chunk handed over is first checked
-against the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums).
-With tensor parallelism, a rank reads and checks only the rows of dim 0 it keeps of the weights
-vLLM splits that way (:mod:`plait.vllm.tensor_parallel`) and whole tensors otherwise.
+consolidated, each piece read straight into its place. Every chunk handed over is checked against
+the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums): iterating
+checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_on_copy` (what the
+loader uses) checks each chunk of a mapped tensor inside vLLM's copy of it, so its bytes are read
+from memory once (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and
+checks only the rows of dim 0 it keeps of the weights vLLM splits that way
+(:mod:`plait.vllm.tensor_parallel`); under ``checked_on_copy`` it reads and checks only the chunks
+of the bytes vLLM copies, whatever the split.
 
 One layout differs between a model in memory and its HF checkpoint files: transformers >= 5 keeps
 an MoE block's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with the gate
@@ -22,6 +26,7 @@ saved from the module holds the fused form, so it is split here for the families
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -36,6 +41,7 @@ from plait.universal_ckpt.interop.hf import ZERO_MARKER, model_name
 from plait.universal_ckpt.manifest import Manifest, TensorEntry
 from plait.universal_ckpt.mapped import MappedReader
 from plait.universal_ckpt.reader import check_files, read_manifest
+from plait.vllm.checked_copy import CheckOnCopy, integrity_error
 from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
 
 WEIGHT_KINDS = ("parameter", "buffer")
@@ -128,6 +134,8 @@ class CheckpointWeights:
         self.model_type = model_type
         self.tensor_parallel = tensor_parallel
         self.rows_read: dict[str, tuple[int, int]] = {}  # name -> rows, for the tensors read in part
+        self.nan_filled: set[str] = set()  # of those, the ones consolidated with NaN outside the rows
+        self.checked_bytes: int | None = None  # after checked_on_copy: the bytes it checked
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -160,7 +168,7 @@ class CheckpointWeights:
         return None if rows == (0, entry.global_shape[0] if entry.global_shape else 0) else rows
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` one tensor at a time, in the HF on-disk form.
+        """Yield ``(name, tensor)`` one tensor at a time, in the HF on-disk form, each checked first.
 
         A yielded tensor may be a view of the mapped checkpoint file: copy it (as vLLM's weight
         loaders do), do not write to it.
@@ -169,18 +177,53 @@ class CheckpointWeights:
             CheckpointIntegrityError: a chunk's hash differs from the manifest's. The message names
                 the file, the checkpoint directory and the fix.
         """
-        reader = MappedReader(self.directory, self.manifest, verify=self.verify)
+        return self._stream(None)
+
+    @contextlib.contextmanager
+    def checked_on_copy(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        """The stream for a consumer that copies what it is given (vLLM's ``load_weights``), checked
+        inside those copies.
+
+        A mapped tensor is yielded unchecked, as a :class:`~plait.vllm.checked_copy.MappedView`,
+        and each of its chunks is checked right before the consumer's ``copy_`` copies it (any
+        other read of its values checks it first). Leaving the block normally checks every chunk
+        still owed; with ``verify=False`` this is plain iteration.
+
+            with weights.checked_on_copy() as stream:
+                model.load_weights(stream)
+
+        Raises:
+            CheckpointIntegrityError: a chunk's hash differs (names the file), inside the block
+                where it was read, or when the block ends for a chunk nothing read.
+        """
+        if not self.verify:
+            yield self._stream(None)
+            return
+        checker = CheckOnCopy(self.directory)
+        yield self._stream(checker)
+        checker.finish()
+        self.checked_bytes = checker.checked_bytes
+
+    def _read(self, entry: TensorEntry, rows: tuple[int, int] | None, checked: MappedReader,
+              unchecked: MappedReader, checker: CheckOnCopy | None) -> torch.Tensor:
+        piece = MappedReader.whole_piece(entry)
+        if checker is not None and piece is not None:
+            return checker.track(unchecked.tensor(entry), entry, piece, self.manifest, rows)
+        return checked.tensor(entry) if rows is None else checked.tensor_for_rows(entry, *rows)
+
+    def _stream(self, checker: CheckOnCopy | None) -> Iterator[tuple[str, torch.Tensor]]:
+        checked = MappedReader(self.directory, self.manifest, verify=self.verify)
+        unchecked = MappedReader(self.directory, self.manifest, verify=False)
         for entry in self.entries():
             rows = self.rows_for(entry)
             try:
-                tensor = reader.tensor(entry) if rows is None else reader.tensor_for_rows(entry, *rows)
+                tensor = self._read(entry, rows, checked, unchecked, checker)
             except CheckpointIntegrityError as exc:
-                raise CheckpointIntegrityError(
-                    f"plait_universal: checkpoint file {exc.file} in {self.directory} is corrupt ({exc}); "
-                    f"while reading {entry.full_name}. Restore the file from a good copy or re-save the checkpoint.",
-                    file=exc.file, expected=exc.expected, actual=exc.actual) from exc
+                raise integrity_error(exc, self.directory, entry.full_name) from exc
             if rows is not None:
                 self.rows_read[self.name_of(entry)] = rows
+                if MappedReader.whole_piece(entry) is None and entry.torch_dtype.is_floating_point:
+                    self.nan_filled.add(self.name_of(entry))
             yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
-        reader.close()
-
+        checked.close()
+        unchecked.close()

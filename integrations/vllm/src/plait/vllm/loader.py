@@ -9,14 +9,17 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
         model_loader_extra_config={"checkpoint": "runs/ckpt", "key": "model"})
 
 Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
-producer's pieces) after its chunks pass their checksums; a corrupted file stops start-up with an
-error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion and
+producer's pieces, checked as it is read); each chunk of a mapped view is checked inside vLLM's
+copy of it (:mod:`plait.vllm.checked_copy`), so the bytes are read once. A corrupted file stops
+start-up with an error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion and
 tensor-parallel slicing. With tensor parallelism each rank reads and checks only the rows it
 keeps of the weights split along dim 0 (``"rank_rows": False`` reads every tensor whole).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
@@ -25,8 +28,11 @@ from vllm.config import ModelConfig
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from plait.universal_ckpt.mapped import MappedReader
 from plait.vllm.checkpoint_weights import CheckpointWeights
 from plait.vllm.tensor_parallel import TensorParallelRank
+
+logger = logging.getLogger("plait.vllm")
 
 LOAD_FORMAT = "plait_universal"
 EXTRA_CONFIG_KEYS = ("checkpoint", "key", "verify", "rank_rows")
@@ -44,6 +50,37 @@ def _tensor_parallel_rank(model_config: ModelConfig) -> TensorParallelRank | Non
     heads = getattr(model_config.hf_text_config, "num_key_value_heads", None)
     return TensorParallelRank(rank=parallel_state.get_tensor_model_parallel_rank(), size=size,
                               num_key_value_heads=heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What one ``plait_universal`` load did in one process (``model.plait_universal_report``).
+
+    Attributes:
+        directory: the checkpoint directory read.
+        seconds: the time ``load_weights`` took.
+        tensor_parallel: ``(rank, size)`` when this rank read only its rows, else None.
+        checked_bytes: bytes of the tensors handed over as mapped views that were checked, each
+            read once for it (0 with ``verify=False``). For a rank that copies only its rows,
+            less than ``mapped_bytes``.
+        mapped_bytes: bytes of the tensors stored as one piece (handed over as mapped views); the
+            others are consolidated from their pieces, checked as they are read.
+    """
+
+    directory: str
+    seconds: float
+    tensor_parallel: tuple[int, int] | None
+    checked_bytes: int
+    mapped_bytes: int
+
+
+def load_report(model: nn.Module) -> LoadReport | None:
+    """The :class:`LoadReport` a ``plait_universal`` load left on ``model`` (None for other load formats).
+
+    Pass it to vLLM to get every rank's: ``llm.apply_model(plait.vllm.loader.load_report)`` (a
+    module-level function, so vLLM's worker processes can unpickle it).
+    """
+    return getattr(model, "plait_universal_report", None)
 
 
 class PlaitUniversalLoader(BaseModelLoader):
@@ -96,10 +133,18 @@ class PlaitUniversalLoader(BaseModelLoader):
         start = time.perf_counter()
         tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
         weights = self._weights(model_config, tensor_parallel)
-        loaded = model.load_weights(iter(weights))
-        if weights.rows_read:
+        with weights.checked_on_copy() as stream:  # each chunk checked inside vLLM's copy of it
+            loaded = model.load_weights(stream)
+        if weights.nan_filled:
             _check_no_nan(model, weights)
         self.last_load_seconds = time.perf_counter() - start
+        report = LoadReport(
+            directory=str(weights.directory), seconds=self.last_load_seconds,
+            tensor_parallel=(tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None,
+            checked_bytes=weights.checked_bytes or 0,
+            mapped_bytes=sum(e.nbytes for e in weights.entries() if MappedReader.whole_piece(e) is not None))
+        model.plait_universal_report = report  # read back with llm.apply_model(load_report)
+        logger.info("plait_universal: %s", report)
         if loaded is None:  # a model that does not report what it loaded: nothing to check
             return
         missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
@@ -117,7 +162,7 @@ def _check_no_nan(model: nn.Module, weights: CheckpointWeights) -> None:
         if param.is_floating_point() and bool(torch.isnan(param).any()):
             raise ValueError(
                 f"plait_universal: parameter {name} holds NaN after loading {weights.directory} with per-rank row "
-                f"reads ({len(weights.rows_read)} tensors read in part); pass model_loader_extra_config="
+                f"reads ({len(weights.nan_filled)} tensors consolidated in part); pass model_loader_extra_config="
                 "{'rank_rows': False} to read whole tensors, and report the model to plait-vllm.")
 
 
