@@ -21,6 +21,7 @@ Each rank appends ``attempt step loss.hex()`` lines to OUTDIR/losses-rank<r>.txt
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -79,6 +80,9 @@ def faults_of_attempt(text: str, attempt: int) -> list[Fault]:
 
 def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
     """Train, resuming from and saving to ``outdir/ckpt``; returns the exit code."""
+    # Python stacks of every thread on SIGABRT/SIGSEGV: the one teardown abort left unexplained (docs/reliability.md,
+    # "A finished run exits 0") then shows which threads were alive and where the main thread was.
+    faulthandler.enable(all_threads=True)
     attempt = collectives.restart_count()
     faults = faults_of_attempt(fault_text, attempt)
     torch.set_num_threads(1)

@@ -103,6 +103,25 @@ def _moe() -> Any:
     return step
 
 
+def _maybe_die(fault: Fault, step: int, workdir: str) -> None:
+    """At the fault's rank and step: note the time for the test, then SIGKILL this process."""
+    if fault.fires(step, dist.get_rank()):
+        Path(workdir, "killed").write_text(repr(time.time()))
+        fault.maybe_inject(step)
+
+
+def _told(workdir: str, train: Any) -> tuple[str, float]:
+    """Train with the fault, without plait's collectives: what rank 0 is told by torch, and when."""
+    fault = Fault.parse(KILL)
+    try:
+        for step in range(STEPS):
+            _maybe_die(fault, step, workdir)
+            train(step)
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", time.time()
+    return "finished", time.time()
+
+
 def _training(case: str, workdir: str) -> Any:
     """This case's ``step(i)`` function (built collectively, before any fault)."""
     if case.startswith("zero"):
@@ -121,9 +140,7 @@ def _die_or_name(case: str, workdir: str) -> tuple[str, float]:
     try:
         for step in range(STEPS):
             collectives.set_step(step)
-            if fault.fires(step, dist.get_rank()):
-                Path(workdir, "killed").write_text(repr(time.time()))
-                fault.maybe_inject(step)
+            _maybe_die(fault, step, workdir)
             train(step)
     except collectives.CollectiveError as exc:
         assert sorted(exc.missing) == [1], exc.missing
@@ -169,6 +186,7 @@ def test_a_dead_rank_is_named_with_the_collective(case, tmp_path):
 def _die_during_async_save(workdir: str) -> tuple[str, float, str, list[str]]:
     """ZeRO-3: step 1 committed; step 2 saved asynchronously; rank 1 dies while it is in flight."""
     import plait.universal_ckpt as uc
+    from plait.universal_ckpt import saver
 
     dist.distributed_c10d._set_pg_timeout(SHORT)
     fault = Fault.parse(KILL)
@@ -181,10 +199,10 @@ def _die_during_async_save(workdir: str) -> tuple[str, float, str, list[str]]:
             if step == 1:
                 uc.save({"model": model}, root, step=1).wait()  # committed before the fault
             if step == 2:
+                if dist.get_rank() == 1:  # its writer stops after writing its data: the save is in flight for sure
+                    saver.set_fault_hook(lambda phase: time.sleep(3600) if phase == "data_written" else None)
                 uc.save({"model": model}, root, step=2, async_=True)  # in flight when rank 1 dies
-            if fault.fires(step, dist.get_rank()):
-                Path(workdir, "killed").write_text(repr(time.time()))
-                fault.maybe_inject(step)
+            _maybe_die(fault, step, workdir)
             _zero_step(model, optimizer, step)
     except collectives.CollectiveError as exc:
         assert sorted(exc.missing) == [1], exc.missing
@@ -226,18 +244,13 @@ def _ddp_dies(workdir: str) -> tuple[str, float]:
     model = torch.nn.parallel.DistributedDataParallel(net)  # its checks across ranks, under the harness's timeout
     dist.distributed_c10d._set_pg_timeout(SHORT)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fault = Fault.parse(KILL)
-    try:
-        for step in range(STEPS):
-            if fault.fires(step, dist.get_rank()):
-                Path(workdir, "killed").write_text(repr(time.time()))
-                fault.maybe_inject(step)
-            model(torch.randn(4, 8)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    except RuntimeError as exc:
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", time.time()
-    return "finished", time.time()
+
+    def step(_: int) -> None:
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return _told(workdir, step)
 
 
 def test_the_same_death_under_plain_ddp_is_not_named(tmp_path):
@@ -267,17 +280,12 @@ def _deepspeed_dies(workdir: str) -> tuple[str, float]:
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}, "steps_per_print": 10**6}
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
                                       config=config)
-    fault = Fault.parse(KILL)
-    try:
-        for step in range(STEPS):
-            if fault.fires(step, dist.get_rank()):
-                Path(workdir, "killed").write_text(repr(time.time()))
-                fault.maybe_inject(step)
-            engine.backward(engine(torch.randn(4, 8)).square().mean())
-            engine.step()
-    except RuntimeError as exc:
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}", time.time()
-    return "finished", time.time()
+
+    def step(_: int) -> None:
+        engine.backward(engine(torch.randn(4, 8)).square().mean())
+        engine.step()
+
+    return _told(workdir, step)
 
 
 def test_the_same_death_under_deepspeed_zero3_is_not_named(tmp_path):
