@@ -7,19 +7,15 @@ attention modules are told their local head count, and ALiBi (built by the model
 is cut to the rank's heads.
 
 GPT-2's ``Conv1D`` stores ``[in, out]`` (an ``nn.Linear`` weight transposed), which torch's styles
-refuse, so the two styles below apply the same hooks with transposed placements: column-parallel
-is ``Shard(1)`` of the weight, row-parallel ``Shard(0)``. The fused ``c_attn`` ``[q|k|v]`` must give
-rank r ``[q_r|k_r|v_r]``, which no DTensor placement of the consolidated tensor describes: its
-local shard is built by hand and wrapped with ``Shard(1)`` (so the DTensor's "global" view is a
-permutation of HF's tensor), and the checkpoint needs a ``TensorLayout`` rule with ``parts``.
+refuse; the package's ``plait.universal_ckpt.parallel_styles`` (``Conv1DColwiseParallel``,
+``Conv1DRowwiseParallel``) apply the same hooks with transposed placements. The fused ``c_attn``
+``[q|k|v]`` gives rank r ``[q_r|k_r|v_r]``, which no DTensor placement of the consolidated tensor
+describes, so the checkpoint needs the style's ``checkpoint_rules`` (a ``TensorLayout`` with ``parts``).
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-from torch import nn
 
 import plait.universal_ckpt as uc
 from plait.universal_ckpt import TensorLayout
@@ -93,43 +89,20 @@ def bloom_rules(*, as_gpt2_parts: bool = False) -> tuple:
     return ((r".*query_key_value\.(weight|bias)", TensorLayout(dim=0, unit=3 * HEAD_DIM)),)
 
 
-def _conv1d_style(base, weight_dim: int, bias_dim: int | None, fused: bool):
-    """A torch ParallelStyle for HF Conv1D: ``base``'s hooks, the weight split on ``weight_dim``."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-
-    class Conv1DStyle(base):
-        def _partition(self, name, module, mesh):
-            for pname, param in list(module.named_parameters()):
-                dim = weight_dim if pname == "weight" else bias_dim
-                if fused:  # rank r's [q_r|k_r|v_r]: split each part, then concatenate
-                    rank, size = mesh.get_local_rank(), mesh.size()
-                    local = torch.cat([part.chunk(size, dim)[rank] for part in param.detach().split(HIDDEN, dim)], dim)
-                    value = DTensor.from_local(local.clone(), mesh, [Shard(dim)], run_check=False)
-                else:
-                    value = distribute_tensor(param.detach(), mesh, [Replicate() if dim is None else Shard(dim)])
-                module.register_parameter(pname, nn.Parameter(value))
-
-        def _apply(self, module, mesh):
-            if base.__name__ == "RowwiseParallel":
-                self.desired_input_layouts = (Shard(-1),)
-            return distribute_module(module, mesh, self._partition,
-                                     partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                     partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-    return Conv1DStyle()
-
-
 def gpt2_tp(model, mesh):
-    """torch TP over ``mesh`` for GPT-2's Conv1D layers (fused c_attn split per q/k/v part)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """torch TP over ``mesh`` for GPT-2's Conv1D layers (the package's styles; fused c_attn split per
+    q/k/v part), each rank's attention told its local widths and heads."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plait.universal_ckpt.parallel_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
 
     plan = {}
     for index in range(len(model.transformer.h)):
         prefix = f"transformer.h.{index}"
-        plan[f"{prefix}.attn.c_attn"] = _conv1d_style(ColwiseParallel, 1, 0, fused=True)
-        plan[f"{prefix}.attn.c_proj"] = _conv1d_style(RowwiseParallel, 0, None, fused=False)
-        plan[f"{prefix}.mlp.c_fc"] = _conv1d_style(ColwiseParallel, 1, 0, fused=False)
-        plan[f"{prefix}.mlp.c_proj"] = _conv1d_style(RowwiseParallel, 0, None, fused=False)
+        plan[f"{prefix}.attn.c_attn"] = Conv1DColwiseParallel(parts=(HIDDEN,) * 3)
+        plan[f"{prefix}.attn.c_proj"] = Conv1DRowwiseParallel()
+        plan[f"{prefix}.mlp.c_fc"] = Conv1DColwiseParallel()
+        plan[f"{prefix}.mlp.c_proj"] = Conv1DRowwiseParallel()
     model = parallelize_module(model, mesh, plan)
     for block in model.transformer.h:
         block.attn.split_size = HIDDEN // mesh.size()  # the local [q|k|v] widths
@@ -138,13 +111,14 @@ def gpt2_tp(model, mesh):
 
 
 def gpt2_rules(*, fused_as_one_block: bool = False) -> tuple:
-    """GPT-2's rules: c_attn's q, k, v each split on heads. ``fused_as_one_block``: none (the
-    DTensor's own Shard(1), which puts q and k columns on the wrong ranks)."""
+    """GPT-2's rules: c_attn's q, k, v each split on heads, from the style's ``checkpoint_rules``.
+    ``fused_as_one_block``: none (the DTensor's own Shard(1), which puts q and k columns on the
+    wrong ranks)."""
     if fused_as_one_block:
         return ()
-    parts = TensorLayout(dim=1, parts=(HIDDEN,) * 3, unit=HEAD_DIM)
-    return ((r".*attn\.c_attn\.weight", parts),
-            (r".*attn\.c_attn\.bias", TensorLayout(dim=0, parts=(HIDDEN,) * 3, unit=HEAD_DIM)))
+    from plait.universal_ckpt.parallel_styles import Conv1DColwiseParallel
+
+    return Conv1DColwiseParallel(parts=(HIDDEN,) * 3).checkpoint_rules(r".*attn\.c_attn", unit=HEAD_DIM)
 
 
 def tp_config(tp: int, rules: tuple) -> uc.ModelParallelConfig:

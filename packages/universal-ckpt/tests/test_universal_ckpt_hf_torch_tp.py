@@ -99,3 +99,36 @@ def test_tp_size_that_splits_a_head_is_refused():
     config = uc.ModelParallelConfig(groups={"tp": (0, 1, 2)}, rules=ht.bloom_rules())
     with pytest.raises(ValueError, match=r"query_key_value.weight.*tp size of 3.*pick a tp size"):
         uc.model_parallel(model, config=config)
+
+
+def conv1d_style_errors() -> list[str]:
+    """The package's Conv1D styles on what they must refuse (W=2): an nn.Linear, and fused parts
+    that 2 ranks cannot split."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers.pytorch_utils import Conv1D
+
+    from plait.universal_ckpt.parallel_styles import Conv1DColwiseParallel, Conv1DRowwiseParallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    messages = []
+    for module, style in ((torch.nn.Linear(4, 4), Conv1DRowwiseParallel()),
+                          (Conv1D(9, 4), Conv1DColwiseParallel(parts=(3, 3, 3)))):
+        with pytest.raises(ValueError) as info:
+            parallelize_module(module, mesh, style)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_conv1d_styles_refuse_bad_input():
+    from plait.universal_ckpt.parallel_styles import Conv1DColwiseParallel
+
+    linear, parts = run_distributed(conv1d_style_errors, 2, timeout=60)[0]
+    assert "Conv1DRowwiseParallel is for HF Conv1D layers" in linear and "torch's ColwiseParallel" in linear, linear
+    assert "parts=[3, 3, 3]" in parts and "divisible by the mesh size 2" in parts, parts
+    with pytest.raises(ValueError, match=r"parts=\(\)"):
+        Conv1DColwiseParallel(parts=())
+    assert Conv1DColwiseParallel().checkpoint_rules("c_fc") == ()  # placements describe themselves
+    assert dict(Conv1DColwiseParallel(parts=(8, 8)).checkpoint_rules(r"a\.c", unit=4)) == {
+        r"a\.c\.weight": uc.TensorLayout(dim=1, parts=(8, 8), unit=4),
+        r"a\.c\.bias": uc.TensorLayout(dim=0, parts=(8, 8), unit=4)}
