@@ -16,14 +16,8 @@ import torch
 
 from plait.kernels.testing import run_distributed
 from plait.lightning.demo import TinyLlamaModule
-from plait.onebit_optim import (
-    OnebitAdam,
-    OnebitAdamConfig,
-    OnebitLamb,
-    OnebitLambConfig,
-    ZeroOneAdam,
-    ZeroOneAdamConfig,
-)
+from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
+from plait.onebit_optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
 STEPS, FREEZE = 8, 3

@@ -25,6 +25,7 @@ TABLES = [
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers-quality.json"),
     ("packages/ulysses-sp/README.md", "packages/ulysses-sp/benchmarks/results/ulysses-sp.json"),
     ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim.json"),
+    ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim-quality.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io-capacity.json"),
     ("integrations/lightning/README.md", "integrations/lightning/benchmarks/results/lightning.json"),
