@@ -1,4 +1,5 @@
-"""R9 with a restart under Lightning: ``torchrun --max-restarts 1`` and ``fit(ckpt_path="last")``.
+"""R9 with a restart under Lightning: ``torchrun --max-restarts 1`` and ``fit(ckpt_path="last")`` (Trainer),
+or the newest ``fabric.save`` directory (Fabric, ``reliability_fabric_restart_job.py``).
 
 ``reliability_lightning_job.py`` is a Lightning Trainer job (``PlaitStrategy`` ZeRO-3, ``devices=2``,
 a ``ModelCheckpoint`` every 3 steps with ``save_last="link"``) that calls
@@ -32,14 +33,20 @@ from reliability_jobs import events, live_processes_mentioning, losses, pids, re
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
-JOB = Path(__file__).with_name("reliability_lightning_job.py")
 STEPS, SAVE_EVERY = 9, 3
+# kind -> (the job, where its final checkpoint is, what it is for the results table)
+JOBS = {
+    "trainer": (Path(__file__).with_name("reliability_lightning_job.py"), f"checkpoints/epoch=0-step={STEPS}.ckpt",
+                "plait-lightning: Trainer, PlaitStrategy ZeRO-3, torchrun --max-restarts 1, fit(ckpt_path=\"last\")"),
+    "fabric": (Path(__file__).with_name("reliability_fabric_restart_job.py"), f"ckpts/step-{STEPS}",
+               "plait-lightning: Fabric, PlaitFabricStrategy ZeRO-3, torchrun --max-restarts 1, newest fabric.save"),
+}
 
 
-def _final_weights(outdir: Path) -> dict[str, torch.Tensor]:
+def _final_weights(outdir: Path, kind: str) -> dict[str, torch.Tensor]:
     from plait.lightning import consolidated_state_dict
 
-    return consolidated_state_dict(outdir / "checkpoints" / f"epoch=0-step={STEPS}.ckpt")
+    return consolidated_state_dict(outdir / JOBS[kind][1])
 
 
 def _one(rows: list[dict], **match: object) -> dict:
@@ -48,15 +55,17 @@ def _one(rows: list[dict], **match: object) -> dict:
     return found[0]
 
 
-def test_a_killed_rank_is_restarted_and_resumes_from_last_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("kind", list(JOBS))
+def test_a_killed_rank_is_restarted_and_resumes_from_last_bit_for_bit(tmp_path, kind):
+    script, _, package = JOBS[kind]
     straight = tmp_path / "straight"
     straight.mkdir()
-    job = run_job(straight, "none", steps=STEPS, save_every=SAVE_EVERY, job=JOB, limit_s=100)
+    job = run_job(straight, "none", steps=STEPS, save_every=SAVE_EVERY, job=script, limit_s=100)
     assert job.rc == 0, job.output[-4000:]
 
     outdir = tmp_path / "killed"
     outdir.mkdir()
-    job = run_job(outdir, "kill:rank=1:step=4", steps=STEPS, save_every=SAVE_EVERY, max_restarts=1, job=JOB,
+    job = run_job(outdir, "kill:rank=1:step=4", steps=STEPS, save_every=SAVE_EVERY, max_restarts=1, job=script,
                   limit_s=100)
     left = live_processes_mentioning(str(outdir))
     assert job.rc == 0, job.output[-6000:]
@@ -67,7 +76,7 @@ def test_a_killed_rank_is_restarted_and_resumes_from_last_bit_for_bit(tmp_path):
     resumed = [_one(rows, event="start", attempt=1) for rows in (rank0, rank1)]
     assert [e["step"] for e in resumed] == [3, 3]
     assert [_one(rows, event="done", attempt=1)["step"] for rows in (rank0, rank1)] == [STEPS, STEPS]
-    print(f"Lightning restart: rank 1 SIGKILLed before step 4; both resumed from step 3 "
+    print(f"Lightning {kind} restart: rank 1 SIGKILLed before step 4; both resumed from step 3 "
           f"{max(e['time'] for e in resumed) - kill['time']:.1f} s later (torchrun restart + Lightning start); "
           f"work lost: {kill['step'] - committed['step']} step, {kill['time'] - committed['time']:.2f} s of training")
     for rank in (0, 1):
@@ -75,10 +84,9 @@ def test_a_killed_rank_is_restarted_and_resumes_from_last_bit_for_bit(tmp_path):
         assert set(range(0, 4)) <= set(got[0]) <= set(range(0, 5))  # up to the kill (rank 0 may log step 4)
         assert got[0] == {step: reference[step] for step in got[0]}
         assert got[1] == {step: reference[step] for step in range(3, STEPS)}  # the restart
-    want, got = _final_weights(straight), _final_weights(outdir)
+    want, got = _final_weights(straight, kind), _final_weights(outdir, kind)
     assert sorted(got) == sorted(want)
     assert [name for name in want if not torch.equal(got[name], want[name])] == []
-    record("plait-lightning: Trainer, PlaitStrategy ZeRO-3, torchrun --max-restarts 1, fit(ckpt_path=\"last\")",
-           "rank 1 of 2 SIGKILLed before step 4", named="by torchrun (exit code -9)", left=0,
+    record(package, "rank 1 of 2 SIGKILLed before step 4", named="by torchrun (exit code -9)", left=0,
            resumed_after_s=round(max(e["time"] for e in resumed) - kill["time"], 1),
            lost_steps=kill["step"] - committed["step"], lost_s=round(kill["time"] - committed["time"], 2), bitwise=True)
