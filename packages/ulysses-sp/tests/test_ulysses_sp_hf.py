@@ -145,3 +145,27 @@ def _refusals() -> list[str]:
 def test_bad_input_is_refused_with_the_reason():
     messages = run_distributed(_refusals, 2, timeout=60)[0]
     assert "flash_attention_2" in messages[0] or "AttentionInterface" in messages[0]
+
+
+def _without_position_ids() -> float:
+    """The model called with input_ids only: the pre-hook must give each rank its true (global) positions,
+    or RoPE would rotate every slice as if it started at 0."""
+    tol = tolerance("ulysses_model_grad", torch.float32)
+    base = _model("llama")
+    batch = _batch(24, padded=False)
+    ref_loss, ref_grads = _reference(copy.deepcopy(base), batch)
+    model = apply_ulysses(base)
+    local = shard_batch(batch)
+    share = sp_cross_entropy(model(input_ids=local["input_ids"]).logits, local["shift_labels"])
+    share.backward()
+    sum_sp_gradients(model)
+    loss = sp_loss_value(share)
+    tol.assert_close(torch.tensor(loss), torch.tensor(ref_loss), what="loss without position_ids")
+    for name, grad in {n: p.grad for n, p in model.named_parameters()}.items():
+        tol.assert_close(grad, ref_grads[name], what=f"grad {name} without position_ids")
+    return loss
+
+
+def test_true_positions_without_position_ids():
+    losses = run_distributed(_without_position_ids, 2, timeout=120)
+    assert losses[0] == losses[1]

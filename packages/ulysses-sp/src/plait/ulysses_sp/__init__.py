@@ -10,6 +10,8 @@
   of the sp group and divided once.
 - ALST: :class:`TiledMLP` / :func:`tile_mlp`, :func:`tiled_cross_entropy` (never the full
   logits), :func:`offloaded_checkpoint` (checkpointed inputs on the host).
+- :mod:`plait.ulysses_sp.zero_extension`: ``SequenceParallelExtension``, the ZeRO-composition
+  extension the Lightning and HF Trainer integrations plug in for ``sp_size``.
 """
 
 from plait.ulysses_sp.all_to_all import HeadLayout, all_to_all_rows, heads_to_seq, seq_to_heads

@@ -64,8 +64,8 @@ def _plait_step(alst: bool):
         enable_offloaded_checkpointing(model)
     model.train()
 
-    def step(seq: int) -> float:
-        local = shard_batch(_batch(seq))
+    def step(seq: int, sample: int, micro_batches: int) -> float:
+        local = shard_batch(_batch(seq, sample))
         if alst:
             chunks = max(1, math.ceil(local["input_ids"].shape[1] / HIDDEN))
             from plait.ulysses_sp import tile_mlp
@@ -78,7 +78,7 @@ def _plait_step(alst: bool):
         else:
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             share = sp_cross_entropy(logits, local["shift_labels"])
-        share.backward()
+        (share / micro_batches).backward()  # the mean over the step's micro-batches
         return share.item()
 
     return model, step
@@ -88,9 +88,9 @@ def _baseline_step():
     model = build_model()
     model.train()
 
-    def step(seq: int) -> float:
-        loss = model(**_batch(seq, dist.get_rank())).loss  # data parallel: a sequence per rank
-        loss.backward()
+    def step(seq: int, sample: int, micro_batches: int) -> float:
+        loss = model(**_batch(seq, sample)).loss  # data parallel: a sequence of its own per rank
+        (loss / micro_batches).backward()
         return loss.item()
 
     return model, step
@@ -127,22 +127,30 @@ def _deepspeed_step():
         return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y.view(-1), ignore_index=-100,
                                                  reduction="sum")
 
-    def step(seq: int) -> float:
-        local = shard_batch(_batch(seq))  # same slices, position ids and shifted labels as ours
+    def step(seq: int, sample: int, micro_batches: int) -> float:
+        local = shard_batch(_batch(seq, sample))  # same slices, position ids and shifted labels as ours
         hidden = model.model(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
         shards = max(1, math.ceil(hidden.shape[1] / HIDDEN))
         total = (local["shift_labels"] != -100).sum().float()
         dist.all_reduce(total)
         loss = TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, local["shift_labels"], None, shards,
                                           [model.lm_head.weight], "sum") / total
-        loss.backward()
+        (loss / micro_batches).backward()
         return loss.item()
 
     return model, step
 
 
-def run_variant(variant: str, seq: int, steps: int) -> dict[str, float]:
+def run_variant(variant: str, seq: int, steps: int, micro_batches: int = 1) -> dict[str, float]:
     """One rank's part: build, ``steps`` training steps at ``seq`` tokens; peak RSS and step times.
+
+    Args:
+        variant: one of :data:`VARIANTS`.
+        seq: tokens per sequence (global: the sp variants split it over both ranks).
+        steps: optimizer steps.
+        micro_batches: sequences per step, one after another with their gradients accumulated
+            (the sp variants' way to train as many sequences per step as the data-parallel
+            baseline, which trains one per rank).
 
     Returns:
         ``peak_rss_gib`` (this process's maximum resident set), ``step_s`` (median step time,
@@ -157,9 +165,11 @@ def run_variant(variant: str, seq: int, steps: int) -> dict[str, float]:
         model, step = _plait_step(alst=variant == "ulysses+alst")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, loss = [], float("nan")
+    sample = dist.get_rank() if variant == "baseline" else 0  # the baseline's ranks train different sequences
     for _ in range(steps):
         start = time.perf_counter()
-        loss = step(seq)
+        for micro in range(micro_batches):
+            loss = step(seq, sample + 2 * micro, micro_batches)
         _all_reduce_grads(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
