@@ -29,6 +29,7 @@ from plait.ulysses_sp import (  # noqa: E402
     sp_loss_value,
 )
 from plait.ulysses_sp.hf import apply_ulysses  # noqa: E402
+from plait.ulysses_sp.zero_extension import SequenceParallelExtension  # noqa: E402
 from plait.zero_sharding import ZeroConfig, zero_shard  # noqa: E402
 
 STEPS, SEQ, LR = 3, 18, 1e-2
@@ -82,6 +83,8 @@ def _ulysses_zero(stage: int, tiled: bool, offload: bool,
                                   placement=_placement(offload), lr=LR)
     with pytest.raises(ValueError, match="apply_ulysses must come first"):
         apply_ulysses(model, mesh)
+    with pytest.raises(ValueError, match="apply_ulysses must come first"):  # the integrations' sp_size extension
+        SequenceParallelExtension(mesh).apply(model, mesh)
     dp_rank, _ = dp_coordinates(mesh)
     sp = mesh["sp"].size()
     curve = []
