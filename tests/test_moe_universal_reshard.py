@@ -14,6 +14,7 @@ modules renamed by their global index rather than rows of a stacked tensor.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -27,9 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_moe_zero import BATCH, LR, SEQ, _model
 
 import plait.universal_ckpt as uc
-from plait.kernels.testing import run_distributed, train_losses
+from plait.kernels.testing import global_batch, run_distributed, train_losses
 from plait.kernels.tolerances import tolerance
-from plait.moe_layers import apply_expert_parallel, make_expert_parallel_groups, zero_param_groups
+from plait.moe_layers import (
+    apply_expert_parallel,
+    expert_global_identity,
+    expert_parameters,
+    make_expert_parallel_groups,
+    zero_param_groups,
+)
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 SAVE_AT, MORE = 2, 2
@@ -195,3 +202,76 @@ def test_user_expert_modules_reshard_by_global_index(tmp_path) -> None:
             assert torch.equal(target["state"][name], value), (ep_size, name)
         torch.testing.assert_close(torch.tensor(target["losses"]), torch.tensor(source["losses"]),
                                    atol=tol.atol, rtol=tol.rtol, msg=lambda m, e=ep_size: f"ep={e}: {m}")
+
+
+def _by_hand(name: str, value: torch.Tensor, rank: int, per_rank: int) -> tuple[str, torch.Tensor]:
+    """A rank's local tensor under its one-process name, worked out by hand (the oracle)."""
+    module = re.fullmatch(r"(.*\.experts\.experts\.)(\d+)(\..*)", name)
+    if module:
+        return f"{module.group(1)}{rank * per_rank + int(module.group(2))}{module.group(3)}", value
+    return name, value
+
+
+def language_save_worker(root: str) -> dict:
+    """ep=2 at W=2 without ZeRO, torch AdamW, one step: tiny-llama-MoE (stacked experts) and a
+    ModuleExperts model saved through ``uc.model_parallel`` with configs built from moe-layers' own
+    ``expert_global_identity``; the state each rank holds, for the oracle."""
+    groups = make_expert_parallel_groups(2)
+    out, state = {}, {}
+    for key, model in (("llama", _model()), ("module", _seeded(ModuleMoE, 0))):
+        apply_expert_parallel(model, groups)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        loss = model(**global_batch(0, BATCH, SEQ)).loss if key == "llama" else model(*_full_module_batch())
+        loss.backward()
+        optimizer.step()
+        config = uc.global_identity_config(model, expert_parameters(model), expert_global_identity(model),
+                                           group="ep", ranks=(0, 1))
+        state[key] = uc.model_parallel(model, optimizer, config=config)
+        out[key] = {"model": dict(_by_hand(n, p.detach().clone(), dist.get_rank(), E // 2)
+                                  for n, p in model.named_parameters()),
+                    "exp_avg": dict(_by_hand(n, optimizer.state[p]["exp_avg"].clone(), dist.get_rank(), E // 2)
+                                    for n, p in model.named_parameters())}
+    uc.save(state, root, step=1)
+    return out
+
+
+def _seeded(cls, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return cls()
+
+
+def _full_module_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100)
+    return torch.randn(16, 8, generator=generator), torch.randn(16, generator=generator)
+
+
+def test_expert_layout_in_the_model_parallel_language(tmp_path) -> None:
+    """plait-moe-layers' expert layout in the checkpoint's layout language: stacked experts are
+    ``ep:dim0`` (rows of the one-process tensor), ModuleExperts ``ep:owned`` under their global index;
+    an ep=2 checkpoint loads into one process (ep=1), every weight and moment bitwise the ranks'."""
+    root = tmp_path / "ckpt"
+    ranks = run_distributed(language_save_worker, 2, str(root), timeout=240)
+    manifest = uc.read_manifest(uc.latest(root))
+    assert manifest.layout.expert_parallel_size == 2
+    patterns = {name: entry.pattern for name, entry in manifest.tensors.items()}
+    stacked = [n for n in patterns if n.startswith("llama/model.") and n.endswith("experts.gate_up_proj")]
+    assert stacked and all(patterns[n] == {"dim": 0, "group": "ep"} for n in stacked)
+    for index in range(E):  # rank 0's keep their names, rank 1's are renamed: all owned
+        assert patterns[f"module/model.moe.experts.experts.{index}.0.weight"] == {"dim": None, "group": "ep",
+                                                                                   "owned": True}
+    assert patterns["module/model.embed.weight"] == {"dim": None, "group": "ep"}  # replicated over ep
+    for key, build in (("llama", _model), ("module", lambda: _seeded(ModuleMoE, 5))):
+        model = build()
+        with torch.no_grad():  # another start: every value must come from the checkpoint
+            for param in model.parameters():
+                param.add_(1.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        uc.load({key: uc.model_parallel(model, optimizer)}, root)
+        for name, param in model.named_parameters():
+            for field, value in (("model", param.detach()), ("exp_avg", optimizer.state[param]["exp_avg"])):
+                held = [rank[key][field][name] for rank in ranks if name in rank[key][field]]
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # each rank's rows
+                    expected = torch.cat(held)
+                else:  # dense (the lowest rank's copy) or one rank's whole expert
+                    expected = held[0]
+                assert torch.equal(value, expected), (key, field, name)

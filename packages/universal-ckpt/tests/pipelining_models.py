@@ -87,11 +87,11 @@ def manual_stage(model: TinyLM, rank: int, stages: int):
     return stage, uc.layer_offset("layers.", first)
 
 
-def pipeline_train(stage, optimizer, data: list) -> list[float]:
+def pipeline_train(stage, optimizer, data: list, loss=loss_fn) -> list[float]:
     """GPipe over ``MICROBATCHES`` micro-batches per batch; the last stage returns every micro-batch loss."""
     from torch.distributed.pipelining import ScheduleGPipe
 
-    schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss)
     out: list[float] = []
     for ids, target in data:
         losses: list[torch.Tensor] = []
@@ -107,14 +107,14 @@ def pipeline_train(stage, optimizer, data: list) -> list[float]:
     return out
 
 
-def single_train(model: nn.Module, optimizer, data: list) -> list[float]:
+def single_train(model: nn.Module, optimizer, data: list, loss=loss_fn) -> list[float]:
     """The same steps in one process: micro-batch losses summed in order, gradients divided as GPipe does."""
     out: list[float] = []
     for ids, target in data:
         for mb_ids, mb_target in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
-            loss = loss_fn(model(mb_ids), mb_target)
-            loss.backward()
-            out.append(loss.item())
+            value = loss(model(mb_ids), mb_target)
+            value.backward()
+            out.append(value.item())
         for param in model.parameters():
             param.grad.div_(MICROBATCHES)
         optimizer.step()

@@ -271,6 +271,70 @@ def test_pipeline_module_to_single_process(pipelines, tmp_path, run):
     assert _assert_equals_ds_to_universal(ckpt, oracle) == 4 * 14  # 7 Linear layers
 
 
+def _pipeline_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)) for _ in range(2)]
+
+
+def _perturbed_layers() -> list[torch.nn.Module]:
+    """``_layers()`` moved away from their seed: every loaded value must come from the checkpoint."""
+    layers = _layers()
+    with torch.no_grad():
+        for param in torch.nn.Sequential(*layers).parameters():
+            param.add_(1.0)
+    return layers
+
+
+def _with_optimizer(module: torch.nn.Module, name_map=None) -> tuple[torch.optim.Optimizer, uc.ModelParallelState]:
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    return optimizer, uc.model_parallel(module, optimizer, config=uc.ModelParallelConfig(name_map=name_map))
+
+
+def load_two_pipelining_stages(ckpt: str) -> dict:
+    """The converted PipelineModule checkpoint into 2 ``torch.distributed.pipelining`` stages (a manual
+    split of the same 8 layers, 4 per stage, renumbered from 0): the loaded state, then 2 GPipe steps."""
+    import pipelining_models as pm
+    from torch.distributed.pipelining import PipelineStage
+
+    rank = torch.distributed.get_rank()
+    first = 4 * rank
+    submodule = torch.nn.Sequential(*_perturbed_layers()[first:first + 4])
+    name_map = uc.layer_offset("", first)
+    optimizer, state = _with_optimizer(submodule, name_map)
+    uc.load({"model": state}, ckpt)
+    loaded = pm.states(submodule, optimizer, name_map)
+    stage = PipelineStage(submodule, rank, 2, torch.device("cpu"))
+    return {"states": loaded, "losses": pm.pipeline_train(stage, optimizer, _pipeline_batches(),
+                                                          loss=torch.nn.functional.mse_loss)}
+
+
+@pytest.mark.parametrize("run", ["pp2", "pp4"])
+def test_pipeline_module_to_two_pipelining_stages(pipelines, tmp_path, run):
+    """DeepSpeed PipelineModule (2 or 4 stages) -> universal -> 2 torch.distributed.pipelining stages:
+    every weight and AdamW tensor bitwise the one-process load's, the next 2 GPipe steps' micro-batch
+    losses bitwise the one process's (same micro-batches, gradients divided as GPipe does)."""
+    pytest.importorskip("torch.distributed.pipelining")
+    import pipelining_models as pm
+
+    root, _ = pipelines
+    ckpt = import_deepspeed(root / run / "plain", tmp_path / "uc")
+    manifest = uc.read_manifest(ckpt)
+    stages = PIPELINE_RUNS[run][1]
+    assert manifest.tensors["model/model.0.weight"].pattern == {"stages": [0]}  # pipeline placement
+    assert manifest.tensors["model/optim.exp_avg.7.weight"].pattern == {"stages": [stages - 1]}
+    single = torch.nn.Sequential(*_perturbed_layers())
+    optimizer, state = _with_optimizer(single)
+    uc.load({"model": state}, ckpt)
+    expected = pm.states(single, optimizer)
+    ranks = run_distributed(load_two_pipelining_stages, 2, str(ckpt), timeout=120)
+    loaded = {name: tensor for rank in ranks for name, tensor in rank["states"].items()}
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+    losses = pm.single_train(single, optimizer, _pipeline_batches(), loss=torch.nn.functional.mse_loss)
+    assert ranks[-1]["losses"] == losses
+
+
 @pytest.mark.parametrize("missing", ["zero_pp_rank_1_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt"])
 def test_missing_mp_rank_file_is_named_before_writing(autotp, tmp_path, missing):
     broken = tmp_path / "broken"

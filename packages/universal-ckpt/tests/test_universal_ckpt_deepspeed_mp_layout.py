@@ -131,6 +131,7 @@ def test_drifted_replicas_and_broken_maps_are_refused():
     info = {"tp_replicated_parameter_patterns": [r"^n$"]}
     with pytest.raises(uc.CheckpointFormatError, match="TP-replicated copies differ"):
         deepspeed_mp._merge_by_patterns("n", info, [torch.zeros(2), torch.ones(2)])
-    averaged, _ = deepspeed_mp._merge_by_patterns("a", {"parameter_to_average_patterns": [r"^a$"]},
-                                                  [torch.zeros(2), torch.full((2,), 2.0)])
+    averaged, pattern = deepspeed_mp._merge_by_patterns("a", {"parameter_to_average_patterns": [r"^a$"]},
+                                                        [torch.zeros(2), torch.full((2,), 2.0)])
     assert torch.equal(averaged, torch.ones(2))
+    assert pattern == {"dim": None, "group": "tp", "average": True}  # plait's language says it too

@@ -96,6 +96,8 @@ def test_fsdp2_tp_strided_shard_to_one_process_tp2_and_back(tmp_path):
     manifest = uc.read_manifest(uc.latest(tmp_path))
     q_pieces = sorted(p.slices for p in manifest.tensors["model/model.model.layers.0.self_attn.q_proj.weight"].pieces)
     assert q_pieces == [((0, 8), (0, 32)), ((8, 16), (0, 32)), ((16, 24), (0, 32)), ((24, 32), (0, 32))]
+    assert manifest.tensors["model/model.model.layers.0.self_attn.q_proj.weight"].pattern == {
+        "placements": [["dp", "_StridedShard(dim=0, sf=2)"], ["tp", "Shard(dim=0)"]]}
 
     model = mp.llama(1)
     optimizer = torch.optim.AdamW(model.parameters(), **OPT)

@@ -68,6 +68,11 @@ def test_torch_tp_to_one_process_and_2d_mesh(tmp_path):
     manifest = uc.read_manifest(uc.latest(tmp_path))
     pieces = manifest.tensors["model/model.model.layers.0.self_attn.o_proj.weight"].pieces
     assert sorted(p.slices for p in pieces) == [((0, 32), (0, 16)), ((0, 32), (16, 32))]  # row-parallel
+    # each tensor's pattern: a DTensor's placements by mesh dimension (plait ckpt inspect shows them)
+    assert manifest.tensors["model/model.model.layers.0.self_attn.o_proj.weight"].pattern == {
+        "placements": [["tp", "Shard(dim=1)"]]}
+    assert manifest.tensors["model/optim.exp_avg.model.layers.0.mlp.up_proj.weight"].pattern == {
+        "placements": [["tp", "Shard(dim=0)"]]}
     assert len(manifest.tensors["model/model.model.norm.weight"].pieces) == 1  # replicated: written once
 
     model = mp.llama(1)
@@ -105,7 +110,8 @@ def test_torch_tp_sequence_parallel_to_one_process(tmp_path):
     """Sequence parallelism shards activations, not state: its norms are Replicate DTensors saved once."""
     saved = run_distributed(save_tp2_sp, 2, str(tmp_path), timeout=150)[0]
     manifest = uc.read_manifest(uc.latest(tmp_path))
-    assert len(manifest.tensors["model/model.model.layers.0.input_layernorm.weight"].pieces) == 1
+    norm = manifest.tensors["model/model.model.layers.0.input_layernorm.weight"]
+    assert len(norm.pieces) == 1 and norm.pattern == {"placements": [["tp", "Replicate()"]]}
     assert len(manifest.tensors["model/model.model.embed_tokens.weight"].pieces) == 2  # vocabulary-parallel
     model = mp.llama(1)
     optimizer = torch.optim.AdamW(model.parameters(), **OPT)

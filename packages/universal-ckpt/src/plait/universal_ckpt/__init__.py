@@ -23,7 +23,8 @@ _EXPORTS = {
                     "errors"),
     "TensorLayout": "layouts",
     **dict.fromkeys(("FORMAT_VERSION", "Layout", "Manifest", "TensorEntry"), "manifest"),
-    **dict.fromkeys(("ModelParallelConfig", "ModelParallelState", "layer_offset", "model_parallel"), "parallel_layout"),
+    **dict.fromkeys(("ModelParallelConfig", "ModelParallelState", "global_identity_config", "layer_offset",
+                     "model_parallel"), "parallel_layout"),
     **dict.fromkeys(("read_full", "read_manifest", "verify_checkpoint"), "reader"),
     "SaveHandle": "saver",
 }
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from plait.universal_ckpt.parallel_layout import (
         ModelParallelConfig,
         ModelParallelState,
+        global_identity_config,
         layer_offset,
         model_parallel,
     )
@@ -69,6 +71,7 @@ __all__ = [
     "FORMAT_VERSION", "CheckpointConfig", "CheckpointError", "CheckpointExistsError", "CheckpointFormatError",
     "CheckpointIntegrityError", "CheckpointLayoutError", "CheckpointManager", "CheckpointNotFoundError",
     "CheckpointWriteError", "Layout", "Manifest", "ModelParallelConfig", "ModelParallelState", "RNGState",
-    "SaveHandle", "SaveInFlightError", "TensorEntry", "TensorLayout", "latest", "layer_offset", "load",
+    "SaveHandle", "SaveInFlightError", "TensorEntry", "TensorLayout", "global_identity_config", "latest",
+    "layer_offset", "load",
     "model_parallel", "read_full", "read_manifest", "save", "verify_checkpoint", "wait_pending",
 ]

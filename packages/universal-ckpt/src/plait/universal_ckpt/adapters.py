@@ -10,6 +10,7 @@ rank writes them once and any layout can read them. Objects with ``state_dict``/
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,13 @@ class Adapter:
     def __init__(self, key: str) -> None:
         self.key = key
 
-    def tensors_for_save(self) -> dict[str, ShardedTensor]:
-        """Pieces to write (locals may alias live storage; the saver snapshots as needed)."""
+    def tensors_for_save(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, ShardedTensor]:
+        """Pieces to write (locals may alias live storage; the saver snapshots as needed).
+
+        Args:
+            gather: the save's all-gather of a picklable value (every saving rank calls this
+                method, so a producer may exchange what its pieces need); None outside a save.
+        """
         return {}
 
     def tensors_for_load(self, saved: dict[str, TensorEntry]) -> dict[str, ShardedTensor]:
@@ -51,7 +57,11 @@ class ShardedAdapter(Adapter):
         super().__init__(key)
         self.producer = producer
 
-    def tensors_for_save(self) -> dict[str, ShardedTensor]:
+    def tensors_for_save(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, ShardedTensor]:
+        # Optional producer hook: pieces that need the other ranks' values (averaged replicas).
+        for_save = getattr(self.producer, "save_sharded_state_dict", None)
+        if for_save is not None and gather is not None:
+            return for_save(gather)
         return self.producer.sharded_state_dict()
 
     def tensors_for_load(self, saved: dict[str, TensorEntry]) -> dict[str, ShardedTensor]:
@@ -95,7 +105,7 @@ class ModuleAdapter(Adapter):
         return {name: _full(name, tensor, "parameter" if name in params else "buffer", self.replicas, copy_back)
                 for name, tensor in self.module.state_dict().items()}
 
-    def tensors_for_save(self) -> dict[str, ShardedTensor]:
+    def tensors_for_save(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, ShardedTensor]:
         return self._described()
 
     def tensors_for_load(self, saved: dict[str, TensorEntry]) -> dict[str, ShardedTensor]:
@@ -121,7 +131,7 @@ class OptimizerAdapter(Adapter):
         self.optimizer = optimizer
         self.replicas = replicas
 
-    def tensors_for_save(self) -> dict[str, ShardedTensor]:
+    def tensors_for_save(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, ShardedTensor]:
         out = {}
         for index, fields in self.optimizer.state_dict()["state"].items():
             for field, value in fields.items():
@@ -164,7 +174,7 @@ class TensorAdapter(Adapter):
         self.tensor = tensor
         self.replicas = replicas
 
-    def tensors_for_save(self) -> dict[str, ShardedTensor]:
+    def tensors_for_save(self, gather: Callable[[Any], list[Any]] | None = None) -> dict[str, ShardedTensor]:
         return {"tensor": _full("tensor", self.tensor, "other", self.replicas)}
 
     def tensors_for_load(self, saved: dict[str, TensorEntry]) -> dict[str, ShardedTensor]:

@@ -86,9 +86,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"checkpoint {ckpt}  step {manifest.step}  format v{manifest.format_version}  {manifest.hash_algorithm}")
     print(f"layout: world_size={layout.world_size} mesh={layout.mesh or '-'} zero_stage={layout.zero_stage} "
           f"ep={layout.expert_parallel_size} sp={layout.sequence_parallel_size} offload={layout.offload}")
-    if "tp" in layout.mesh or "pp" in layout.mesh:  # a model-parallel producer (DeepSpeed AutoTP / PipelineModule)
+    ep = layout.mesh.get("ep", layout.expert_parallel_size)
+    sp = layout.mesh.get("sp", layout.sequence_parallel_size)
+    if "tp" in layout.mesh or "pp" in layout.mesh or ep > 1 or sp > 1:  # a model-parallel producer
         print(f"model parallel: tp={layout.mesh.get('tp', 1)} pp={layout.mesh.get('pp', 1)} "
-              f"dp={layout.mesh.get('dp', 1)}")
+              f"dp={layout.mesh.get('dp', 1)} ep={ep} sp={sp}")
     entries = sorted(manifest.tensors.values(), key=lambda e: e.full_name)
     shown = entries if args.limit == 0 else entries[:args.limit]
     rows = [(e.full_name, e.kind, e.dtype, "x".join(map(str, e.global_shape)) or "scalar", str(len(e.pieces)),

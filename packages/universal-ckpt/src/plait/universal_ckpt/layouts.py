@@ -9,7 +9,10 @@ whatever boxes another layout wrote. The forms covered:
 
 * replicated (``dim=None``): every rank of the group holds the whole tensor (norms, biases of
   row-parallel layers, and every state of a sequence-parallel run: sequence parallelism splits
-  activations, not state);
+  activations, not state). The lowest rank's copy is saved, or with ``average=True`` the mean of
+  the group's copies (with its optimizer state), as DeepSpeed's universal checkpoints do for
+  TP-replicated tensors that drift apart (``parameter_to_average_patterns``): every rank then
+  loads that mean;
 * split along ``dim`` (column-parallel: the output dim, 0 of an ``nn.Linear`` weight; row-parallel:
   the input dim, 1), in ``size`` contiguous blocks; the expert dimension of stacked expert weights
   is the same with ``group="ep"``;
@@ -50,6 +53,9 @@ class TensorLayout:
         owned: with ``dim=None``: each rank of ``group`` holds a different whole tensor (experts
             of a ModuleList, renamed to global indices by the ``name_map``), so the group's ranks
             are not replicas of one another.
+        average: with ``dim=None``: the group's copies may drift apart (TP-replicated norms whose
+            gradients are not all-reduced), and the checkpoint holds their mean, the parameter's
+            optimizer state likewise; False saves the lowest rank's copy.
     """
 
     dim: int | None = None
@@ -59,6 +65,7 @@ class TensorLayout:
     padded_size: int | None = None
     vocab_size: int | None = None
     owned: bool = False
+    average: bool = False
 
     def __post_init__(self) -> None:
         if self.dim is not None and (not isinstance(self.dim, int) or self.dim < 0):
@@ -81,6 +88,8 @@ class TensorLayout:
             raise ValueError("TensorLayout: set padded_size or parts, not both (padding is for one block).")
         if self.owned and self.dim is not None:
             raise ValueError("TensorLayout.owned=True is for whole tensors; leave dim=None (or owned=False).")
+        if self.average and (self.dim is not None or self.owned):
+            raise ValueError("TensorLayout.average=True is for replicated tensors; leave dim=None and owned=False.")
         if self.dim is None and (self.parts or self.padded_size or self.unit != 1):
             raise ValueError("TensorLayout: parts, unit and padded_size need a split dim; set dim.")
 
@@ -96,6 +105,8 @@ class TensorLayout:
             body["vocab_size"] = self.vocab_size
         if self.owned:
             body["owned"] = True
+        if self.average:
+            body["average"] = True
         return body
 
     @classmethod
@@ -104,16 +115,28 @@ class TensorLayout:
         parts = body.get("parts")
         return cls(dim=body.get("dim"), group=body.get("group", "tp"), parts=tuple(parts) if parts else None,
                    unit=body.get("unit", 1), padded_size=body.get("padded_size"), vocab_size=body.get("vocab_size"),
-                   owned=body.get("owned", False))
+                   owned=body.get("owned", False), average=body.get("average", False))
 
 
 def describe(pattern: dict | None) -> str:
-    """A short human form of a manifest pattern: ``tp:dim1 parts=32+32+32 unit=8``, ``replicated``, ``-``."""
+    """A short human form of a manifest pattern: ``tp:dim1 parts=32+32+32 unit=8``, ``tp:replicated``,
+    a DTensor's placements (``dp:_StridedShard(dim=0, sf=2) tp:Shard(dim=0)``), the pipeline stage
+    (``pp:stage1``), ``-`` for none."""
     if pattern is None:
         return "-"
-    layout = TensorLayout.from_json(pattern)
+    stage = f"pp:stage{'+'.join(map(str, pattern['stages']))}" if pattern.get("stages") else ""
+    if "placements" in pattern:
+        text = " ".join(f"{dim}:{placement}" for dim, placement in pattern["placements"])
+    elif "dim" in pattern:
+        text = _describe_layout(TensorLayout.from_json(pattern))
+    else:
+        text = ""
+    return " ".join(t for t in (text, stage) if t) or "-"
+
+
+def _describe_layout(layout: TensorLayout) -> str:
     if layout.dim is None:
-        return f"{layout.group}:{'owned' if layout.owned else 'replicated'}"
+        return f"{layout.group}:{'owned' if layout.owned else 'replicated'}{' averaged' if layout.average else ''}"
     text = f"{layout.group}:dim{layout.dim}"
     if layout.parts:
         text += " parts=" + "+".join(map(str, layout.parts))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -51,12 +51,17 @@ class ModelParallelConfig:
         rules: ``(regex, TensorLayout)`` pairs; the first whose regex fully matches a
             parameter's stage-local name gives its layout.
         name_map: stage-local name -> global (consolidated) name; None keeps names.
+        stage: this rank's pipeline stage, recorded with each tensor it saves (the manifest
+            pattern's ``stages``, ``pp:stageN`` in ``plait ckpt inspect``): where each module
+            lived. Informational: any other split, or none, loads the checkpoint. None: not
+            recorded.
     """
 
     groups: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     replicas: tuple[int, ...] | None = None
     rules: tuple[tuple[str, TensorLayout], ...] = ()
     name_map: Callable[[str], str] | None = None
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -75,6 +80,10 @@ class ModelParallelConfig:
                 raise ValueError(f"ModelParallelConfig.rules: {pattern!r} is not a regex ({exc}).") from exc
         if self.name_map is not None and not callable(self.name_map):
             raise ValueError("ModelParallelConfig.name_map must be a callable local name -> global name.")
+        if self.stage is not None and (not isinstance(self.stage, int) or isinstance(self.stage, bool)
+                                       or self.stage < 0):
+            raise ValueError(f"ModelParallelConfig.stage={self.stage!r} must be this rank's pipeline stage "
+                             "(an int >= 0) or None.")
 
     def coordinate(self, group: str) -> tuple[int, int]:
         """(this rank's index, size) in ``group``; (0, 1) when the group is not configured."""
@@ -144,8 +153,9 @@ class ModelParallelState:
         base = set(self.config.replicas or (rank,))
         if layout is None and _is_dtensor(tensor):
             shape, boxes, replicas = _dtensor_boxes(tensor)
-            return _Described(name, shape, boxes, tuple(sorted(base | replicas)), None, None)
-        layout = layout or TensorLayout()
+            return _Described(name, shape, boxes, tuple(sorted(base | replicas)),
+                              self._with_stage(_dtensor_pattern(tensor)), None)
+        layout = layout or TensorLayout(group=next(iter(self.config.groups), "tp"))  # replicated over every group
         local = tuple(_local(tensor).shape)
         index, size = self.config.coordinate(layout.group)
         shape = layouts.global_shape(layout, local, size, name=name)
@@ -154,27 +164,71 @@ class ModelParallelState:
         # over (or owned per rank of) do not.
         divided = layout.dim is not None or layout.owned
         others = {r for g, ranks in self.config.groups.items() if g != layout.group or not divided for r in ranks}
-        return _Described(name, shape, boxes, tuple(sorted(base | others)), layout.to_json(),
+        return _Described(name, shape, boxes, tuple(sorted(base | others)), self._with_stage(layout.to_json()),
                           layouts.padding_box(layout, shape, index, size))
+
+    def _with_stage(self, pattern: dict) -> dict:
+        return pattern if self.config.stage is None else {**pattern, "stages": [self.config.stage]}
 
     def _tensors(self) -> list[tuple[str, torch.Tensor, str]]:
         params = {name for name, _ in self.module.named_parameters()}
         return [(name, value, "parameter" if name in params else "buffer")
                 for name, value in self.module.state_dict(keep_vars=True).items()]
 
-    def sharded_state_dict(self) -> dict[str, ShardedTensor]:
-        """Every parameter, buffer and optimizer-state tensor as consolidated boxes."""
+    def sharded_state_dict(self, values: Mapping[str, torch.Tensor] | None = None) -> dict[str, ShardedTensor]:
+        """Every parameter, buffer and optimizer-state tensor as consolidated boxes.
+
+        Args:
+            values: checkpoint name (``model.<p>``, ``optim.<field>.<p>``) -> a local tensor to save
+                in place of the live one (the averaged replicas of :meth:`save_sharded_state_dict`).
+        """
+        values = values or {}
         out: dict[str, ShardedTensor] = {}
         for local_name, tensor, kind in self._tensors():
             described = self._describe(local_name, tensor)
-            _add(out, f"model.{described.name}", kind, _local(tensor), described)
+            name = f"model.{described.name}"
+            _add(out, name, kind, values.get(name, _local(tensor)), described)
             for field, value in self._optimizer_state(tensor).items():
                 name = f"optim.{field}.{described.name}"
                 if tuple(value.shape) == tuple(tensor.shape):
-                    _add(out, name, "optimizer_state", _local(value), described)
+                    _add(out, name, "optimizer_state", values.get(name, _local(value)), described)
                 else:  # step counters: one scalar per parameter, held whole by every holder
                     _add_whole(out, name, _local(value), described.replicas)
         return out
+
+    def save_sharded_state_dict(self, gather: Callable[[Any], list[Any]]) -> dict[str, ShardedTensor]:
+        """What a save writes: :meth:`sharded_state_dict`, each ``TensorLayout(average=True)``
+        tensor (and its same-shaped optimizer state) replaced by the mean of its group's copies.
+
+        The live tensors are not changed (the run goes on with its own copies; a load gives every
+        rank the mean). A collective: every rank of the save calls it (the saver does).
+
+        Args:
+            gather: every saving rank's picklable argument, in rank order (the save's group).
+        """
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        for local_name, tensor, _ in self._tensors():
+            layout = self._layout_of(local_name)
+            if layout is None or not layout.average:
+                continue
+            name = self._describe(local_name, tensor).name
+            copies = {f"model.{name}": _local(tensor).detach().clone()}
+            copies.update({f"optim.{field}.{name}": _local(value).detach().clone()
+                           for field, value in self._optimizer_state(tensor).items()
+                           if value.shape == tensor.shape and value.is_floating_point()})
+            mine[name] = (layout.group, copies)
+        everyone = dict(gather((rank, mine)))  # every rank takes part, with or without averaged tensors
+        averaged: dict[str, torch.Tensor] = {}
+        for name, (group, copies) in mine.items():
+            ranks = tuple(self.config.groups.get(group, ())) or (rank,)
+            if any(name not in everyone.get(r, {}) for r in ranks):
+                raise ValueError(f"{name}: TensorLayout(average=True) over {group} ranks {ranks}, but not every "
+                                 "one of them holds it; give every rank of the group the same rules.")
+            for key in copies:
+                held = [everyone[r][name][1][key] for r in ranks]  # group order: the same sum on every rank
+                averaged[key] = sum(held) / len(held)  # DeepSpeed's ds_to_universal: sum(slices) / len(slices)
+        return self.sharded_state_dict(averaged)
 
     def _optimizer_state(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.optimizer is None or not isinstance(tensor, nn.Parameter):
@@ -213,6 +267,59 @@ class ModelParallelState:
                         _local(value)[tuple(slice(a, b) for a, b in padding)].zero_()
 
 
+# (local name, local shape) -> (global name, global shape, dim-0 row offset): zero_sharding's zero_global form
+_GlobalIdentity = Callable[[str, tuple[int, ...]], tuple[str, tuple[int, ...], int]]
+
+
+def global_identity_config(module: nn.Module, params: Iterable[nn.Parameter], identity: _GlobalIdentity, *,
+                           group: str, ranks: tuple[int, ...], replicas: tuple[int, ...] | None = None
+                           ) -> ModelParallelConfig:
+    """A config from the global identity of some of the module's parameters, in the form of
+    plait.zero_sharding's ``zero_global`` param-group key: ``(local name, local shape) -> (global
+    name, global shape, dim-0 row offset)``. For plait-moe-layers' experts:
+    ``global_identity_config(model, expert_parameters(model), expert_global_identity(model),
+    group="ep", ranks=ep_ranks)``.
+
+    Each of ``params`` either holds rows of a larger tensor, split on dim 0 over ``group``
+    (``TensorLayout(dim=0, group=group)``: stacked expert weights), or is a whole tensor this rank
+    of ``group`` owns under its global name (``owned``: a ModuleList's experts, renamed); every
+    other parameter is replicated over ``group``.
+
+    Args:
+        module: this rank's module.
+        params: the parameters ``identity`` describes (the expert param group).
+        identity: the mapping above.
+        group: the mesh dimension the rows or owned tensors are divided over (``"ep"``).
+        ranks: global ranks of this rank's ``group``, in group order.
+        replicas: this rank's data-parallel peers (see :class:`ModelParallelConfig`).
+
+    Raises:
+        ValueError: rows that are not this rank's contiguous block of the group's split (names the
+            tensor).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    index, size = tuple(ranks).index(rank) if rank in tuple(ranks) else 0, len(tuple(ranks))
+    described = {id(p) for p in params}
+    rules: list[tuple[str, TensorLayout]] = []
+    renamed: dict[str, str] = {}
+    for name, param in module.named_parameters():
+        if id(param) not in described:
+            continue
+        global_name, shape, offset = identity(name, tuple(param.shape))
+        if tuple(shape) == tuple(param.shape):
+            rules.append((re.escape(name), TensorLayout(group=group, owned=True)))
+            renamed[name] = global_name
+            continue
+        rows = param.shape[0]
+        if tuple(shape) != (rows * size, *param.shape[1:]) or offset != index * rows:
+            raise ValueError(f"{name}: global shape {list(shape)} at row {offset} is not block {index} of an even "
+                             f"dim-0 split of {list(param.shape)} over {size} {group} ranks; fix the identity or "
+                             "describe the tensor with a TensorLayout rule.")
+        rules.append((re.escape(name), TensorLayout(dim=0, group=group)))
+    return ModelParallelConfig(groups={group: tuple(ranks)}, replicas=replicas, rules=tuple(rules),
+                               name_map=lambda local: renamed.get(local, local))
+
+
 def model_parallel(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                    config: ModelParallelConfig | None = None) -> ModelParallelState:
     """Describe a model-parallel rank's module (and torch optimizer) for :func:`plait.universal_ckpt.save`.
@@ -246,6 +353,13 @@ def _add(out: dict[str, ShardedTensor], name: str, kind: str, local: torch.Tenso
 def _add_whole(out: dict[str, ShardedTensor], name: str, value: torch.Tensor, replicas: tuple[int, ...]) -> None:
     spec = ShardSpec.full(name, value, kind="optimizer_state", replica_ranks=replicas)
     out[name] = ShardedTensor(spec, value.detach().view(-1))
+
+
+def _dtensor_pattern(tensor: Any) -> dict:
+    """The manifest pattern of a DTensor: its placements by mesh dimension name."""
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"mesh{i}" for i in range(mesh.ndim))
+    return {"placements": [[name, repr(placement)] for name, placement in zip(names, tensor.placements)]}
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,8 @@ def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool) -> tuple
                                                                                   tuple[str, ...]]:
     pieces = []
     for adapter in adapters:
-        for _, sharded in sorted(adapter.tensors_for_save().items()):
+        gather = partial(all_gather_objects, group=group)
+        for _, sharded in sorted(adapter.tensors_for_save(gather).items()):
             # The tensor is spec.name: a rank holding several pieces of one tensor keys them
             # piece_key(name, i) (the sharded-state protocol), so the dict key is not the name.
             spec = sharded.spec
@@ -152,6 +154,17 @@ def _write_rank(plan: _Plan, tmp: Path) -> dict:
     return record
 
 
+def _merged_pattern(full: str, patterns: list[dict | None]) -> dict | None:
+    """The one pattern every writer of a tensor gave; pipeline stages holding a tied tensor
+    (each its own copy) may differ only in ``stages``, which are then listed together."""
+    stages = sorted({s for p in patterns if p for s in p.get("stages", ())})
+    rest = {json.dumps({k: v for k, v in (p or {}).items() if k != "stages"} if p else None, sort_keys=True)
+            for p in patterns}
+    if len(rest) > 1:
+        raise CheckpointError(f"ranks disagree on the layout pattern of {full}: {sorted(rest)}.")
+    return {**(patterns[0] or {}), "stages": stages} if stages else patterns[0]
+
+
 def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
     grouped: dict[str, list] = {}
     for record in records:
@@ -160,9 +173,7 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
     tensors = {}
     for full, items in grouped.items():
         key, name, kind, shape, dtype = items[0][:5]
-        patterns = {json.dumps(item[6], sort_keys=True) for item in items}
-        if len(patterns) > 1:
-            raise CheckpointError(f"ranks disagree on the layout pattern of {full}: {sorted(patterns)}.")
+        pattern = _merged_pattern(full, [item[6] for item in items])
         if any(item[2:5] != (kind, shape, dtype) for item in items):
             raise CheckpointError(f"ranks disagree on the kind/shape/dtype of {full}: "
                                   f"{sorted({item[2:5] for item in items})}.")
@@ -184,7 +195,7 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
                     f"copy would lose the others'. Give such tensors a global identity (ZeRO's zero_global param-"
                     f"group key, plait.moe_layers.zero_param_groups for experts) or distinct names per rank.")
         entry = TensorEntry(key=key, name=name, kind=kind, global_shape=shape, dtype=dtype,
-                            nbytes=numel * itemsize, pieces=tuple(unique.values()), pattern=items[0][6])
+                            nbytes=numel * itemsize, pieces=tuple(unique.values()), pattern=pattern)
         problem = check_coverage(entry)
         if problem:
             raise CheckpointError(f"the producers' pieces do not tile the tensor: {problem}")

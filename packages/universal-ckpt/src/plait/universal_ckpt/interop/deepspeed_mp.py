@@ -197,7 +197,7 @@ def _merge_by_patterns(name: str, info: dict, shards: list[torch.Tensor]) -> tup
                                         "replicas); resave from a consistent run.")
         return shards[0], TensorLayout(dim=None, group="tp").to_json()
     if _matching(info.get("parameter_to_average_patterns", []), name):
-        return sum(shards) / len(shards), TensorLayout(dim=None, group="tp").to_json()
+        return sum(shards) / len(shards), TensorLayout(dim=None, group="tp", average=True).to_json()
     if _matching(info.get("parameter_with_2_sub_params_cat_dim_0", []), name):
         halves = [s.chunk(2, 0) for s in shards]
         merged = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
@@ -274,7 +274,8 @@ def model_parallel_tensors(path: Path, load: Callable[[Path], dict], split: Call
                     continue
                 seen[name] = merged["model"][0]
                 for prefix, (tensor, pattern) in merged.items():
-                    yield prefix, name, tensor, pattern
+                    # pipeline placement: the stage that held it (tied layers: the first)
+                    yield prefix, name, tensor, {**(pattern or {}), "stages": [pipe]} if pp > 1 else pattern
 
     return tensors(), first, layout, optims[0]
 
