@@ -15,12 +15,14 @@ import contextlib
 import io
 import itertools
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from plait.kernels.bench import BenchRow, interleaved_timing, timing_row
+from plait.kernels.bench import BenchRow, TimingStats, interleaved_timing, timing_row
 
 TARGET_RATIO = 0.5  # issue 20: plait's conversion at most half ds_to_universal's time
 
@@ -95,6 +97,22 @@ def _ds_to_universal(tag_dir: Path, out: Path) -> None:
         sys.argv = argv
 
 
+def _rounds(candidates: dict[str, Callable[[Path], object]], out: Path, *, warmup: int,
+            steps: int) -> dict[str, TimingStats]:
+    """Interleaved timing (A B A B, ``interleaved_timing``) of candidates writing under ``out``, with
+    ``out`` emptied between rounds, untimed: the full-size outputs are 1.3 GB each, too many to keep."""
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    counter = itertools.count()
+    for index in range(warmup + steps):
+        calls = {name: (lambda fn=fn: fn(out / str(next(counter)))) for name, fn in candidates.items()}
+        stats = interleaved_timing(calls, warmup=0, steps=1)
+        shutil.rmtree(out, ignore_errors=True)
+        if index >= warmup:
+            for name, stat in stats.items():
+                samples[name] += stat.samples
+    return {name: TimingStats.of(values) for name, values in samples.items()}
+
+
 def model_parallel_rows(tmp: Path, quick: bool) -> list[BenchRow]:
     """The AutoTP and PipelineModule conversion rows (a note row when deepspeed is missing)."""
     try:
@@ -106,24 +124,26 @@ def model_parallel_rows(tmp: Path, quick: bool) -> list[BenchRow]:
     from plait.kernels.testing import run_distributed
     from plait.universal_ckpt.interop.deepspeed import import_deepspeed
 
-    rows = []
+    rows, counts = [], {}
     sources = (("AutoTP=2 HF Llama", make_autotp_checkpoint), ("PipelineModule 2 stages", make_pipeline_checkpoint))
     for label, make in sources:
         src = tmp / label.split()[0]
-        count = run_distributed(make, 2, str(src), quick, timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
-        counter = itertools.count()
+        count = counts[src.name] = run_distributed(make, 2, str(src), quick, timeout=600,
+                                                   env={"DS_ACCELERATOR": "cpu"})[0]
 
-        def ours(src=src, counter=counter) -> None:
-            import_deepspeed(src, tmp / f"{src.name}-uc{next(counter)}")
+        def ours(out: Path, src=src) -> None:
+            import_deepspeed(src, out)
 
-        def theirs(src=src, counter=counter) -> None:
-            _ds_to_universal(src / "step1", tmp / f"{src.name}-dsu{next(counter)}")
+        def theirs(out: Path, src=src) -> None:
+            _ds_to_universal(src / "step1", out)
 
-        stats = interleaved_timing({"ours": ours, "ds": theirs}, warmup=1 if quick else 0, steps=3)
+        stats = _rounds({"ours": ours, "ds": theirs}, tmp / "converted", warmup=1 if quick else 0, steps=3)
+        if make is make_pipeline_checkpoint:
+            shutil.rmtree(src, ignore_errors=True)
         row = timing_row(f"DeepSpeed {label} ZeRO-1 W=2, {count / 1e6:.3g}M params -> universal", stats["ours"],
                          "ds_to_universal", stats["ds"], target_ratio=TARGET_RATIO)
         rows.append(BenchRow(**{**row.__dict__, "note": row.note + f"; {len(stats['ours'].samples)} timed runs"}))
-    return rows + online_load_rows(tmp, quick)
+    return rows + online_load_rows(tmp, quick, autotp=(tmp / "AutoTP=2", counts["AutoTP=2"]))
 
 
 def _torch_tp(model, mesh):
@@ -154,30 +174,41 @@ def resave_under_torch_tp(converted: str, dst: str, quick: bool) -> None:
     uc.save(state, dst, step=1)
 
 
-def online_load_rows(tmp: Path, quick: bool) -> list[BenchRow]:
+def online_load_rows(tmp: Path, quick: bool, autotp: tuple[Path, int] | None = None) -> list[BenchRow]:
     """Loading a TP=2 checkpoint into one process (weights, moments, step): plait's online reshard of its
     own TP=2 checkpoint vs converting DeepSpeed's AutoTP=2 checkpoint of the same run first
-    (``import_deepspeed``, then the load). Both end with the same state in the same model."""
+    (``import_deepspeed``, then the load). Both end with the same state in the same model.
+
+    Args:
+        tmp: scratch directory.
+        quick: the tiny model.
+        autotp: an AutoTP=2 checkpoint directory already written by :func:`make_autotp_checkpoint`
+            and its parameter count (the full suite reuses the conversion rows' one); None writes one.
+    """
     from plait.kernels.testing import run_distributed
     from plait.universal_ckpt import api
     from plait.universal_ckpt.interop.deepspeed import import_deepspeed
     from plait.universal_ckpt.parallel_layout import model_parallel
 
-    src = tmp / "online-autotp"
-    count = run_distributed(make_autotp_checkpoint, 2, str(src), quick, timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    if autotp is None:
+        src = tmp / "online-autotp"
+        count = run_distributed(make_autotp_checkpoint, 2, str(src), quick, timeout=600,
+                                env={"DS_ACCELERATOR": "cpu"})[0]
+    else:
+        src, count = autotp
     converted = import_deepspeed(src, tmp / "online-converted")
     run_distributed(resave_under_torch_tp, 2, str(converted), str(tmp / "online-tp2"), quick, timeout=600)
+    shutil.rmtree(converted.parent)
     model = _llama(quick)
     state = {"model": model_parallel(model, torch.optim.AdamW(model.parameters(), lr=1e-3))}
-    counter = itertools.count()
 
-    def online() -> None:
+    def online(out: Path) -> None:
         api.load(state, tmp / "online-tp2")
 
-    def convert_then_load() -> None:
-        api.load(state, import_deepspeed(src, tmp / f"online-convert{next(counter)}"))
+    def convert_then_load(out: Path) -> None:
+        api.load(state, import_deepspeed(src, out))
 
-    stats = interleaved_timing({"online": online, "convert": convert_then_load}, warmup=1, steps=3)
+    stats = _rounds({"online": online, "convert": convert_then_load}, tmp / "online-convert", warmup=1, steps=3)
     row = timing_row(f"TP=2 HF Llama {count / 1e6:.3g}M params -> one process: online load of plait's TP=2 checkpoint",
                      stats["online"], "import_deepspeed + load", stats["convert"])
     return [BenchRow(**{**row.__dict__, "note": row.note + f"; {len(stats['online'].samples)} timed runs"})]
