@@ -44,6 +44,9 @@ def test_table_json_and_noise_calls(tmp_path):
 
     stats = interleaved_timing({"a": bump("a"), "b": bump("b")}, warmup=2, steps=10)
     assert calls == {"a": 12, "b": 12} and len(stats["a"].samples) == 10
+    ticks = iter(range(100))  # a clock that advances 1 s per read: every sample is exactly 1 s
+    ticked = interleaved_timing({"a": bump("a")}, warmup=0, steps=3, clock=lambda: float(next(ticks)))
+    assert ticked["a"].samples == (1.0, 1.0, 1.0)
     same = TimingStats.of([1.0, 1.1, 0.9, 1.0])
     row = timing_row("x", same, "peer", TimingStats.of([1.02, 1.1, 0.92, 1.0]), target_ratio=1.0)
     assert "within noise" in row.note

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,21 +125,6 @@ def _gemm_floor(layer, x: torch.Tensor):
     return step
 
 
-def _cpu_time(candidates: dict[str, Callable[[], None]], warmup: int, steps: int) -> dict[str, TimingStats]:
-    """As ``interleaved_timing`` (A B C A B C ...) but reading the thread's CPU clock: on a shared
-    machine the wall clock also counts the time other jobs hold the core, the CPU clock does not."""
-    for _ in range(warmup):
-        for step in candidates.values():
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(steps):
-        for name, step in candidates.items():
-            start = time.thread_time()
-            step()
-            samples[name].append(time.thread_time() - start)
-    return {name: TimingStats.of(values) for name, values in samples.items()}
-
-
 def _grouped_vs_loop(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
     layer = _plait_layer(shape)
     loop = _loop_layer(layer)
@@ -152,7 +136,7 @@ def _grouped_vs_loop(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
     candidates = {"grouped": _step(layer, x), "loop": _step(loop, x), "floor": _gemm_floor(layer, x)}
     with one_thread():
         stats = interleaved_timing(candidates, warmup=warmup, steps=steps)
-        cpu = _cpu_time(candidates, warmup=warmup, steps=3 * steps)
+        cpu = interleaved_timing(candidates, warmup=warmup, steps=3 * steps, clock=time.thread_time)
     name = f"{shape.batch}x{shape.seq} tokens, E={shape.experts} top-{shape.top_k}"
     loop_name = "per-expert loop (tiny-llama-MoE MoEMLP)"
     rows = []
