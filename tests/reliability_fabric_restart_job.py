@@ -14,17 +14,15 @@ STEPS SAVE_EVERY [STAGE]`` (run by test_reliability_lightning_restart.py, next t
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
-from reliability_lightning_job import TIMEOUT_S
-from reliability_restart_job import Journal, faults_of_attempt
+from reliability_lightning_job import TIMEOUT_S, batch_of, start_worker
+from reliability_restart_job import faults_of_attempt
 
 from plait.kernels import collectives
 from plait.lightning import PlaitFabricStrategy
@@ -40,12 +38,8 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
     """Train, resuming from OUTDIR/ckpts when a checkpoint is there; returns the exit code."""
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    attempt, rank = collectives.restart_count(), int(os.environ["RANK"])
-    journal = Journal(outdir, rank, attempt)
-    (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
+    journal = start_worker(outdir)
+    attempt, rank = journal.attempt, int(os.environ["RANK"])
     strategy = PlaitFabricStrategy(ZeroConfig(stage=stage), timeout=timedelta(seconds=TIMEOUT_S))
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -64,8 +58,7 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int 
             if fault.fires(step, rank):
                 journal.event("fault", step, fault=str(fault))
                 fault.maybe_inject(step, rank)
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        x, y = batch_of(step, rank)
         loss = torch.nn.functional.mse_loss(model(x), y)
         fabric.backward(loss)
         optimizer.step()

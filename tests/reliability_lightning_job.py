@@ -64,8 +64,7 @@ class Module(L.LightningModule):
             if fault.fires(step, rank):
                 self.journal.event("fault", step, fault=str(fault))
                 fault.maybe_inject(step, rank)
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+        x, y = batch_of(step, rank)
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.journal.loss(step, float(loss.detach()))
         return loss
@@ -84,14 +83,25 @@ class Module(L.LightningModule):
         return list(range(1000))
 
 
-def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
-    """Fit (resuming from OUTDIR/checkpoints when a checkpoint is there); returns the exit code."""
+def batch_of(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step`` on ``rank``: seeded by both, so a resumed run sees the same data."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
+
+
+def start_worker(outdir: Path) -> Journal:
+    """Quiet Lightning, one thread, and this worker's journal and pid file (per torchrun attempt)."""
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     attempt, rank = collectives.restart_count(), int(os.environ["RANK"])
-    journal = Journal(outdir, rank, attempt)
     (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
+    return Journal(outdir, rank, attempt)
+
+
+def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
+    """Fit (resuming from OUTDIR/checkpoints when a checkpoint is there); returns the exit code."""
+    journal = start_worker(outdir)
     checkpoints = ModelCheckpoint(dirpath=outdir / "checkpoints", every_n_train_steps=save_every, save_top_k=-1,
                                   save_last="link")
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PlaitStrategy(ZeroConfig(stage=stage),
