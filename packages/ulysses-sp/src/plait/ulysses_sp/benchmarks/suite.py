@@ -104,11 +104,14 @@ def _timing_rows(seq: int, *, rounds: int) -> list[BenchRow]:
                          ours=float("nan"), note="the baseline fits no length of the series")]
     micro = {"baseline": 1, "ulysses+alst": GLOBAL_SEQUENCES}
     times: dict[str, list[float]] = {"baseline": [], "ulysses+alst": []}
+    cpu: dict[str, list[float]] = {"baseline": [], "ulysses+alst": []}
     for _ in range(rounds):  # A B A B: each call 4 steps, the first one dropped
         for variant in times:
             ranks = run_distributed(run_variant, 2, variant, seq, 4, micro[variant], timeout=900)
             times[variant].append(max(r["step_s"] for r in ranks))
+            cpu[variant].append(max(r["cpu_s"] for r in ranks))
     base, alst = statistics.median(times["baseline"]), statistics.median(times["ulysses+alst"])
+    base_cpu, alst_cpu = statistics.median(cpu["baseline"]), statistics.median(cpu["ulysses+alst"])
     tokens = GLOBAL_SEQUENCES * seq  # per step, both variants
     base_per_k, alst_per_k = 1e6 * base / tokens, 1e6 * alst / tokens  # ms per 1k tokens
     ratio = alst_per_k / base_per_k
@@ -118,7 +121,9 @@ def _timing_rows(seq: int, *, rounds: int) -> list[BenchRow]:
                      passed=ratio <= TIME_TARGET,
                      note=f"median of {rounds} alternating runs of 3 timed steps, {GLOBAL_SEQUENCES} sequences per "
                           f"step: baseline step {base:.3f} s (one sequence per rank), ALST step {alst:.3f} s "
-                          f"({GLOBAL_SEQUENCES} micro-batches of one sequence over both ranks)")]
+                          f"({GLOBAL_SEQUENCES} micro-batches of one sequence over both ranks); CPU time per step "
+                          f"(what other jobs barely change) baseline {base_cpu:.3f} s, ALST {alst_cpu:.3f} s, "
+                          f"{alst_cpu / base_cpu:.3f}x")]
 
 
 def _plot(peaks: dict[str, dict[int, float]], quick: bool) -> str | None:

@@ -154,7 +154,8 @@ def run_variant(variant: str, seq: int, steps: int, micro_batches: int = 1) -> d
 
     Returns:
         ``peak_rss_gib`` (this process's maximum resident set), ``step_s`` (median step time,
-        the first step excluded when there are more) and ``loss``.
+        the first step excluded when there are more), ``cpu_s`` (the same step's CPU time of
+        this process, all its threads: what other jobs on the machine barely change) and ``loss``.
     """
     torch.set_num_threads(1)
     if variant == "baseline":
@@ -164,16 +165,18 @@ def run_variant(variant: str, seq: int, steps: int, micro_batches: int = 1) -> d
     else:
         model, step = _plait_step(alst=variant == "ulysses+alst")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, loss = [], float("nan")
+    times, cpu, loss = [], [], float("nan")
     sample = dist.get_rank() if variant == "baseline" else 0  # the baseline's ranks train different sequences
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for micro in range(micro_batches):
             loss = step(seq, sample + 2 * micro, micro_batches)
         _all_reduce_grads(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    kept = sorted(times[1:] or times)
+        cpu.append(time.process_time() - cpu_start)
+    kept, kept_cpu = sorted(times[1:] or times), sorted(cpu[1:] or cpu)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_gib": peak_kib / 2**20, "step_s": kept[len(kept) // 2], "loss": loss}
+    return {"peak_rss_gib": peak_kib / 2**20, "step_s": kept[len(kept) // 2], "cpu_s": kept_cpu[len(kept_cpu) // 2],
+            "loss": loss}
