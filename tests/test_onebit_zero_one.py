@@ -107,15 +107,22 @@ def test_zero_one_adam_under_zero_matches_plain_at_four_ranks() -> None:
         assert max(abs(a - b) for a, b in zip(zero_losses, plain_losses)) < 1e-3
 
 
+def _quality_model() -> nn.Module:
+    """The quality benchmark's tiny-llama (vocabulary 259, width 64, 2 layers)."""
+    torch.manual_seed(0)
+    return tiny_llama(vocab_size=259, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                      max_seq_len=SEQ)
+
+
 def _long_run_against_plain(steps: int) -> tuple[int | None, float]:
-    """300 steps with the quality benchmark's schedule (default buckets, variance frozen at 150): the first
+    """The quality benchmark's model and schedule (default buckets, variance frozen at 150): the first
     step whose loss differs from plain 0/1 Adam grouped by ZeRO unit, and the final loss."""
     config = ZeroOneAdamConfig(var_freeze_step=steps // 2, var_update_scaler=16, local_step_scaler=steps // 8,
                                local_step_clipper=4)
-    model, opt = zero_shard(_model(), ZeroOneAdam, ZeroConfig(stage=2), lr=1e-3, weight_decay=0.01,
+    model, opt = zero_shard(_quality_model(), ZeroOneAdam, ZeroConfig(stage=2), lr=1e-3, weight_decay=0.01,
                             onebit_config=config)
     ours = train_losses(model, opt, steps, batch=BATCH, seq=SEQ)
-    plain = _model()
+    plain = _quality_model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in model.zero_engine.units]
     reference = train_losses(plain, ZeroOneAdam(groups, lr=1e-3, weight_decay=0.01, config=config), steps,
@@ -125,11 +132,11 @@ def _long_run_against_plain(steps: int) -> tuple[int | None, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_three_hundred_steps_are_plain_zero_one_adam_bitwise() -> None:
     # Whatever 0/1 Adam's convergence on this model (plait bench onebit-optim-quality), under ZeRO it
     # is the plain algorithm's, bit for bit, through its local-step phase.
-    for first, final in run_distributed(_long_run_against_plain, 2, 300, timeout=550):
+    for first, final in run_distributed(_long_run_against_plain, 2, 300, timeout=850):
         assert first is None and math.isfinite(final)
 
 
