@@ -135,7 +135,7 @@ class CheckpointWeights:
         self.tensor_parallel = tensor_parallel
         self.rows_read: dict[str, tuple[int, int]] = {}  # name -> rows, for the tensors read in part
         self.nan_filled: set[str] = set()  # of those, the ones consolidated with NaN outside the rows
-        self.checked_bytes: int | None = None  # after checked_on_copy: the bytes it checked
+        self.checked_bytes: int | None = None  # after a checked stream: bytes of mapped tensors checked
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -212,6 +212,8 @@ class CheckpointWeights:
         return checked.tensor(entry) if rows is None else checked.tensor_for_rows(entry, *rows)
 
     def _stream(self, checker: CheckOnCopy | None) -> Iterator[tuple[str, torch.Tensor]]:
+        if checker is None and self.verify:
+            self.checked_bytes = 0  # counts what MappedReader checks of the mapped tensors before they go out
         checked = MappedReader(self.directory, self.manifest, verify=self.verify)
         unchecked = MappedReader(self.directory, self.manifest, verify=False)
         for entry in self.entries():
@@ -220,6 +222,8 @@ class CheckpointWeights:
                 tensor = self._read(entry, rows, checked, unchecked, checker)
             except CheckpointIntegrityError as exc:
                 raise integrity_error(exc, self.directory, entry.full_name) from exc
+            if checker is None and self.verify and MappedReader.whole_piece(entry) is not None:
+                self.checked_bytes += _chunk_span(entry, rows, self.manifest.chunk_bytes)
             if rows is not None:
                 self.rows_read[self.name_of(entry)] = rows
                 if MappedReader.whole_piece(entry) is None and entry.torch_dtype.is_floating_point:
@@ -227,3 +231,14 @@ class CheckpointWeights:
             yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
         checked.close()
         unchecked.close()
+
+
+def _chunk_span(entry: TensorEntry, rows: tuple[int, int] | None, chunk_bytes: int) -> int:
+    """Bytes of the whole chunks that rows ``[start, stop)`` of a one-piece tensor (all of it: None) span."""
+    if rows is None:
+        return entry.nbytes
+    row = entry.nbytes // entry.global_shape[0]
+    start, stop = rows[0] * row, rows[1] * row
+    if stop <= start:
+        return 0
+    return min(entry.nbytes, -(-stop // chunk_bytes) * chunk_bytes) - start // chunk_bytes * chunk_bytes

@@ -133,8 +133,11 @@ class PlaitUniversalLoader(BaseModelLoader):
         start = time.perf_counter()
         tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
         weights = self._weights(model_config, tensor_parallel)
-        with weights.checked_on_copy() as stream:  # each chunk checked inside vLLM's copy of it
-            loaded = model.load_weights(stream)
+        if tensor_parallel is None:  # each tensor checked before it is handed over: measured the faster at TP=1
+            loaded = model.load_weights(iter(weights))
+        else:  # each rank checks exactly the chunks of what vLLM copies, whatever its split
+            with weights.checked_on_copy() as stream:
+                loaded = model.load_weights(stream)
         if weights.nan_filled:
             _check_no_nan(model, weights)
         self.last_load_seconds = time.perf_counter() - start

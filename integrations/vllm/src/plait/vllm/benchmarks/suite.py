@@ -7,8 +7,8 @@
   Target: no slower (<= 1.0; a difference inside the rounds' own spread is called noise). (CPU time
   is no steadier on a shared machine: the OpenMP threads spin while they wait.)
 * Loading: the part of start-up that differs between the two formats: streaming every weight
-  of the same model out of the plait universal checkpoint as its loader does (``checked_on_copy``:
-  every chunk's XXH3-64 checksum checked inside the copy) against vLLM's own safetensors iterator
+  of the same model out of the plait universal checkpoint as its loader does at TP=1 (every
+  chunk's XXH3-64 checksum checked before the tensor is handed over) against vLLM's own safetensors iterator
   over its HF export, each tensor copied into a preallocated destination as vLLM's weight loaders
   do (the files are in the page cache). The
   rest of ``load_weights`` (vLLM's fusion and slicing) is the same code for both. One torch
@@ -122,9 +122,10 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
     torch.set_num_threads(1)
     try:
         for index in range(LOAD_WARMUP + repeats):  # interleaved, so drift in the machine's load hits all alike
-            # plait's side as its loader streams: checked_on_copy, each chunk checked inside the copy.
-            times = (_stream_seconds(lambda: CheckpointWeights(universal).checked_on_copy(), dest),
-                     _stream_seconds(lambda: CheckpointWeights(universal, verify=False).checked_on_copy(), dest),
+            # plait's side as its loader streams at TP=1: each tensor checked before it is handed over.
+            times = (_stream_seconds(lambda: contextlib.nullcontext(iter(CheckpointWeights(universal))), dest),
+                     _stream_seconds(lambda: contextlib.nullcontext(iter(CheckpointWeights(universal, verify=False))),
+                                     dest),
                      _stream_seconds(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)),
                                      dest))
             if index >= LOAD_WARMUP:
@@ -135,7 +136,7 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
     label = f"weights stream + copy, {nbytes / 2**20:.1f} MiB fp32"
     rows = []
     peer_cpu = TimingStats.of([c for _, c in peer])
-    for name, samples, what in ((label, ours, "plait checks every chunk's XXH3-64 checksum inside the copy"),
+    for name, samples, what in ((label, ours, "plait checks every chunk's XXH3-64 checksum"),
                                 (f"{label}, verify=False", unverified, "checksums not checked")):
         row = timing_row(name, TimingStats.of([w for w, _ in samples]), "vLLM safetensors iterator",
                          TimingStats.of([w for w, _ in peer]), target_ratio=1.2)
