@@ -10,8 +10,8 @@ vLLM's own copy into its parameter, as with safetensors); a tensor split over se
 consolidated, each piece read straight into its place. Every chunk handed over is checked against
 the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums): iterating
 checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_on_copy` (what the
-loader uses) checks each chunk of a mapped tensor inside vLLM's copy of it, so its bytes are read
-from memory once (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and
+loader uses with tensor parallelism) checks each chunk of a mapped tensor inside vLLM's copy of
+it (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and
 checks only the rows of dim 0 it keeps of the weights vLLM splits that way
 (:mod:`plait.vllm.tensor_parallel`); under ``checked_on_copy`` it reads and checks only the chunks
 of the bytes vLLM copies, whatever the split.

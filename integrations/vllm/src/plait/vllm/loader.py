@@ -9,11 +9,12 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
         model_loader_extra_config={"checkpoint": "runs/ckpt", "key": "model"})
 
 Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
-producer's pieces, checked as it is read); each chunk of a mapped view is checked inside vLLM's
-copy of it (:mod:`plait.vllm.checked_copy`), so the bytes are read once. A corrupted file stops
-start-up with an error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion and
-tensor-parallel slicing. With tensor parallelism each rank reads and checks only the rows it
-keeps of the weights split along dim 0 (``"rank_rows": False`` reads every tensor whole).
+producer's pieces, checked as it is read). In one process every chunk of a view is checked before
+it is handed over; with tensor parallelism each chunk is checked inside vLLM's copy of it
+(:mod:`plait.vllm.checked_copy`), so a rank reads and checks only the chunks of what it copies
+(``"rank_rows": False`` reads every consolidated tensor whole). A corrupted file stops start-up
+with an error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion
+and tensor-parallel slicing.
 """
 
 from __future__ import annotations
