@@ -105,7 +105,7 @@ def test_bytes_after_warmup_are_the_one_bit_exchange_plus_gather_plus_lamb_norms
     assert "reduce_scatter" not in by_op
 
 
-K, AFTER = FREEZE + 2, 4
+K, AFTER = FREEZE + 2, 20
 
 
 def _coefficients(model: nn.Module) -> list[torch.Tensor]:
