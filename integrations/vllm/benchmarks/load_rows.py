@@ -11,11 +11,6 @@ integrations/vllm/src``), keeping this script's suite (``plait.vllm.benchmarks.s
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
-import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -27,22 +22,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="also write the rows here as JSON")
     args = parser.parse_args()
+    from plait.kernels.bench import load_average, run_meta, write_json
     from plait.vllm.benchmarks import suite
 
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as name:
         hf_dir, universal = suite._build_model(Path(name), suite.FULL[0], "llama")
         rows = suite._load_rows(hf_dir, universal, (*suite.FULL[:-1], args.repeats))
-    load_after = os.getloadavg()[0]
+    meta = run_meta(" ".join(["integrations/vllm/benchmarks/load_rows.py", *sys.argv[1:]]), load_before)
+    before, after = meta["load_average"]
     for row in rows:
         print(f"{row.benchmark}: ours {row.ours:.2f} ms, {row.peer} {row.peer_value:.2f} ms, ratio {row.ratio:.2f}; "
-              f"{row.note}; load average {load_before:.1f} -> {load_after:.1f}")
-    if args.out is not None:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "machine": platform.platform(), "load_average_before": load_before, "load_average_after": load_after,
-                "command": " ".join(["integrations/vllm/benchmarks/load_rows.py", *sys.argv[1:]])}
-        args.out.write_text(json.dumps({"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2) + "\n")
-
+              f"{row.note}; load average {before} -> {after}")
+    if args.out is not None:  # the format plait bench writes: `plait bench vllm --table --out FILE` prints it
+        write_json(rows, args.out, meta=meta)
 
 if __name__ == "__main__":
     main()
