@@ -112,7 +112,8 @@ def import_dcp(src: str | os.PathLike, dst_root: str | os.PathLike, *, step: int
 
 
 def _plait_place(fqn: str) -> tuple[str, str, str]:
-    """Key, name and default kind of a tensor in a DCP checkpoint that plait exported (``key/name``)."""
+    """Key, name and default kind of a tensor filed as ``key/name`` (plait's DCP exports), or under key
+    ``dcp`` with its own name (a bare torch ``state_dict``)."""
     key, name = fqn.split("/", 1) if "/" in fqn else ("dcp", fqn)
     return key, name, "parameter"
 
