@@ -36,7 +36,7 @@ def torchrun() -> list[str]:
 
 
 def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int = 2, max_restarts: int = 0,
-            stage: int = 3, limit_s: float = 120.0, job: Path = JOB) -> JobRun:
+            stage: int | str = 3, limit_s: float = 120.0, job: Path = JOB) -> JobRun:
     """Run ``job`` (``reliability_restart_job.py`` or a script taking the same arguments) once under
     torchrun; the whole session is SIGKILLed past ``limit_s``.
 

@@ -1,8 +1,10 @@
 """A ZeRO-3 training loop as a plain ``torchrun`` user writes it, with automatic resume and preemption.
 
 ``torchrun --standalone --nproc-per-node N [--max-restarts K] reliability_restart_job.py FAULT OUTDIR STEPS
-SAVE_EVERY [STAGE]`` (run by test_reliability_restart.py and test_reliability_exit_zero.py; STAGE is
-the ZeRO stage, 3 by default):
+SAVE_EVERY [VARIANT]`` (run by test_reliability_restart.py and test_reliability_exit_zero.py). VARIANT is
+one of :data:`VARIANTS`, the setups behind plait-lightning's strategy names: ``1``, ``2``, ``3`` (the
+ZeRO stage; 3 by default), ``2-cpu``, ``3-cpu``, ``3-nvme`` (offloaded through plait-offload-io, as
+``plait_zero2_offload``/``plait_zero3_offload``/``plait_zero3_offload_nvme``) and ``3-zeropp``:
 
 * ``CheckpointManager.restore`` loads the newest committed universal checkpoint of OUTDIR/ckpt if
   there is one: a restarted worker (torchrun's ``--max-restarts``) or a relaunched job resumes by
@@ -37,6 +39,11 @@ from plait.kernels.testing import Fault, global_batch, rank_slice
 from plait.universal_ckpt.testing import small_model
 from plait.zero_sharding import ZeroConfig, zero_shard
 
+# VARIANT -> (ZeRO stage, offload device or None, ZeRO++ on): plait-lightning's NAMES, without Lightning.
+VARIANTS: dict[str, tuple[int, str | None, bool]] = {
+    "1": (1, None, False), "2": (2, None, False), "3": (3, None, False), "2-cpu": (2, "cpu", False),
+    "3-cpu": (3, "cpu", False), "3-nvme": (3, "nvme", False), "3-zeropp": (3, None, True),
+}
 TIMEOUT_S = 30.0  # also how long init waits for every rank to join: imports are slow on a loaded machine
 BATCH, SEQ = 12, 16
 
@@ -78,7 +85,22 @@ def faults_of_attempt(text: str, attempt: int) -> list[Fault]:
     return found
 
 
-def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int = 3) -> int:
+def shard(variant: str, outdir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The small model and AdamW under the ZeRO setup of ``variant`` (offload files under ``outdir``)."""
+    stage, offload, zeropp = VARIANTS[variant]
+    kwargs = {}
+    if offload is not None:
+        from plait.offload_io import OffloadConfig, zero_placement
+
+        # As the Lightning offload names: stage 3 moves the parameter shards to the optimizer state's device.
+        kwargs["placement"] = zero_placement(OffloadConfig(
+            device=offload, param_device=offload if stage == 3 else "none",
+            **({"path": outdir / f"nvme-rank{dist.get_rank()}"} if offload == "nvme" else {})))
+    config = ZeroConfig(stage=stage, zeropp=True if zeropp else None)
+    return zero_shard(small_model(0), torch.optim.AdamW, config, lr=1e-3, **kwargs)
+
+
+def main(fault_text: str, outdir: Path, steps: int, save_every: int, variant: str = "3") -> int:
     """Train, resuming from and saving to ``outdir/ckpt``; returns the exit code."""
     # Python stacks of every thread on SIGABRT/SIGSEGV: the one teardown abort left unexplained (docs/reliability.md,
     # "A finished run exits 0") then shows which threads were alive and where the main thread was.
@@ -91,7 +113,7 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int 
     journal = Journal(outdir, rank, attempt)
     (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
     journal.event("start", 0)
-    model, optimizer = zero_shard(small_model(0), torch.optim.AdamW, ZeroConfig(stage=stage), lr=1e-3)
+    model, optimizer = shard(variant, outdir)
     state = {"model": model, "rng": uc.RNGState()}
     manager = uc.CheckpointManager(uc.CheckpointConfig(root=outdir / "ckpt", keep_last=2))
     start = manager.restore(state) or 0
@@ -124,4 +146,4 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, stage: int 
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *map(int, sys.argv[5:6])))
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6]))
