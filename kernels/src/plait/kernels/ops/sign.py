@@ -15,9 +15,15 @@ compression lost in an *error-feedback* buffer that is added back before the nex
   ``error <- c - scale * sign(c)`` in place; returns ``(pack_signs(c), scale)``. Everything in
   fp32: the buffers of the optimizers are fp32 whatever the parameters' dtype.
 
-CPU only for now: these are the pure-torch references and the CPU path. No Triton kernel exists
-yet (the sign pack is a bandwidth-bound elementwise op; see the onebit-optim README's limits).
-No autograd: these ops run on optimizer state, never inside a differentiated graph.
+Backends (the op pattern of docs/conventions.md): :func:`pack_signs`, :func:`unpack_bits`,
+:func:`unpack_signs` and :func:`compress_with_error_feedback` pick one with
+:func:`plait.kernels.dispatch.select_backend`: the Triton kernels of ``sign_triton`` (imported only
+when chosen) on CUDA tensors, the torch code below elsewhere; ``PLAIT_KERNEL_BACKEND`` forces one
+(``triton`` on CPU needs ``TRITON_INTERPRET=1``, how the tests run the kernels). Both give the same
+bits, scale and error included: the compression's scale is torch's ``vector_norm`` on both paths
+(why: ``sign_triton``'s docstring), and its Triton part fuses sign, pack and the error update
+into one pass over ``c``. The torch code is the CPU path and the oracle the kernels are tested
+against. No autograd: these ops run on optimizer state, never inside a differentiated graph.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import math
 import sys
 
 import torch
+
+from plait.kernels import dispatch
 
 # Bit weights of the eight elements in one byte, least significant first.
 _BIT_WEIGHTS = tuple(1 << i for i in range(8))
@@ -69,6 +77,10 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"pack_signs: x must be a floating-point torch.Tensor, got {_describe(x)}.")
+    if x.numel() and dispatch.select_backend(x) == dispatch.TRITON:
+        from plait.kernels.ops import sign_triton  # imported here: CPU installs without Triton never reach it
+
+        return sign_triton.pack_signs_triton(x)
     bits = x.reshape(-1) >= 0
     pad = packed_numel(bits.numel()) * 8 - bits.numel()
     if pad:
@@ -90,12 +102,11 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
         TypeError: packed is not a uint8 tensor.
         ValueError: numel is negative or more than packed holds.
     """
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_signs: packed must be a uint8 torch.Tensor, got {_describe(packed)}.")
-    if not 0 <= numel <= 8 * packed.numel():
-        raise ValueError(
-            f"unpack_signs: numel={numel} must be in [0, {8 * packed.numel()}] for {packed.numel()} packed bytes."
-        )
+    _check_packed(packed, numel)
+    if numel and dispatch.select_backend(packed) == dispatch.TRITON:
+        from plait.kernels.ops import sign_triton
+
+        return sign_triton.unpack_triton(packed, numel, as_signs=False)
     flat = packed.reshape(-1)
     if sys.byteorder != "little":
         shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
@@ -108,12 +119,30 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return words.view(torch.uint8)[:numel].view(torch.bool)
 
 
+def _check_packed(packed: object, numel: int) -> None:
+    """Refuse what :func:`unpack_bits` / :func:`unpack_signs` cannot read (see their Raises)."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_signs: packed must be a uint8 torch.Tensor, got {_describe(packed)}.")
+    if not 0 <= numel <= 8 * packed.numel():
+        raise ValueError(
+            f"unpack_signs: numel={numel} must be in [0, {8 * packed.numel()}] for {packed.numel()} packed bytes."
+        )
+
+
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The ``+-1.0`` values of the first ``numel`` signs in ``packed`` (see :func:`unpack_bits`).
 
     Returns:
         ``float32 [numel]`` of ``+1.0`` / ``-1.0``.
+
+    Raises:
+        TypeError, ValueError: as :func:`unpack_bits`.
     """
+    _check_packed(packed, numel)
+    if numel and dispatch.select_backend(packed) == dispatch.TRITON:
+        from plait.kernels.ops import sign_triton
+
+        return sign_triton.unpack_triton(packed, numel, as_signs=True)  # one pass: bits straight to +-1.0
     return _plus_minus_one(unpack_bits(packed, numel))
 
 
@@ -153,6 +182,10 @@ def compress_with_error_feedback(x: torch.Tensor, error: torch.Tensor) -> tuple[
     compensated = error.add_(x)  # the error buffer becomes c, then what c loses: no temporary of n floats
     n = compensated.numel()
     scale = torch.linalg.vector_norm(compensated) / math.sqrt(n) if n else compensated.new_zeros(())
+    if n and dispatch.select_backend(compensated) == dispatch.TRITON:
+        from plait.kernels.ops import sign_triton
+
+        return sign_triton.sign_and_error_triton(compensated, scale), scale  # the fused sign/pack/error pass
     bits = compensated >= 0
     pad = packed_numel(n) * 8 - n
     packed = _pack_bits(torch.cat((bits, bits.new_ones(pad))) if pad else bits)
