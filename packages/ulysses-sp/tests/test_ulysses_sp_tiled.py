@@ -173,3 +173,40 @@ def test_offloaded_checkpoint_equals_plain_backward_and_keeps_a_host_copy():
     TOL.assert_close(x2.grad, x1.grad, what="offloaded checkpoint dx")
     for (name, p), q in zip(layer.named_parameters(), ref_layer.parameters(), strict=True):
         TOL.assert_close(p.grad, q.grad, what=f"offloaded checkpoint d{name}")
+
+
+class _Layer(nn.Module):
+    """A pre-norm residual layer whose MLP is tiled, and an op after it that reads the MLP's value."""
+
+    def __init__(self, chunks: int | None) -> None:
+        super().__init__()
+        self.norm, self.mlp, self.post = nn.LayerNorm(16), _swiglu_mlp(), nn.Linear(16, 16)
+        if chunks:
+            tile_mlp(self.mlp, chunks=chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.post(x + self.mlp(self.norm(x))))
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_tiled_mlp_in_offloaded_checkpoint_runs_twice_and_equals_untiled(chunks):
+    torch.manual_seed(3)
+    x, weight = torch.randn(2, 11, 16), torch.randn(2, 11, 16)
+    ref, layer = _Layer(None), _Layer(chunks)
+    layer.load_state_dict(ref.state_dict())
+    calls = []
+    layer.mlp.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[1]))
+    layer.mlp.gate.register_forward_pre_hook(lambda _m, args: calls.append(-args[0].shape[1]))
+
+    x1 = x.clone().requires_grad_(True)
+    (ref(x1) * weight).sum().backward()
+    x2 = x.clone().requires_grad_(True)
+    out = offloaded_checkpoint(layer, x2)
+    (out * weight).sum().backward()
+
+    gate_runs = [-n for n in calls if n < 0]
+    # forward: every chunk once; the checkpoint's recompute: none (the output is replayed); backward: every chunk
+    assert gate_runs == chunk_sizes(11, chunks) * 2, gate_runs
+    TOL.assert_close(x2.grad, x1.grad, what="dx through the checkpointed tiled MLP")
+    for (name, p), q in zip(layer.named_parameters(), ref.parameters(), strict=True):
+        TOL.assert_close(p.grad, q.grad, what=f"d{name} through the checkpointed tiled MLP")

@@ -4,7 +4,11 @@ A checkpointed layer keeps only its input; over a long sequence those inputs (``
 layer) are what is left of the activations, and ALST moves them to the host. Here the forward
 runs under ``no_grad``, copies the input to CPU (pinned, non-blocking when it comes from an
 accelerator) and keeps nothing on the device; backward copies it back, recomputes the layer with
-grad and back-propagates through it, like torch's reentrant checkpoint. On a CPU-only machine the
+grad and back-propagates through it, like torch's reentrant checkpoint. Tiled MLPs inside the layer
+(:func:`plait.ulysses_sp.tile_mlp`) keep their forward output on the host too
+(:class:`plait.ulysses_sp.tiled.TiledReplay`), so the recompute rebuilds their graph without
+running them: an MLP runs twice per step (forward, and chunk by chunk in backward), as an untiled
+checkpointed MLP does, instead of three times. On a CPU-only machine the
 "host copy" is a second CPU tensor, so memory is not saved there: the benefit is accelerator
 memory, which this machine cannot show (see the README's limits).
 """
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from plait.ulysses_sp.tiled import TiledReplay
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,7 +39,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.fn, ctx.args, ctx.device = fn, args, x.device
         ctx.host_input = to_host(x)
         ctx.rng = torch.get_rng_state()
-        out = fn(x, *args)
+        # tiled MLPs inside keep their outputs (on the host) so the recompute does not run them again
+        ctx.replay = TiledReplay(keep=to_host, fetch=lambda kept, like: kept.to(like.device, non_blocking=True))
+        with ctx.replay:
+            out = fn(x, *args)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"offloaded_checkpoint needs fn to return one tensor, got {type(out).__name__}.")
         return out
@@ -45,10 +54,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         state = torch.get_rng_state()
         torch.set_rng_state(ctx.rng)  # dropout masks as in forward
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.replay:
                 out = ctx.fn(x, *ctx.args)
         finally:
             torch.set_rng_state(state)
+            ctx.replay = None
         torch.autograd.backward(out, grad)
         return (None, x.grad, *([None] * len(ctx.args)))
 

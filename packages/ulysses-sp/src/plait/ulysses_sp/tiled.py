@@ -7,7 +7,9 @@ forward and in backward. :class:`_TiledRecompute` is the one mechanism: forward 
 ``no_grad`` chunk by chunk, saving the input only; backward recomputes each chunk with grad and
 asks ``torch.autograd.grad`` for the input's and the parameters' gradients, summed over chunks.
 Parameter gradients are returned once per backward (not accumulated per chunk), so per-parameter
-gradient hooks (ZeRO's reduce) fire once, as they would untiled.
+gradient hooks (ZeRO's reduce) fire once, as they would untiled. Inside an offloaded checkpoint
+the layer's recompute reuses the tiled output of its first run (:class:`TiledReplay`) instead of
+running the function a third time.
 
 The loss needs no recompute: it is the last op, so the gradient of the summed cross-entropy with
 respect to each chunk's logits (softmax minus one-hot) is known in forward.
@@ -20,6 +22,7 @@ and the head's gradient, never logits.
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -38,11 +41,70 @@ def chunk_sizes(length: int, chunks: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
+class TiledReplay:
+    """What the tiled calls inside one checkpointed layer computed in its forward, for its recompute.
+
+    A checkpoint (:func:`plait.ulysses_sp.offloaded_checkpoint`) runs its layer twice: once
+    without grad in forward, once with grad in backward to rebuild the graph. A tiled call inside
+    it saves only its input and recomputes each chunk in its own backward, so without this its
+    function would run three times. Here the first run keeps each tiled call's output (through
+    ``keep``, e.g. to the host), and the recompute returns that output instead of computing it
+    again; the chunks are still recomputed one at a time in backward, so the memory stays a
+    chunk's. The calls are matched in order (the recompute replays the same ops); a call whose
+    shape does not match is computed as usual.
+
+    Args:
+        keep: stores an output until the recompute (e.g. a host copy).
+        fetch: brings a kept output back next to its input (``fetch(kept, like)``).
+    """
+
+    def __init__(self, keep: Callable[[torch.Tensor], torch.Tensor],
+                 fetch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.keep, self.fetch = keep, fetch
+        self.outputs: list[tuple[tuple, torch.Tensor]] = []
+        self.replaying = False
+
+    def __enter__(self) -> TiledReplay:
+        _REPLAYS.stack.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _REPLAYS.stack.pop()
+        if self.replaying:
+            self.outputs.clear()  # the recompute is done: nothing is kept past it
+        self.replaying = True  # the next time this replay is entered it hands outputs back
+
+    def put(self, key: tuple, out: torch.Tensor) -> None:
+        """Record a tiled call's output under ``key`` (its input's shape and how chunks combine)."""
+        self.outputs.append((key, self.keep(out)))
+
+    def take(self, key: tuple, like: torch.Tensor) -> torch.Tensor | None:
+        """The next recorded output if it was recorded under ``key`` (else ``None``: compute it)."""
+        if not self.outputs or self.outputs[0][0] != key:
+            return None
+        return self.fetch(self.outputs.pop(0)[1], like)
+
+
+class _ReplayStack(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[TiledReplay] = []
+
+
+_REPLAYS = _ReplayStack()
+
+
+def _active_replay() -> TiledReplay | None:
+    return _REPLAYS.stack[-1] if _REPLAYS.stack else None
+
+
 class _TiledRecompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, fn: Callable, sizes: list[int], combine: str, x: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx: Any, fn: Callable, sizes: list[int], combine: str, known: tuple, x: torch.Tensor,
+                *params: torch.Tensor):
         ctx.fn, ctx.sizes, ctx.combine, ctx.params = fn, sizes, combine, params
         ctx.save_for_backward(x)
+        if known:  # the checkpoint's first run computed it (TiledReplay): only the graph is rebuilt here
+            return known[0]
         outs = [fn(i, part) for i, part in enumerate(x.split(sizes, dim=1))]
         return torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)
 
@@ -50,7 +112,7 @@ class _TiledRecompute(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (x,) = ctx.saved_tensors
         wanted = [p for p in ctx.params if p.requires_grad]
-        grad_x = [] if ctx.needs_input_grad[3] else None
+        grad_x = [] if ctx.needs_input_grad[4] else None
         grad_p: list[torch.Tensor | None] = [None] * len(wanted)
         grads = grad.split(ctx.sizes, dim=1) if ctx.combine == "cat" else [grad] * len(ctx.sizes)
         for i, part in enumerate(x.split(ctx.sizes, dim=1)):
@@ -65,7 +127,7 @@ class _TiledRecompute(torch.autograd.Function):
             grad_p = [g if acc is None else (acc if g is None else acc + g) for acc, g in zip(grad_p, got, strict=True)]
         it = iter(grad_p)
         param_grads = [next(it) if p.requires_grad else None for p in ctx.params]
-        return (None, None, None, torch.cat(grad_x, dim=1) if grad_x is not None else None, *param_grads)
+        return (None, None, None, None, torch.cat(grad_x, dim=1) if grad_x is not None else None, *param_grads)
 
 
 def tiled_apply(fn: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor], *,
@@ -86,10 +148,17 @@ def tiled_apply(fn: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor
     if combine not in ("cat", "sum"):
         raise ValueError(f"combine={combine!r} must be 'cat' or 'sum'.")
     sizes = chunk_sizes(x.shape[1], chunks)
+    replay = _active_replay()
     if not torch.is_grad_enabled():
         outs = [fn(i, part) for i, part in enumerate(x.split(sizes, dim=1))]
-        return torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)
-    return _TiledRecompute.apply(fn, sizes, combine, x, *params)
+        out = torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)
+        if replay is not None and not replay.replaying:
+            replay.put((tuple(x.shape), x.dtype, combine), out)
+        return out
+    known = None
+    if replay is not None and replay.replaying:
+        known = replay.take((tuple(x.shape), x.dtype, combine), x)
+    return _TiledRecompute.apply(fn, sizes, combine, () if known is None else (known,), x, *params)
 
 
 class TiledMLP(nn.Module):
