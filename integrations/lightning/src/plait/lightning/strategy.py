@@ -19,6 +19,9 @@ imports deepspeed). What differs from DDP:
   sequence for the sp ranks (and the sampler sized to ``dp``).
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
+* on SLURM with auto-requeue (Lightning's default there), the requeue signal's checkpoint is saved
+  by every rank together at the next step boundary (:class:`plait.lightning.slurm.SlurmRequeue`),
+  not from inside the signal handler; the requeued ``fit()`` resumes from it by itself.
 * under ``torchrun --max-restarts`` the default group is joined through
   :func:`plait.kernels.collectives.init_process_group` (:func:`join_restart_safe`), so a restarted
   worker never reads the previous attempt's addresses and ``fit(ckpt_path="last")`` resumes.
@@ -55,6 +58,7 @@ from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
+from plait.lightning.slurm import SlurmRequeue
 from plait.zero_sharding import ConstructedParameter, ZeroConfig, ZeroModule, sharded_init
 
 _FROM_DIRECTORY = "plait_directory_checkpoint"
@@ -241,6 +245,7 @@ class PlaitStrategy(DDPStrategy):
                                          verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
         check_plan(self.plait_config, "32-true")
         self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built in setup
+        self._slurm_requeue: SlurmRequeue | None = None  # on SLURM with auto-requeue, from on_train_start
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -319,10 +324,24 @@ class PlaitStrategy(DDPStrategy):
         super().on_exception(exception)
         failures.stop_launched_ranks(self._launcher, exception)
 
+    def on_train_start(self) -> None:
+        """On SLURM with auto-requeue, take the requeue signal over from Lightning's handler
+        (:class:`plait.lightning.slurm.SlurmRequeue`)."""
+        super().on_train_start()
+        self._slurm_requeue = SlurmRequeue.install(self.lightning_module.trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """At every batch start under SLURM auto-requeue: save and requeue if any rank was signalled."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._slurm_requeue is not None:
+            self._slurm_requeue.at_batch_start()
+
     def on_train_end(self) -> None:
         """At the end of a finished fit (every rank reaches it), name the rank the others waited
         on most (:func:`plait.kernels.collectives.wait_summary`, a small collective), on rank 0."""
         super().on_train_end()
+        if self._slurm_requeue is not None:
+            self._slurm_requeue.uninstall()
         summary = collectives.wait_summary()
         if self.is_global_zero:
             print(f"plait: {summary}", file=sys.stderr, flush=True)
