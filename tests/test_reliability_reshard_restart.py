@@ -111,6 +111,7 @@ def test_a_job_killed_at_one_world_size_resumes_at_another_as_the_unfaulted_swit
     outdir.mkdir()
     killed = run_job(outdir, "kill:rank=1:step=4", steps=STEPS, save_every=SAVE_EVERY, nproc=old, limit_s=LIMIT_S)
     assert killed.rc != 0, killed.output[-4000:]  # no restart budget: the scheduler sees the failure
+    assert "rank      : 1 (local_rank: 1)" in killed.output and "exitcode  : -9" in killed.output  # torchrun names it
     assert live_processes_mentioning(str(outdir)) == []
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids(outdir))
     kill = next(e for e in events(outdir, 1) if e["event"] == "fault")
