@@ -3,7 +3,13 @@
 other change. The strategies rebuild the optimizer from its class, groups and defaults; the three
 optimizers keep their config (as ``onebit_config``) and masks there, so the freeze step
 survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2
-give the same losses bit for bit."""
+give the same losses bit for bit.
+
+Lightning's own ``strategy="ddp"`` takes them too: plait-lightning's entry-point callback
+(:mod:`plait.lightning.onebit_ddp`) turns DDP's gradient all-reduce off with a communication hook,
+so the optimizer exchanges alone; the run is bitwise the same optimizer in a plain torch loop
+without DDP (and differs from one under DDP without the hook), and what the optimizer cannot
+honour on local gradients is refused naming the fix."""
 
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from plait.kernels.testing import run_distributed
+from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.lightning.demo import TinyLlamaModule
 from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
 from plait.onebit_optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamConfig
@@ -88,3 +95,79 @@ def test_plait_zero1_and_zero2_take_the_onebit_optimizers_from_configure_optimiz
         # Falls over the variance steps; the local steps after a 3-step variance phase are not asked
         # to converge (they do not on this model: plait bench onebit-optim-quality), only to run.
         assert curve[FREEZE - 1] < curve[0] and all(math.isfinite(x) for x in curve)
+
+
+def _plain_torch_loop(wrap_in_ddp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The Lightning run's model, optimizer and batches in a plain torch loop: no DDP (the 1-bit
+    optimizer's own use), or under DDP with its gradient all-reduce left on (the double exchange)."""
+    import lightning as L
+    from test_lightning_distributed import RESUME_TOTAL
+
+    from plait.lightning.demo import TEST_MODEL
+
+    L.seed_everything(0, verbose=False)
+    module = OnebitModule(TEST_MODEL, batch_size=4, seq_len=32, warmup=2, total_steps=RESUME_TOTAL)
+    net = torch.nn.parallel.DistributedDataParallel(module) if wrap_in_ddp else module
+    optimizer = module.configure_optimizers()
+    losses = []
+    for step in range(STEPS):
+        batch = rank_slice(global_batch(step, 4, 32, seed=0), dist.get_rank(), dist.get_world_size())
+        loss = net(batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # as the module's self.log(..., sync_dist=True): the rank mean
+        losses.append(float(mean / dist.get_world_size()))
+    return losses, {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def _refusal(**trainer_extra: Any) -> str:
+    from test_lightning_distributed import _fit
+
+    try:
+        _fit(trainer_extra.pop("strategy", "ddp"), devices=2, steps=2, module_cls=OnebitModule, **trainer_extra)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def ddp_session() -> dict[str, Any]:
+    """Lightning's ``ddp`` with 1-bit Adam, its plain-torch reference and control, and the refusals."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from test_lightning_distributed import _fit, _quiet
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from plait.lightning.onebit_ddp import OptimizerOwnsExchange
+
+    _quiet()
+    torch.set_num_threads(1)
+    recorded, module = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule)
+    (callback,) = [c for c in module.trainer.callbacks if isinstance(c, OptimizerOwnsExchange)]
+    optimizer = module.trainer.optimizers[0]
+    return {
+        "lightning": ([recorded[i] for i in range(STEPS)],
+                      {k: v.detach().clone() for k, v in module.named_parameters()}),
+        "hooked": callback.hooked, "past_warmup": optimizer.step_count, "exchanges": sum(
+            e is not None for e in optimizer.exchanges),
+        "plain": _plain_torch_loop(False), "ddp_without_hook": _plain_torch_loop(True),
+        "clip": _refusal(gradient_clip_val=1.0),
+        "own_hook": _refusal(strategy=DDPStrategy(ddp_comm_hook=default_hooks.allreduce_hook)),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use() -> None:
+    for result in run_distributed(ddp_session, 2, timeout=540):
+        losses, weights = result["lightning"]
+        assert result["hooked"] == ("OnebitAdam",) and result["past_warmup"] == STEPS and result["exchanges"] == 1
+        plain_losses, plain_weights = result["plain"]
+        # DDP communicated nothing in backward: bitwise the optimizer used without DDP, compressed steps included.
+        assert losses == plain_losses and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+        # Control: DDP's all-reduce left on feeds the 1-bit exchange averaged gradients (at two ranks the
+        # warm-up averages are the same, x + x = 2x exactly; the compressed steps are not).
+        control_losses, control_weights = result["ddp_without_hook"]
+        assert control_losses[:FREEZE + 1] == plain_losses[:FREEZE + 1]
+        assert any(not torch.equal(control_weights[k], plain_weights[k]) for k in weights)
+        assert "gradient_clip_val=1.0" in result["clip"] and "plait_zero1" in result["clip"]
+        assert "ddp_comm_hook" in result["own_hook"]

@@ -1,0 +1,117 @@
+"""Lightning's own ``strategy="ddp"`` with a plait 1-bit optimizer from ``configure_optimizers``.
+
+plait's 1-bit optimizers (``plait.onebit_optim.OnebitAdam``, ``OnebitLamb``, ``ZeroOneAdam``) own the
+exchange between ranks: they average the gradients themselves during warm-up and, after it,
+exchange the *momentum* in 1 bit instead of the gradient. Under DDP, DDP all-reduces every
+gradient in backward first, which after warm-up sends the full fp32 gradient the optimizer exists
+to avoid and feeds it averaged gradients where the algorithm compresses each rank's own momentum.
+
+:class:`OptimizerOwnsExchange` closes that gap with no change to the user's code: plait-lightning
+registers it with Lightning's ``lightning.pytorch.callbacks_factory`` entry point, so every Trainer
+has it. At ``on_fit_start`` (after the strategy wrapped the model in DDP and built the optimizers,
+before the first backward) it does nothing unless the model is DDP-wrapped and an optimizer says
+``owns_gradient_exchange``; then it registers :func:`local_gradients_hook` as DDP's communication
+hook, so DDP communicates nothing in backward and every rank keeps its own gradient, exactly as
+the optimizer is used without DDP (the same bits: ``tests/test_onebit_lightning.py``). DDP's
+parameter broadcast at wrap time and its buffer broadcast stay.
+
+Refused at fit start, each naming the fix (what the optimizer cannot do on local gradients): other
+optimizers alongside it (DDP's hook is for the whole model), a communication hook of the user's own
+(``DDPStrategy(ddp_comm_hook=...)``), ``gradient_clip_val`` (Lightning would clip each rank's
+local gradient by its own norm), and fp16 loss scaling (each rank's scaler would see only its own
+overflows, and ranks that skip differently would leave the exchange half-joined).
+``plait_zero1``/``plait_zero2`` do all of these with the 1-bit optimizers.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects
+# (``dist.GradBucket``, ``torch.futures.Future[torch.Tensor]``) and refuses them as strings.
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+_USE_INSTEAD = ("use strategy='plait_zero1' (whole parameters and gradients on every rank, as DDP) or "
+                "'plait_zero2', which compose the 1-bit optimizers with ZeRO")
+
+
+def local_gradients_hook(state: object, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that communicates nothing: the bucket keeps this rank's gradients.
+
+    Args:
+        state: unused (DDP passes the state given at registration).
+        bucket: the gradient bucket DDP would all-reduce.
+
+    Returns:
+        A completed future holding the bucket's own buffer: DDP writes it back unchanged (with a
+        hook registered, DDP leaves the division by the world size to the hook, so none happens).
+    """
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+class OptimizerOwnsExchange(pl.Callback):
+    """Keeps DDP from all-reducing gradients that a plait 1-bit optimizer exchanges itself (module
+    docstring). Added to every Trainer by plait-lightning's entry point; a no-op otherwise.
+
+    Attributes:
+        hooked: the optimizer class names this callback registered the hook for in the last fit
+            (empty when it did nothing).
+    """
+
+    def __init__(self) -> None:
+        self.hooked: tuple[str, ...] = ()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register :func:`local_gradients_hook` on the DDP-wrapped model of a 1-bit optimizer.
+
+        Raises:
+            ValueError: a setting the optimizer cannot honour on local gradients (module docstring).
+        """
+        self.hooked = ()
+        model = trainer.strategy.model
+        owners = [o for o in trainer.optimizers if getattr(o, "owns_gradient_exchange", False)]
+        if not owners or not isinstance(model, DistributedDataParallel):
+            return
+        names = ", ".join(type(o).__name__ for o in owners)
+        check_ddp_settings(trainer, names, others=len(trainer.optimizers) - len(owners))
+        model.register_comm_hook(None, local_gradients_hook)
+        self.hooked = tuple(type(o).__name__ for o in owners)
+
+
+def check_ddp_settings(trainer: pl.Trainer, names: str, *, others: int) -> None:
+    """Refuse what a 1-bit optimizer cannot honour under Lightning's DDP (module docstring).
+
+    Args:
+        trainer: the Trainer about to fit.
+        names: the 1-bit optimizers' class names (for the messages).
+        others: how many of the Trainer's optimizers are not 1-bit ones.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    if others:
+        raise ValueError(
+            f"strategy='ddp' with {names} and {others} other optimizer(s): the 1-bit optimizer needs DDP's "
+            "gradient all-reduce turned off for the whole model, which the others need; give every parameter to "
+            f"the 1-bit optimizer (param groups for different settings), or {_USE_INSTEAD}.")
+    if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+        raise ValueError(
+            f"strategy='ddp' with {names} and a ddp_comm_hook of your own: the 1-bit optimizer exchanges the "
+            "gradients itself and registers DDP's hook; drop DDPStrategy(ddp_comm_hook=...).")
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"gradient_clip_val={trainer.gradient_clip_val} with strategy='ddp' and {names}: the gradients are "
+            "each rank's own until the optimizer's step, so Lightning would clip them by a local norm; "
+            f"{_USE_INSTEAD} (there gradient_clip_val clips the averaged gradient), or drop gradient_clip_val.")
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"precision={trainer.precision_plugin.precision!r} (fp16 loss scaling) with strategy='ddp' and {names}: "
+            "each rank's scaler would see only its own overflows and ranks could skip different steps; "
+            f"use bf16, or {_USE_INSTEAD} (fp16 loss scaling with skipped steps agreed by every rank).")
+
+
+def callbacks() -> list[Any]:
+    """The ``lightning.pytorch.callbacks_factory`` entry point: Lightning adds these to every Trainer."""
+    return [OptimizerOwnsExchange()]
