@@ -22,9 +22,10 @@ same formula (autograd of :func:`gate_product`) on both paths.
 (two grouped GEMMs forward with the activation fused into the first one's epilogue; three
 grouped GEMMs and two per-expert weight-gradient reductions backward). Elsewhere (and with
 ``PLAIT_KERNEL_BACKEND=reference``) torch runs (:func:`grouped_gated_mlp_torch`): on CPU one GEMM
-pair per expert written straight into whole-batch buffers, the activation once over all rows,
-and a hand-written backward that writes each expert's weight gradient into its row of one
-stacked gradient; on CUDA without Triton torch's grouped GEMM (``F.grouped_mm``) over the
+pair per expert (fp32 on oneDNN, which uses AVX-512 where torch's fp32 ``mm`` calls MKL, and MKL
+runs only its AVX2 code on non-Intel CPUs: see :func:`linear_nt`), the activation once over all
+rows, and a hand-written backward that stacks each expert's weight gradient into one gradient; on
+CUDA without Triton torch's grouped GEMM (``F.grouped_mm``) over the
 segments' offsets where its 16-byte stride rule holds, else the segments zero-padded into one
 ``[E, max_rows, H]`` buffer run as two ``torch.bmm`` (falling back to the loop once the padding
 would exceed ``MAX_PADDING_FACTOR`` times the real rows). The reference
@@ -155,33 +156,63 @@ def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
     return bounds
 
 
+def _onednn_linear() -> Any:
+    """oneDNN's dense fp32 ``x @ w.T`` (``torch.ops.mkldnn._linear_pointwise``), or ``None``.
+
+    Why: torch's fp32 ``mm`` on CPU calls MKL's sgemm, which on non-Intel CPUs runs its AVX2 code
+    (on the benchmark machine, an AMD EPYC with AVX-512, about 100 GFLOP/s per core); oneDNN uses
+    AVX-512 there (about 230 GFLOP/s). Both are IEEE fp32 (no TF32/BF32 shortcut); they sum in
+    different orders, so results differ by fp32 rounding. bf16/fp16 ``mm`` already runs oneDNN.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):  # a torch built without the op
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def linear_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` (any strides), the CPU path's GEMM: oneDNN for CPU fp32 where torch has it (see
+    :func:`_onednn_linear`) unless ``torch.backends.mkldnn`` is switched off, else torch's ``matmul``."""
+    if (_ONEDNN_LINEAR is not None and a.dtype == torch.float32 and a.device.type == "cpu" and a.numel()
+            and torch._C._get_mkldnn_enabled()):
+        return _ONEDNN_LINEAR(a, b, None, "none", [], "")
+    return a @ b.t()
+
+
+def _rows(parts: list[torch.Tensor], like: torch.Tensor, width: int) -> torch.Tensor:
+    """The segments' outputs as one ``[N, width]`` tensor."""
+    return torch.cat(parts) if parts else like.new_empty(0, width)
+
+
 def _segment_forward(x: torch.Tensor, segments: list[tuple[int, int, int]], w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, activation: str, precision: str,
                      in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU forward: ``(out, gate_up)``. ``in_place`` (no autograd) runs SiLU-and-multiply on
     the GEMM output itself where that gives the same bits (two fewer ``[N, I]`` temporaries)."""
-    gate_up = x.new_empty(x.shape[0], w_gate_up.shape[1])
-    for expert, start, end in segments:
-        torch.mm(x[start:end], w_gate_up[expert].t(), out=gate_up[start:end])
+    gate_up = _rows([linear_nt(x[start:end], w_gate_up[expert]) for expert, start, end in segments], x,
+                    w_gate_up.shape[1])
     inter = w_down.shape[2]
     if in_place and activation == "silu" and (precision == "input" or x.dtype == torch.float32):
         act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
     else:
         act = gate_product(gate_up, activation, precision)
-    out = x.new_empty(x.shape[0], w_down.shape[1])
-    for expert, start, end in segments:
-        torch.mm(act[start:end], w_down[expert].t(), out=out[start:end])
+    out = _rows([linear_nt(act[start:end], w_down[expert]) for expert, start, end in segments], x, w_down.shape[1])
     return out, gate_up
 
 
 class _SegmentGatedMLP(torch.autograd.Function):
-    """The CPU path: per expert one GEMM pair written straight into whole-batch buffers (``out=``),
-    the activation once over all rows, and a backward that writes each expert's weight gradient
-    into its row of one stacked gradient (no per-expert zero tensors, gathers or sums).
+    """The CPU path: per expert one GEMM pair on its segment (oneDNN for fp32, see
+    :func:`_onednn_linear`), the activation once over all rows, and a backward that stacks each
+    expert's weight gradient into one gradient (no per-expert zero tensors, gathers or sums).
 
-    torch's CPU ``grouped_mm`` runs one ``mm`` per group too, but on strided views with extra
-    copies and zero fills, and its backward does the same: measured 1.3x slower than this on the
-    benchmark shape (``plait bench moe-layers``).
+    torch's CPU ``grouped_mm`` runs one MKL ``mm`` per group too, on strided views with extra
+    copies and zero fills, and its backward does the same: measured 1.3x slower than the MKL
+    version of this path on the benchmark shape (``plait bench moe-layers``).
     """
 
     @staticmethod
@@ -197,31 +228,30 @@ class _SegmentGatedMLP(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None, None]:
         x, w_gate_up, w_down, gate_up = ctx.saved_tensors
+        segments = ctx.segments
         grad = grad.contiguous()
         with torch.enable_grad():  # the activation's local derivative: autograd of the same formula
             gate_up = gate_up.detach().requires_grad_()
             act = gate_product(gate_up, ctx.activation, ctx.precision)
-        d_act = grad.new_empty(act.shape)
-        d_w_down = _stacked_grad(w_down, ctx.segments)
-        for expert, start, end in ctx.segments:
-            torch.mm(grad[start:end], w_down[expert], out=d_act[start:end])
-            torch.mm(grad[start:end].t(), act[start:end].detach(), out=d_w_down[expert])
+        d_act = _rows([linear_nt(grad[start:end], w_down[expert].t()) for expert, start, end in segments], grad,
+                      act.shape[1])
+        d_w_down = _stacked_grad(w_down, {expert: linear_nt(grad[start:end].t(), act[start:end].detach().t())
+                                          for expert, start, end in segments})
         (d_gate_up,) = torch.autograd.grad(act, gate_up, d_act)
-        d_x = torch.empty_like(x)
-        d_w_gate_up = _stacked_grad(w_gate_up, ctx.segments)
-        for expert, start, end in ctx.segments:
-            torch.mm(d_gate_up[start:end], w_gate_up[expert], out=d_x[start:end])
-            torch.mm(d_gate_up[start:end].t(), x[start:end], out=d_w_gate_up[expert])
+        d_x = _rows([linear_nt(d_gate_up[start:end], w_gate_up[expert].t()) for expert, start, end in segments], x,
+                    x.shape[1])
+        d_w_gate_up = _stacked_grad(w_gate_up, {expert: linear_nt(d_gate_up[start:end].t(), x[start:end].t())
+                                                for expert, start, end in segments})
         return d_x, None, d_w_gate_up, d_w_down, None, None
 
 
-def _stacked_grad(weight: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
-    """An uninitialised stacked gradient with the experts that got no rows zeroed."""
-    grad = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    filled = torch.zeros(weight.shape[0], dtype=torch.bool)
-    filled[[expert for expert, _, _ in segments]] = True
-    if not filled.all():
-        grad[~filled.to(weight.device)] = 0
+def _stacked_grad(weight: torch.Tensor, per_expert: dict[int, torch.Tensor]) -> torch.Tensor:
+    """``weight``-shaped gradient from the experts that got rows; the others get zeros."""
+    if len(per_expert) == weight.shape[0]:
+        return torch.stack([per_expert[expert] for expert in range(weight.shape[0])])
+    grad = weight.new_zeros(weight.shape)
+    for expert, value in per_expert.items():
+        grad[expert] = value
     return grad
 
 
