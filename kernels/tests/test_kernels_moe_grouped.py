@@ -227,3 +227,21 @@ def test_triton_bf16_close_to_reference(triton_backend, precision: str) -> None:
     tolerance("moe_grouped_triton_fwd", torch.bfloat16).assert_close(out.cpu(), ref, what=precision)
     for name, got, exp in zip(("dx", "dw_gate_up", "dw_down"), grads, want):
         tolerance("moe_grouped_triton_bwd", torch.bfloat16).assert_close(got.cpu(), exp, what=name)
+
+
+# ---- the CPU path's GEMM: oneDNN for fp32 (MKL's fp32 sgemm runs AVX2 code on non-Intel CPUs).
+
+def test_cpu_gemm_is_onednn_for_fp32_and_matmul_when_mkldnn_is_off():
+    from plait.kernels.ops import moe_grouped
+
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(7, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    assert (moe_grouped._ONEDNN_LINEAR is not None) == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(moe_grouped.linear_nt(a, b), a @ b.t())
+    # Transposed operands: the backward's weight-gradient form.
+    c = torch.randn(7, 5, generator=gen)
+    torch.testing.assert_close(moe_grouped.linear_nt(a.t(), c.t()), a.t() @ c)
+    assert moe_grouped.linear_nt(a[:0], b).shape == (0, 5)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(moe_grouped.linear_nt(a, b), a @ b.t())
+    assert torch.equal(moe_grouped.linear_nt(a.double(), b.double()), a.double() @ b.double().t())
