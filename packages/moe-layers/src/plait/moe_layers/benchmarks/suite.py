@@ -1,31 +1,46 @@
 """The moe-layers benchmark suite (``plait bench moe-layers [--quick]``).
 
-One Mixtral-shaped MoE layer of the shared tiny-llama-MoE (hidden 256, SwiGLU 688, 8 experts,
-top-2, fp32, one torch thread per process), forward + backward on 2 x 128 tokens per rank
-(quick: 2 x 64), dropless routing:
+The model is the project's tiny-llama-MoE (``plait.kernels.testing.tiny_llama_moe``: vocab 4096,
+hidden 256, 8 layers of which the 4 odd ones are MoE, SwiGLU 688, 8 experts, top-2: Mixtral's
+shape at tiny size), fp32, one torch thread per process, dropless routing. "The loop" is its
+``MoEMLP``, the HF-style per-expert loop of ``nn.Linear`` experts; plait's model is the same model
+after :func:`~plait.moe_layers.tiny_llama.convert_tiny_llama_moe` (same weights).
 
-1. one process: plait's layer (one permutation, grouped GEMMs) against the per-expert loop of
-   tiny-llama-MoE's ``MoEMLP`` (the HF-style reference form) with the same weights; target:
-   grouped >= 1.5x faster (time ratio <= 0.667). Beside it, timed in the same rounds, the floor
-   any MoE layer of this shape has on this CPU: the six GEMMs per expert of its forward and
-   backward alone (same shapes, same routing counts, nothing else), against the same loop;
-   that ratio is the best any grouping of the GEMMs could reach here. The three are timed again
-   on the thread's CPU clock (3x the rounds), which the other jobs of a shared machine disturb far
-   less than the wall clock;
-2. W=2, EP=2 on gloo: plait's expert-parallel layer against DeepSpeed 0.19.8's
-   ``deepspeed.moe.layer.MoE`` (ep_size=2, k=2, ``drop_tokens=False`` = dropless), alternating
-   in the same run; target: <= 1.0x;
-3. all-to-all logical bytes per step and rank against the formula ``8E + 2(S+R)Hb`` (exact), with
-   DeepSpeed's all-to-all bytes (counted from outside) beside it: DeepSpeed pads every expert to
-   the largest expert load of the step.
+1. **Model step at W=2 (the issue's target row):** plait's model with EP=2 (grouped GEMMs, experts
+   split over the two ranks, tokens exchanged by all-to-all) against the loop model at W=2 (every
+   rank holds every expert), 2 x 128 tokens per rank, one training step each: forward, backward,
+   gradient all-reduce (:func:`~plait.moe_layers.average_gradients`) and AdamW. Target: plait
+   >= 1.5x faster (time ratio <= 0.667). Beside it the same model fwd+bwd in one process, where
+   only the grouping differs.
+2. **One MoE layer, fwd+bwd, one process, at three token counts:** 2 x 16 (a few rows per
+   expert: per-call overhead dominates), 2 x 128 (the model's batch) and 2 x 1024 (hundreds of
+   rows per expert: the GEMMs dominate). Beside each, the GEMM floor: the six expert GEMMs of
+   fwd+bwd alone (same shapes, same routing counts, nothing else), once with torch's ``mm`` (the
+   loop's GEMM: MKL) and once with the grouped op's GEMM (:func:`plait.kernels.ops.moe_grouped.linear_nt`:
+   oneDNN for fp32 on CPU). The grouping runs the same FLOPs as the loop; what it can save is the
+   loop's per-expert work (a ``nonzero``, a gather, three ``nn.Linear`` calls and their autograd
+   nodes, a scatter-add per expert), so with the same GEMM the MKL floor bounds it. The rest of the
+   gain is the GEMM library: on a CPU whose MKL runs its AVX2 code (non-Intel), oneDNN's AVX-512
+   GEMM is about 2x faster. The 2 x 128 row is also timed on the thread's CPU clock (3x the
+   rounds), which other jobs on a shared machine disturb far less than the wall clock.
+3. **The grouped op's torch methods** at 2 x 128: the default CPU method (``segments``) against
+   torch's own ``F.grouped_mm`` and one zero-padded ``[E, max_rows, H]`` ``torch.bmm`` pair.
+4. **W=2, EP=2 layer on gloo** against DeepSpeed 0.19.8's ``deepspeed.moe.layer.MoE``
+   (ep_size=2, k=2, ``drop_tokens=False`` = dropless), alternating in the same run; target <= 1.0x.
+5. **All-to-all logical bytes** per step and rank against the formula ``8E + 2(S+R)Hb`` (exact),
+   with DeepSpeed's all-to-all bytes (counted from outside) beside it: DeepSpeed pads every expert
+   to the largest expert load of the step.
 
-Gloo wall time is not NCCL's; row 2 compares two implementations on the same transport only.
+Gloo wall time is not NCCL's; rows 1 and 4 compare implementations on the same transport only.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,11 +51,12 @@ from plait.kernels.testing import run_distributed
 
 GROUPED_TARGET = 1 / 1.5
 DEEPSPEED_TARGET = 1.0
+LOOP = "per-expert loop (tiny-llama-MoE MoEMLP)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The benchmark's layer and batch."""
+    """The benchmark's layer and batch (the tiny-llama-MoE MoE layer's dimensions)."""
 
     hidden: int = 256
     intermediate: int = 688
@@ -50,18 +66,28 @@ class Shape:
     seq: int = 128
 
 
+LAYER_SEQS = (16, 128, 1024)
+"""Tokens per sequence of the layer rows (2 sequences each)."""
+
+
 def run(quick: bool) -> list[BenchRow]:
     """Run the suite.
 
     Args:
-        quick: 64-token sequences, 1 warm-up and 5 timed rounds (instead of 128, 3 and 10).
+        quick: 64-token sequences (layer rows at 16 and 64), 1 warm-up and 5 timed rounds
+            (instead of 128, 3 and 10).
 
     Returns:
         The table's rows.
     """
     shape = Shape(seq=64 if quick else 128)
     warmup, steps = (1, 5) if quick else (3, 10)
-    rows = _grouped_vs_loop(shape, warmup, steps)
+    rows = run_distributed(_model_step_rows, 2, shape, warmup, steps, timeout=600)[0]
+    rows += _model_fwd_bwd_rows(shape, warmup, steps)
+    for seq in (16, shape.seq) if quick else LAYER_SEQS:
+        rows += _grouped_vs_loop(dataclasses.replace(shape, seq=seq), warmup, steps,
+                                 cpu_clock=seq == shape.seq)
+    rows += _method_rows(shape, warmup, steps)
     rows += run_distributed(_expert_parallel_rows, 2, shape, warmup, steps, timeout=600)[0]
     return rows
 
@@ -91,18 +117,105 @@ def _loop_layer(layer) -> torch.nn.Module:
     return loop
 
 
-def _step(module: torch.nn.Module, x: torch.Tensor):
+def _step(module: torch.nn.Module, x: torch.Tensor, set_to_none: bool = True):
     def step() -> None:
         out = module(x)
         out = out[0] if isinstance(out, tuple) else out
         out.float().square().mean().backward()
-        module.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=set_to_none)
     return step
 
 
-def _gemm_floor(layer, x: torch.Tensor):
+def _page_faults(step: Callable[[], None], steps: int) -> float:
+    """Minor page faults of this thread per call of ``step`` (after one warm-up call)."""
+    step()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(steps):
+        step()
+    return (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / steps
+
+
+def _models(shape: Shape) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(loop, plait)``: tiny-llama-MoE and its converted copy (same weights)."""
+    from plait.kernels.testing import tiny_llama_moe
+    from plait.moe_layers.tiny_llama import convert_tiny_llama_moe
+
+    torch.manual_seed(0)
+    loop = tiny_llama_moe(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                          num_experts=shape.experts, top_k=shape.top_k)
+    plait = copy.deepcopy(loop)
+    convert_tiny_llama_moe(plait)
+    return loop, plait
+
+
+def _tokens(shape: Shape, seed: int) -> torch.Tensor:
+    return torch.randint(0, 4096, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor, groups: Any) -> Callable[[], None]:
+    """One training step: forward, backward, gradient all-reduce, AdamW."""
+    from plait.moe_layers import average_gradients
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+    def step() -> None:
+        model(ids, labels=ids).loss.backward()
+        for param in model.parameters():  # the loop skips experts without tokens: zeros, as DDP would reduce
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        average_gradients(model, groups)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _model_step_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
+    """Row 1 of the module docstring (runs on each of the 2 ranks)."""
+    from plait.moe_layers import apply_expert_parallel, make_expert_parallel_groups
+
+    world = dist.get_world_size()
+    groups = make_expert_parallel_groups(world)
+    loop, plait = _models(shape)
+    apply_expert_parallel(plait, groups)
+    ids = _tokens(shape, 10 + dist.get_rank())
+    with one_thread():
+        stats = interleaved_timing({"plait": _train_step(plait, ids, groups), "loop": _train_step(loop, ids, groups)},
+                                   warmup=warmup, steps=steps)
+    merged = _slowest_rank(stats, steps)
+    bench = (f"tiny-llama-MoE training step (fwd+bwd+all-reduce+AdamW), W=2 gloo, "
+             f"{shape.batch}x{shape.seq} tokens/rank")
+    return [timing_row(bench, merged["plait"], f"{LOOP}, W=2 (every rank all experts)", merged["loop"],
+                       target_ratio=GROUPED_TARGET)]
+
+
+def _slowest_rank(stats: dict[str, TimingStats], steps: int) -> dict[str, TimingStats]:
+    """The step ends when the slower rank ends: per round, the max over ranks."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {name: s.samples for name, s in stats.items()})
+    return {name: TimingStats.of([max(rank[name][i] for rank in gathered) for i in range(steps)]) for name in stats}
+
+
+def _model_fwd_bwd_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
+    """The same model's forward + backward in one process: only the MoE layers' form differs."""
+    loop, plait = _models(shape)
+    ids = _tokens(shape, 10)
+
+    def fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+    with torch.no_grad():
+        torch.testing.assert_close(plait(ids).logits, loop(ids).logits, atol=1e-4, rtol=1e-4)  # same model
+    with one_thread():
+        stats = interleaved_timing({"plait": fwd_bwd(plait), "loop": fwd_bwd(loop)}, warmup=warmup, steps=steps)
+    bench = f"tiny-llama-MoE fwd+bwd, one process, {shape.batch}x{shape.seq} tokens"
+    return [timing_row(bench, stats["plait"], LOOP, stats["loop"], target_ratio=GROUPED_TARGET)]
+
+
+def _gemm_floor(layer, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """The layer's six GEMMs per expert (forward: gate/up, down; backward: d_act, d_down, d_x,
-    d_gate_up) on this step's routing counts, with nothing around them."""
+    d_gate_up) on this step's routing counts, with nothing around them; ``linear(a, b) = a @ b.T``."""
     with torch.no_grad():
         _, losses = layer(x, return_losses=True)
     counts = losses.expert_load.tolist()
@@ -116,16 +229,19 @@ def _gemm_floor(layer, x: torch.Tensor):
         for expert, count in enumerate(counts):
             rows_e = slice(start, start + count)
             start += count
-            torch.mm(x_rows[rows_e], w_gate_up[expert].t())
-            torch.mm(act[rows_e], w_down[expert].t())
-            torch.mm(grad[rows_e], w_down[expert])
-            torch.mm(grad[rows_e].t(), act[rows_e])
-            torch.mm(gate_up[rows_e], w_gate_up[expert])
-            torch.mm(gate_up[rows_e].t(), x_rows[rows_e])
+            linear(x_rows[rows_e], w_gate_up[expert])
+            linear(act[rows_e], w_down[expert])
+            linear(grad[rows_e], w_down[expert].t())
+            linear(grad[rows_e].t(), act[rows_e].t())
+            linear(gate_up[rows_e], w_gate_up[expert].t())
+            linear(gate_up[rows_e].t(), x_rows[rows_e].t())
     return step
 
 
-def _grouped_vs_loop(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
+def _grouped_vs_loop(shape: Shape, warmup: int, steps: int, *, cpu_clock: bool) -> list[BenchRow]:
+    """Row 2 of the module docstring at one token count."""
+    from plait.kernels.ops.moe_grouped import linear_nt
+
     layer = _plait_layer(shape)
     loop = _loop_layer(layer)
     # The tokens need gradients, as inside a model (earlier layers train too).
@@ -133,21 +249,71 @@ def _grouped_vs_loop(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
                     requires_grad=True)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), loop(x), atol=1e-4, rtol=1e-3)  # same computation
-    candidates = {"grouped": _step(layer, x), "loop": _step(loop, x), "floor": _gemm_floor(layer, x)}
+    candidates = {"grouped": _step(layer, x), "loop": _step(loop, x),
+                  "floor (mm)": _gemm_floor(layer, x, lambda a, b: torch.mm(a, b.t())),
+                  "floor (op)": _gemm_floor(layer, x, linear_nt)}
     with one_thread():
-        stats = interleaved_timing(candidates, warmup=warmup, steps=steps)
-        cpu = interleaved_timing(candidates, warmup=warmup, steps=3 * steps, clock=time.thread_time)
+        timings = [("time (ms)", interleaved_timing(candidates, warmup=warmup, steps=steps))]
+        if cpu_clock:
+            timings.append(("CPU time (ms)", interleaved_timing(candidates, warmup=warmup, steps=3 * steps,
+                                                                clock=time.thread_time)))
     name = f"{shape.batch}x{shape.seq} tokens, E={shape.experts} top-{shape.top_k}"
-    loop_name = "per-expert loop (tiny-llama-MoE MoEMLP)"
-    rows = []
-    for figure, timing in (("time (ms)", stats), ("CPU time (ms)", cpu)):
-        target = GROUPED_TARGET if figure == "time (ms)" else None  # the target is on the step time
-        rows.append(timing_row(f"MoE layer fwd+bwd, {name}", timing["grouped"], loop_name, timing["loop"],
+    rows = _allocation_rows(layer, loop, x, name, warmup, steps) if cpu_clock else []
+    for figure, timing in timings:
+        target = GROUPED_TARGET if figure == "time (ms)" and shape.seq == Shape.seq else None
+        rows.append(timing_row(f"MoE layer fwd+bwd, {name}", timing["grouped"], LOOP, timing["loop"],
                                target_ratio=target, figure=figure))
-        floor = timing_row(f"GEMM floor: the 6 expert GEMMs of fwd+bwd alone, {name}", timing["floor"], loop_name,
-                           timing["loop"], figure=figure)
-        rows.append(dataclasses.replace(floor, note=f"best ratio any grouping reaches on this CPU; {floor.note}"))
+        for floor, what in (("floor (mm)", "torch mm = MKL, the loop's GEMM"),
+                            ("floor (op)", "linear_nt = oneDNN, the grouped op's GEMM")):
+            row = timing_row(f"GEMM floor ({what}): the 6 expert GEMMs of fwd+bwd alone, {name}",
+                             timing[floor], LOOP, timing["loop"], figure=figure)
+            rows.append(dataclasses.replace(row, note=f"no MoE layer beats its own floor; {row.note}"))
     return rows
+
+
+def _allocation_rows(layer, loop, x: torch.Tensor, name: str, warmup: int, steps: int) -> list[BenchRow]:
+    """The cost of the stacked weight gradient: a fresh ``[E, 2I, H]`` + ``[E, H, I]`` per step that
+    glibc's allocator returns to the OS when ``zero_grad`` frees it, so the next step page-faults it
+    in again (the loop's 24 small gradients are recycled). Kept gradients (``set_to_none=False``,
+    as under gradient accumulation) add into the same memory instead."""
+    candidates = {"grouped": _step(layer, x, set_to_none=False), "loop": _step(loop, x, set_to_none=False)}
+    with one_thread():
+        faults = {key: _page_faults(_step(module, x), steps) for key, module in (("grouped", layer), ("loop", loop))}
+        kept = interleaved_timing(candidates, warmup=warmup, steps=steps)
+    layer.zero_grad(set_to_none=True)
+    loop.zero_grad(set_to_none=True)
+    fault_row = BenchRow(benchmark=f"minor page faults per MoE layer fwd+bwd step, {name}", figure="faults/step",
+                         ours=faults["grouped"], peer=LOOP, peer_value=faults["loop"],
+                         note="zero_grad(set_to_none=True) frees the stacked expert gradients each step")
+    kept_row = timing_row(f"MoE layer fwd+bwd, gradients kept between steps (zero_grad(set_to_none=False)), {name}",
+                          kept["grouped"], LOOP, kept["loop"])
+    return [fault_row, kept_row]
+
+
+def _method_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
+    """Row 3 of the module docstring: the grouped op's torch methods, fwd+bwd."""
+    from plait.kernels.ops.moe_grouped import grouped_gated_mlp_torch
+
+    layer = _plait_layer(shape)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, losses = layer(x, return_losses=True)
+    counts = losses.expert_load
+    rows = torch.randn(int(counts.sum()), shape.hidden, generator=torch.Generator().manual_seed(2),
+                       requires_grad=True)
+    w_gate_up, w_down = layer.experts.gate_up_proj, layer.experts.down_proj
+
+    def method(name: str) -> Callable[[], None]:
+        def step() -> None:
+            grouped_gated_mlp_torch(rows, counts, w_gate_up, w_down, method=name).square().mean().backward()
+            rows.grad, w_gate_up.grad, w_down.grad = None, None, None
+        return step
+    methods = ("segments", "grouped_mm", "padded_bmm")
+    with one_thread():
+        stats = interleaved_timing({name: method(name) for name in methods}, warmup=warmup, steps=steps)
+    name = f"{int(counts.sum())} rows, E={shape.experts}"
+    return [timing_row(f"grouped GEMM op fwd+bwd, method={other} (torch), {name}", stats[other],
+                       "method=segments (the CPU default)", stats["segments"]) for other in methods[1:]]
 
 
 def _deepspeed_layer(layer, ep_size: int) -> tuple[Any, str]:
@@ -188,11 +354,7 @@ def _expert_parallel_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRo
     if peer is not None:
         candidates["deepspeed"] = _step(peer, x)
     stats = interleaved_timing(candidates, warmup=warmup, steps=steps)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {name: s.samples for name, s in stats.items()})
-    # The step ends when the slower rank ends: per round, the max over ranks.
-    merged = {name: TimingStats.of([max(rank[name][i] for rank in gathered) for i in range(steps)])
-              for name in stats}
+    merged = _slowest_rank(stats, steps)
     bench = f"EP=2 MoE layer fwd+bwd, W=2 gloo, {shape.batch}x{shape.seq} tokens/rank"
     time_row = timing_row(bench, merged["plait"], "DeepSpeed MoE (ep_size=2, dropless)", merged.get("deepspeed"),
                           target_ratio=DEEPSPEED_TARGET)
