@@ -89,8 +89,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     if kind == "fabric":
         return fabric_main(fault, timeout, Path(outdir))
-    # The timeout also bounds start-up (rank 0's store waits that long for rank 1 to connect),
-    # so on a busy two-core machine it cannot be much below 15 s.
+    # The timeout also bounds start-up (rank 0's store waits that long for rank 1 to connect, and
+    # rank 1 imports Lightning first), so on a busy two-core machine it cannot be much below 30 s.
     strategy = (PlaitStrategy(ZeroConfig(stage=3), timeout=timeout) if kind == "plait"
                 else L.pytorch.strategies.DDPStrategy(timeout=timeout))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=12, logger=False,

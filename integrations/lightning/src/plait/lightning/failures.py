@@ -93,12 +93,17 @@ def stop_launched_ranks(launcher: Any, exception: BaseException | None = None) -
 
     Args:
         launcher: the strategy's launcher; only a script launcher's ``procs`` are touched.
-        exception: what ended this rank, for the message.
+        exception: what ended this rank: printed (type and message) before any rank is killed,
+            as the traceback may never be (see the comment in the body).
 
     Returns:
         local rank -> exit code (``None`` if it could not be reaped within 10 s).
     """
     procs: list[subprocess.Popen] = list(getattr(launcher, "procs", []) or [])
+    if procs and exception is not None:
+        # Say why first: once a child is dead, Lightning's observer thread (polling every 5 s) may
+        # SIGKILL this process before its traceback is printed, and the error naming the rank is lost.
+        print(f"plait: rank 0 ended with {type(exception).__name__}: {exception}", file=sys.stderr, flush=True)
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
