@@ -8,8 +8,9 @@ give the same losses bit for bit.
 Lightning's own ``strategy="ddp"`` takes them too: plait-lightning's entry-point callback
 (:mod:`plait.lightning.onebit_ddp`) turns DDP's gradient all-reduce off with a communication hook,
 so the optimizer exchanges alone; the run is bitwise the same optimizer in a plain torch loop
-without DDP (and differs from one under DDP without the hook), and what the optimizer cannot
-honour on local gradients is refused naming the fix."""
+without DDP (and differs from one under DDP without the hook); a checkpoint saved after warm-up
+carries every rank's error feedback and resumes bit for bit; what the optimizer cannot honour on
+local gradients is refused naming the fix."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitL
 from plait.onebit_optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
-STEPS, FREEZE = 8, 3
+STEPS, FREEZE, RESUME_AT = 8, 3, 5
 
 
 class OnebitModule(TinyLlamaModule):
@@ -132,8 +133,9 @@ def _refusal(**trainer_extra: Any) -> str:
     return "accepted"
 
 
-def ddp_session() -> dict[str, Any]:
-    """Lightning's ``ddp`` with 1-bit Adam, its plain-torch reference and control, and the refusals."""
+def ddp_session(root: str) -> dict[str, Any]:
+    """Lightning's ``ddp`` with 1-bit Adam, its plain-torch reference and control, a checkpoint saved
+    after warm-up and resumed, and the refusals."""
     from lightning.pytorch.strategies import DDPStrategy
     from test_lightning_distributed import _fit, _quiet
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -145,7 +147,12 @@ def ddp_session() -> dict[str, Any]:
     recorded, module = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule)
     (callback,) = [c for c in module.trainer.callbacks if isinstance(c, OptimizerOwnsExchange)]
     optimizer = module.trainer.optimizers[0]
+    path = f"{root}/step{RESUME_AT}.ckpt"
+    _, first = _fit("ddp", devices=2, steps=RESUME_AT, module_cls=OnebitModule)
+    first.trainer.save_checkpoint(path)
+    resumed, again = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule, ckpt_path=path)
     return {
+        "resumed": (resumed, {k: v.detach().clone() for k, v in again.named_parameters()}),
         "lightning": ([recorded[i] for i in range(STEPS)],
                       {k: v.detach().clone() for k, v in module.named_parameters()}),
         "hooked": callback.hooked, "past_warmup": optimizer.step_count, "exchanges": sum(
@@ -157,8 +164,8 @@ def ddp_session() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(600)
-def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use() -> None:
-    for result in run_distributed(ddp_session, 2, timeout=540):
+def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use(tmp_path) -> None:
+    for result in run_distributed(ddp_session, 2, str(tmp_path), timeout=540):
         losses, weights = result["lightning"]
         assert result["hooked"] == ("OnebitAdam",) and result["past_warmup"] == STEPS and result["exchanges"] == 1
         plain_losses, plain_weights = result["plain"]
@@ -169,5 +176,11 @@ def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use() ->
         control_losses, control_weights = result["ddp_without_hook"]
         assert control_losses[:FREEZE + 1] == plain_losses[:FREEZE + 1]
         assert any(not torch.equal(control_weights[k], plain_weights[k]) for k in weights)
+        # Saved at step 5 (after warm-up: error feedback on every rank) and resumed: the steps after it
+        # and the final weights bitwise the uninterrupted run's.
+        resumed_losses, resumed_weights = result["resumed"]
+        assert sorted(resumed_losses) == list(range(RESUME_AT, STEPS))
+        assert [resumed_losses[i] for i in range(RESUME_AT, STEPS)] == losses[RESUME_AT:]
+        assert all(torch.equal(resumed_weights[k], weights[k]) for k in weights)
         assert "gradient_clip_val=1.0" in result["clip"] and "plait_zero1" in result["clip"]
         assert "ddp_comm_hook" in result["own_hook"]

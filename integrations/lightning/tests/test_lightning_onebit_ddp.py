@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plait.lightning.onebit_ddp import OptimizerOwnsExchange, callbacks, check_ddp_settings, local_gradients_hook
+from plait.kernels.testing import run_distributed
+from plait.lightning.onebit_ddp import (
+    CHECKPOINT_KEY,
+    OptimizerOwnsExchange,
+    callbacks,
+    check_ddp_settings,
+    check_replicated,
+    local_gradients_hook,
+)
 
 
 def _trainer(**overrides: object) -> SimpleNamespace:
@@ -64,3 +72,40 @@ def test_the_hook_returns_the_bucket_unchanged():
     buffer = torch.arange(5.0)
     future = local_gradients_hook(None, SimpleNamespace(buffer=lambda: buffer))
     assert future.done() and future.value() is buffer
+
+
+def _checkpoint(world: int, exchanges: list) -> dict:
+    parts = [[{"kind": "OnebitAdam", "rank": r, "exchanges": exchanges}] for r in range(world)]
+    return {"optimizer_states": [{"state": {}, "onebit": parts[0][0]}],
+            CHECKPOINT_KEY: {"world": world, "indices": [0], "ranks": parts}}
+
+
+def test_load_hands_each_rank_its_own_part_and_refuses_another_world():
+    callback = OptimizerOwnsExchange()
+    same = _checkpoint(1, [{"worker_error": torch.ones(8)}])
+    callback.on_load_checkpoint(None, None, same)  # one process: rank 0 of 1
+    assert same["optimizer_states"][0]["onebit"] is same[CHECKPOINT_KEY]["ranks"][0][0]
+    with pytest.raises(ValueError, match="error feedback of 4 ranks and the run has 1"):
+        callback.on_load_checkpoint(None, None, _checkpoint(4, [{"worker_error": torch.ones(8)}]))
+    warmup = _checkpoint(4, [None])  # no exchange yet: every rank's state is rank 0's, any world
+    callback.on_load_checkpoint(None, None, warmup)
+    assert warmup["optimizer_states"][0]["onebit"]["rank"] == 0
+
+
+def _replicas(differ: bool) -> str:
+    model = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(model.weight, 1.0)
+    if differ:
+        model.bias.data.fill_(float(torch.distributed.get_rank()))  # a rank's own local steps
+    try:
+        check_replicated(model, ("ZeroOneAdam",))
+    except RuntimeError as exc:
+        return str(exc)
+    return "saved"
+
+
+@pytest.mark.timeout(120)
+def test_a_save_while_the_ranks_parameters_differ_is_refused():
+    assert run_distributed(_replicas, 2, False, timeout=100) == ["saved", "saved"]
+    for message in run_distributed(_replicas, 2, True, timeout=100):
+        assert "ranks' parameters differ" in message and "synchronisation" in message

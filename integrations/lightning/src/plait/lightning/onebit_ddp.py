@@ -15,6 +15,16 @@ hook, so DDP communicates nothing in backward and every rank keeps its own gradi
 the optimizer is used without DDP (the same bits: ``tests/test_onebit_lightning.py``). DDP's
 parameter broadcast at wrap time and its buffer broadcast stay.
 
+Checkpoints: Lightning's ``ddp`` writes rank 0's optimizer state only, but a 1-bit optimizer's
+error feedback is each rank's own (its ``state_dict`` refuses another rank's). At
+``on_save_checkpoint`` the callback gathers every rank's ``"onebit"`` part to rank 0 into the
+checkpoint (``checkpoint["plait_onebit_ddp"]``: the worker error is a full-size fp32 buffer per
+rank, so the file grows by about 4 bytes per parameter per rank) and at ``on_load_checkpoint``
+hands each rank its own, so a resumed run continues bit for bit. Refused there: a save while the
+ranks' parameters differ (0/1 Adam between two synchronisations: there is no one model to save),
+and a resume at another world size once error feedback exists (it reshards only under plait ZeRO
+with universal checkpoints).
+
 Refused at fit start, each naming the fix (what the optimizer cannot do on local gradients): other
 optimizers alongside it (DDP's hook is for the whole model), a communication hook of the user's own
 (``DDPStrategy(ddp_comm_hook=...)``), ``gradient_clip_val`` (Lightning would clip each rank's
@@ -29,7 +39,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+CHECKPOINT_KEY = "plait_onebit_ddp"
 
 _USE_INSTEAD = ("use strategy='plait_zero1' (whole parameters and gradients on every rank, as DDP) or "
                 "'plait_zero2', which compose the 1-bit optimizers with ZeRO")
@@ -78,6 +91,65 @@ class OptimizerOwnsExchange(pl.Callback):
         check_ddp_settings(trainer, names, others=len(trainer.optimizers) - len(owners))
         model.register_comm_hook(None, local_gradients_hook)
         self.hooked = tuple(type(o).__name__ for o in owners)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Gather every rank's error feedback and counters into the checkpoint rank 0 writes.
+
+        Raises:
+            RuntimeError: the ranks' parameters differ (0/1 Adam between synchronisations).
+        """
+        if not self.hooked or "optimizer_states" not in checkpoint:
+            return
+        check_replicated(pl_module, self.hooked)
+        indices = [i for i, o in enumerate(trainer.optimizers) if getattr(o, "owns_gradient_exchange", False)]
+        mine = [checkpoint["optimizer_states"][i].get("onebit") for i in indices]
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+        if everyone is not None:
+            checkpoint[CHECKPOINT_KEY] = {"world": dist.get_world_size(), "indices": indices, "ranks": everyone}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Give this rank's optimizers their own error feedback back (before Lightning loads them).
+
+        Raises:
+            ValueError: the checkpoint holds error feedback of another world size.
+        """
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None or "optimizer_states" not in checkpoint:
+            return
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        if saved["world"] != world:
+            if any(ex is not None for part in saved["ranks"][0] if part for ex in part["exchanges"]):
+                raise ValueError(
+                    f"this checkpoint holds the 1-bit error feedback of {saved['world']} ranks and the run has "
+                    f"{world}: Lightning's ddp checkpoint does not reshard it; resume on {saved['world']} devices, "
+                    "or train with strategy='plait_zero1'/'plait_zero2', whose universal checkpoints reshard it.")
+            return  # no error feedback yet (warm-up): every rank's state is rank 0's
+        for index, part in zip(saved["indices"], saved["ranks"][rank]):
+            checkpoint["optimizer_states"][index]["onebit"] = part
+
+
+def check_replicated(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Refuse to save a DDP checkpoint (rank 0's weights) while the ranks' parameters differ.
+
+    Compares a float64 sum and sum of squares of every parameter across ranks (one small
+    all-gather): equal on every rank of a replicated model, different after a local step.
+
+    Raises:
+        RuntimeError: naming the optimizer and the fix.
+    """
+    # On the parameters' device, so NCCL can gather it as gloo does on CPU.
+    prints = torch.stack([torch.stack((p.detach().double().sum(), p.detach().double().square().sum()))
+                          for p in module.parameters()]).reshape(-1)
+    everyone = [torch.empty_like(prints) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, prints)
+    if any(not torch.equal(other, everyone[0]) for other in everyone[1:]):
+        raise RuntimeError(
+            f"checkpoint with strategy='ddp' and {', '.join(names)}: the ranks' parameters differ (0/1 Adam between "
+            "two synchronisations: each rank's copy is its own), so rank 0's weights are not the model; save at a "
+            "synchronisation step (every local_step_interval steps) or after the variance phase ends.")
 
 
 def check_ddp_settings(trainer: pl.Trainer, names: str, *, others: int) -> None:
