@@ -1,4 +1,4 @@
-"""SLURM auto-requeue with a plait strategy, without SLURM: saved by every rank, requeued, resumed by itself.
+"""R9, restart after a SLURM requeue with a plait strategy, without SLURM: saved, requeued, resumed by itself.
 
 SLURM is played by this test: each task of ``reliability_slurm_job.py`` is started as ``srun`` starts
 it (one process per task, ``SLURM_NTASKS``/``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NODEID``/
