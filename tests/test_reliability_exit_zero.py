@@ -44,7 +44,9 @@ def test_finished_four_rank_runs_exit_zero(tmp_path, variant):
         left = live_processes_mentioning(str(outdir))
         leftovers += len(left)
         if job.rc != 0 or "terminate called" in job.output or left:
-            failures.append(f"run {run}: rc {job.rc}, left {left}\n{job.output[-2000:]}")
+            (outdir / "torchrun-output.txt").write_text(job.output)  # whole: the abort's stacks come first
+            failures.append(f"run {run}: rc {job.rc}, left {left}, output in {outdir}/torchrun-output.txt\n"
+                            f"{job.output[-2000:]}")
             print(f"{STRATEGY[variant]} {failures[-1]}", flush=True)  # at once: a sweep takes many minutes
     print(f"{STRATEGY[variant]}: {RUNS - len(failures)} of {RUNS} finished four-rank runs exited 0")
     record(f"{STRATEGY[variant]} setup: torchrun loop, 4 ranks", "none (a finished run)", left=leftovers,
