@@ -34,12 +34,13 @@ from plait.kernels.collectives.ops import all_gather_into_tensor, all_to_all_sin
 from plait.kernels.ops.sign import (
     compress_with_error_feedback,
     packed_numel,
-    scaled_signs,
     signs_reference,
-    unpack_bits,
+    unpack_scaled_signs,
 )
 
 FP32 = 4
+# Elements per piece of the server's decode-and-sum: 1 MiB of fp32 (a multiple of 8: whole bytes).
+_PIECE = 1 << 18
 
 
 def compressed_numel(numel: int, world_size: int) -> int:
@@ -71,20 +72,27 @@ def compressed_allreduce_nbytes(numel: int, world_size: int) -> int:
 
 
 def compressed_allreduce(
-    buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, *, group: Any | None = None
+    buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, *, group: Any | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Average ``buffer`` over the group in 1 bit per element, with worker and server error feedback.
 
     Args:
         buffer: flat fp32 tensor of ``n`` elements, ``n`` a multiple of ``8 x world`` (pad with
-            :func:`compressed_numel`; padding elements should be zero). Not modified.
+            :func:`compressed_numel`; padding elements should be zero). Not modified, unless it
+            is also ``out``.
         worker_error: this rank's flat fp32 error of ``n`` elements, updated in place.
         server_error: this rank's flat fp32 error of its server chunk, ``n / world`` elements,
             updated in place.
         group: the process group (``None``: the default group).
+        out: optional flat fp32 tensor of ``n`` elements for the result, so a caller that
+            exchanges every step allocates nothing of the buffer's size (fresh pages of a large
+            tensor cost more than the arithmetic on CPU). It may be ``buffer`` itself: the buffer
+            is read once, at the start, before anything is written to ``out``.
 
     Returns:
-        A new flat fp32 tensor of ``n`` elements, equal on every rank: the compressed average.
+        A flat fp32 tensor of ``n`` elements (``out`` when given), equal on every rank: the
+        compressed average.
 
     Raises:
         ValueError: sizes or dtypes that do not fit (the message says which and the fix).
@@ -92,6 +100,11 @@ def compressed_allreduce(
     world = dist.get_world_size(group)
     n = buffer.numel()
     _check_buffers(buffer, worker_error, server_error, world)
+    if out is None:
+        out = torch.empty_like(buffer)
+    elif out.shape != buffer.shape or out.dtype != torch.float32:
+        raise ValueError(f"compressed_allreduce: out must be float32 of shape {tuple(buffer.shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}; pass a tensor like the buffer, or none.")
     chunk = n // world
     packed, worker_scale = compress_with_error_feedback(buffer, worker_error)
     received = torch.empty_like(packed)
@@ -100,7 +113,9 @@ def compressed_allreduce(
     all_gather_into_tensor(worker_scales, worker_scale.reshape(1), group=group,
                            name="1-bit compressed all-reduce: worker-scale all-gather")
 
-    server = _server_average(received.view(world, -1), worker_scales, chunk)
+    # The server average is built in this rank's own chunk of ``out``: free until the final decode.
+    rank = dist.get_rank(group)
+    server = _server_average(received.view(world, -1), worker_scales, out[rank * chunk: (rank + 1) * chunk])
     server_packed, server_scale = compress_with_error_feedback(server, server_error)
     all_packed = torch.empty(world * server_packed.numel(), dtype=torch.uint8, device=buffer.device)
     all_gather_into_tensor(all_packed, server_packed, group=group,
@@ -108,14 +123,22 @@ def compressed_allreduce(
     server_scales = buffer.new_empty(world)
     all_gather_into_tensor(server_scales, server_scale.reshape(1), group=group,
                            name="1-bit compressed all-reduce: server-scale all-gather")
-    return scaled_signs(unpack_bits(all_packed, n).view(world, chunk), server_scales[:, None]).view(-1)
+    for server_rank, signs in enumerate(all_packed.view(world, -1)):
+        unpack_scaled_signs(signs, chunk, server_scales[server_rank],
+                            out=out[server_rank * chunk: (server_rank + 1) * chunk])
+    return out
 
 
-def _server_average(signs: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Sum of ``sign_w x scale_w`` over workers in rank order, times ``1 / world`` (fp32)."""
-    total = torch.zeros(chunk, dtype=torch.float32, device=signs.device)
-    for worker in range(signs.shape[0]):
-        total += scaled_signs(unpack_bits(signs[worker], chunk), scales[worker])
+def _server_average(signs: torch.Tensor, scales: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Sum of ``sign_w x scale_w`` over workers in rank order, times ``1 / world`` (fp32), into
+    ``total`` (a flat fp32 tensor of one chunk, overwritten)."""
+    total.zero_()  # the reference's order, 0 + s_0 + s_1 + ..., kept to the bit
+    decoded = torch.empty(min(_PIECE, total.numel()), dtype=torch.float32, device=total.device)
+    for start in range(0, total.numel(), _PIECE):  # piece by piece: a small reused temporary, in cache
+        part = total[start: start + _PIECE]
+        for worker in range(signs.shape[0]):
+            part += unpack_scaled_signs(signs[worker, start // 8:], part.numel(), scales[worker],
+                                        out=decoded[: part.numel()])
     return total.mul_(1.0 / signs.shape[0])
 
 

@@ -62,7 +62,7 @@ def frozen_variance_update(p: torch.Tensor, state: dict[str, Any], group: dict[s
     step_size = lr / (1 - beta1 ** state["step"].item())
     if weight_decay:
         p.mul_(1 - lr * weight_decay)
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** freeze_step)).add_(eps)
+    denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** freeze_step)).add_(eps)  # one temporary
     p.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
 class OnebitAdam(CompressedOptimizer):

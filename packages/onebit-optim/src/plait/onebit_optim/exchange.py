@@ -94,6 +94,10 @@ class CompressedExchange:
         self.padded = collectives.compressed_numel(self.numel, self.world)
         self.worker_error = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self.server_error = torch.zeros(self.padded // self.world, dtype=torch.float32, device=device)
+        # The flat buffer, kept across steps (not state: rebuilt from the tensors every call). A
+        # fresh tensor of the whole group's size every step costs more than the exchange's
+        # arithmetic on CPU (new pages); the compressed average is written back into it too.
+        self._flat: torch.Tensor | None = None
 
     def exchange_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Replace ``tensors`` (this rank's values) by their 1-bit compressed average, in place.
@@ -112,16 +116,24 @@ class CompressedExchange:
         rms.mul_(1.0 / self.world)
         united = rms.mean()
         factors = torch.where(rms > 0, united / rms, 1.0).tolist()
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.worker_error.device)
+        flat = self._buffer()
         offset = 0
         for tensor, factor in zip(tensors, factors):
-            flat[offset: offset + tensor.numel()] = tensor.reshape(-1) * factor
+            torch.mul(tensor.reshape(-1), factor, out=flat[offset: offset + tensor.numel()])
             offset += tensor.numel()
-        result = collectives.compressed_allreduce(flat, self.worker_error, self.server_error, group=self.group)
+        result = collectives.compressed_allreduce(flat, self.worker_error, self.server_error, group=self.group,
+                                                  out=flat)
         offset = 0
         for tensor, factor in zip(tensors, factors):
-            tensor.copy_(result[offset: offset + tensor.numel()].view_as(tensor) / factor)
+            torch.div(result[offset: offset + tensor.numel()].view_as(tensor), factor, out=tensor)
             offset += tensor.numel()
+        flat[self.numel:].zero_()  # the padding goes in as zeros next time
+
+    def _buffer(self) -> torch.Tensor:
+        """The flat fp32 buffer of the exchange (``padded`` elements, its padding zero)."""
+        if self._flat is None:
+            self._flat = torch.zeros(self.padded, dtype=torch.float32, device=self.worker_error.device)
+        return self._flat
 
     def reset_errors(self) -> None:
         """Zero both error buffers (0/1 Adam does this when the exchanged quantity changes)."""

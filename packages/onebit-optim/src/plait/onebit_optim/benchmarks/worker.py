@@ -63,7 +63,12 @@ def build(name: str, spec: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     if name in ONEBIT:
         cls, config = onebit_optimizer(name, spec)
         return model, cls(list(model.parameters()), lr=LR, config=config)
-    ddp = DistributedDataParallel(model)
+    # PowerSGD chains collectives in its futures' callbacks; with several DDP buckets the chains of
+    # different buckets interleave in a different order on each rank, which gloo cannot match (the
+    # "Received data size doesn't match expected size" abort of the 21:07 run). One bucket for the
+    # whole model keeps the order; its communication is small enough not to need overlap.
+    bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+    ddp = DistributedDataParallel(model, **({"bucket_cap_mb": bucket_mb} if name == "ddp_powersgd" else {}))
     if name == "ddp_adamw":
         collectives.count_ddp(ddp)
     elif name == "ddp_fp16_hook":
