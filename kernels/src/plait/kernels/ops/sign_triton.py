@@ -35,7 +35,7 @@ index correctly.
 
 CPU interpreter (``TRITON_INTERPRET=1``): how the tests run these kernels without a GPU; it must be
 set before the process imports triton (``check_triton_launch_mode`` says so otherwise). The only
-float arithmetic is ``c -+ scale``, one IEEE addition (correctly rounded on a GPU and in the
+float arithmetic is ``c -+ scale``, one IEEE addition (and the unpack's exact ``2b - 1``) (correctly rounded on a GPU and in the
 interpreter, and no multiply to contract into an FMA), so the interpreter and a GPU give the same bits.
 
 Triton is imported here and only here, so ``plait.kernels`` imports on machines without Triton.
