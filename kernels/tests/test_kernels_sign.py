@@ -24,6 +24,7 @@ import torch
 
 from plait.kernels import dispatch
 from plait.kernels.ops import compress_with_error_feedback, pack_signs, packed_numel, unpack_bits, unpack_signs
+from plait.kernels.ops.sign import unpack_scaled_signs
 
 # 4096 elements is one Triton program (sign_triton.BYTES = 512 bytes): sizes on both sides of it.
 SIZES = (1, 3, 7, 8, 9, 31, 64, 257, 4095, 4096, 4097, 9001)
@@ -74,6 +75,19 @@ def test_padding_bits_and_special_values(triton_backend):
     assert torch.equal(packed, _reference(pack_signs, x))
     # Unpacking fewer elements than the bytes hold reads only those: a prefix of the signs.
     assert torch.equal(unpack_signs(packed.to(triton_backend), 5).cpu(), torch.tensor([-1.0, 1, -1, 1, 1]))
+
+
+@pytest.mark.parametrize("numel", (1, 9, 4097))
+def test_unpack_scaled_signs_matches_the_reference_bitwise(triton_backend, numel):
+    packed = pack_signs(_data(numel, seed=numel + 7).to(triton_backend))
+    scale = torch.tensor(0.37, device=triton_backend)
+    want = _reference(unpack_scaled_signs, packed.cpu(), numel, scale.cpu())
+    _same_float_bits(unpack_scaled_signs(packed, numel, scale).cpu(), want)
+    buffer = torch.full((2 * numel,), 7.0, device=triton_backend)
+    for out in (buffer[:numel], buffer[::2]):  # into a slice, and a strided one
+        assert unpack_scaled_signs(packed, numel, scale, out=out) is out
+        _same_float_bits(out.cpu(), want)
+    assert bool((buffer[1::2][numel // 2 + 1:] == 7.0).all())  # nothing written past out
 
 
 def test_strided_and_multidimensional_inputs_are_read_flat(triton_backend):
@@ -152,8 +166,12 @@ cases = [
     (S._pack_kernel, {"X": "*fp32", "OUT": "*u8", "N": "i64", "NBYTES": "i64"}, {"WIDEN": False}),
     (S._pack_kernel, {"X": "*bf16", "OUT": "*u8", "N": "i32", "NBYTES": "i32"}, {"WIDEN": True}),
     (S._pack_kernel, {"X": "*fp64", "OUT": "*u8", "N": "i32", "NBYTES": "i32"}, {"WIDEN": False}),
-    (S._unpack_kernel, {"P": "*u8", "OUT": "*fp32", "N": "i32", "NBYTES": "i32"}, {"AS_SIGNS": True}),
-    (S._unpack_kernel, {"P": "*u8", "OUT": "*u8", "N": "i32", "NBYTES": "i32"}, {"AS_SIGNS": False}),
+    (S._unpack_kernel, {"P": "*u8", "SCALE": "*u8", "OUT": "*fp32", "N": "i32", "NBYTES": "i32"},
+     {"AS_SIGNS": True, "HAS_SCALE": False}),
+    (S._unpack_kernel, {"P": "*u8", "SCALE": "*fp32", "OUT": "*fp32", "N": "i32", "NBYTES": "i32"},
+     {"AS_SIGNS": True, "HAS_SCALE": True}),
+    (S._unpack_kernel, {"P": "*u8", "SCALE": "*u8", "OUT": "*u8", "N": "i32", "NBYTES": "i32"},
+     {"AS_SIGNS": False, "HAS_SCALE": False}),
     (S._sign_error_kernel, {"C": "*fp32", "SCALE": "*fp32", "OUT": "*u8", "N": "i32", "NBYTES": "i32"}, {}),
 ]
 out = []
@@ -178,6 +196,6 @@ def test_kernels_compile_for_cuda_without_a_gpu():
         pytest.skip("this triton install has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 12 and all(size > 0 for _, _, size, _ in compiled)
+    assert len(compiled) == 14 and all(size > 0 for _, _, size, _ in compiled)
     # The fused pass adds or subtracts the scale: no multiply-add for the compiler to contract.
     assert not any(fma for _, name, _, fma in compiled if name == "_sign_error_kernel")

@@ -195,8 +195,9 @@ def unpack_scaled_signs(packed: torch.Tensor, numel: int, scale: torch.Tensor, *
     """
     _check_packed(packed, numel)
     if numel and dispatch.select_backend(packed) == dispatch.TRITON:
-        values = unpack_signs(packed, numel).mul_(scale)
-        return values if out is None else out.copy_(values)
+        from plait.kernels.ops import sign_triton
+
+        return sign_triton.unpack_triton(packed, numel, as_signs=True, scale=scale, out=out)  # one pass
     # The CPU path: one gather from a table of +-scale (scale times +-1 is exact).
     return _gather_rows(_SIGN_TABLE.to(packed.device) * scale.reshape(()), packed, numel, out)
 

@@ -15,8 +15,9 @@ writes nothing for them.
 * ``_pack_kernel``: x -> uint8 bytes. fp32 and fp64 are compared with 0 in their own dtype (fp64
   is not narrowed: a tiny negative would become -0.0, a 1 bit); bf16 and fp16 are widened to fp32
   first, which is exact and keeps every sign (the CPU interpreter cannot compare bf16 itself).
-* ``_unpack_kernel``: bytes -> the bits as 0/1 uint8 (the caller views them as bool) or as
-  ``+-1.0`` fp32 (``2b - 1``, exact).
+* ``_unpack_kernel``: bytes -> the bits as 0/1 uint8 (the caller views them as bool), as
+  ``+-1.0`` fp32 (``2b - 1``, exact), or as the decoded values ``+-scale`` (the scale read from
+  device memory), written straight into the caller's buffer.
 * ``_sign_error_kernel``: the second pass of ``compress_with_error_feedback``. The first pass,
   ``c = x + error`` (in the error buffer) and ``scale = ||c||_2 / sqrt(n)``, is torch's, the same
   calls as the reference's: the scale is a whole-tensor reduction whose bits depend on its
@@ -35,8 +36,9 @@ index correctly.
 
 CPU interpreter (``TRITON_INTERPRET=1``): how the tests run these kernels without a GPU; it must be
 set before the process imports triton (``check_triton_launch_mode`` says so otherwise). The only
-float arithmetic is ``c -+ scale``, one IEEE addition (and the unpack's exact ``2b - 1``) (correctly rounded on a GPU and in the
-interpreter, and no multiply to contract into an FMA), so the interpreter and a GPU give the same bits.
+rounding float operation is ``c -+ scale``, one IEEE addition, correctly rounded on a GPU and in the
+interpreter alike, with no multiply to contract into an FMA (the unpack's ``2b - 1`` and ``+-scale``
+are exact), so the interpreter and a GPU give the same bits.
 
 Triton is imported here and only here, so ``plait.kernels`` imports on machines without Triton.
 """
@@ -71,13 +73,17 @@ def _pack_kernel(X, OUT, N, NBYTES, WIDEN: tl.constexpr, BYTES: tl.constexpr):  
 
 
 @triton.jit
-def _unpack_kernel(P, OUT, N, NBYTES, AS_SIGNS: tl.constexpr, BYTES: tl.constexpr):  # noqa: N803
+def _unpack_kernel(P, SCALE, OUT, N, NBYTES, AS_SIGNS: tl.constexpr, HAS_SCALE: tl.constexpr,  # noqa: N803
+                   BYTES: tl.constexpr):  # noqa: N803 - Triton convention: capitals
     rows = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
     lanes = tl.arange(0, 8)
     elems = rows[:, None] * 8 + lanes[None, :]
     packed = tl.load(P + rows, mask=rows < NBYTES, other=0).to(tl.int32)
     bits = (packed[:, None] >> lanes[None, :]) & 1
-    if AS_SIGNS:
+    if HAS_SCALE:  # the decoded values +-scale (scale times +-1: exact)
+        scale = tl.load(SCALE)
+        tl.store(OUT + elems, tl.where(bits != 0, scale, -scale), mask=elems < N)
+    elif AS_SIGNS:
         tl.store(OUT + elems, bits.to(tl.float32) * 2.0 - 1.0, mask=elems < N)
     else:
         tl.store(OUT + elems, bits.to(tl.uint8), mask=elems < N)
@@ -118,18 +124,27 @@ def pack_signs_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack_triton(packed: torch.Tensor, numel: int, *, as_signs: bool) -> torch.Tensor:
-    """Triton :func:`~plait.kernels.ops.sign.unpack_bits` (``as_signs=False``: ``bool [numel]``) or
-    :func:`~plait.kernels.ops.sign.unpack_signs` (``as_signs=True``: fp32 ``+-1.0``); arguments
-    validated, ``numel >= 1``."""
+def unpack_triton(packed: torch.Tensor, numel: int, *, as_signs: bool, scale: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton :func:`~plait.kernels.ops.sign.unpack_bits` (``as_signs=False``: ``bool [numel]``),
+    :func:`~plait.kernels.ops.sign.unpack_signs` (``as_signs=True``: fp32 ``+-1.0``) or, with a
+    ``scale`` (a one-element fp32 tensor on packed's device), ``unpack_scaled_signs`` (fp32
+    ``+-scale``, into ``out`` when given: fp32, ``numel`` elements); arguments validated,
+    ``numel >= 1``."""
     check_triton_launch_mode(_unpack_kernel, packed, op="sign unpack")
     flat = _flat(packed)
     nbytes = packed_numel(numel)  # only the bytes that hold the first numel signs are read
-    out = torch.empty(numel, dtype=torch.float32 if as_signs else torch.uint8, device=packed.device)
+    floats = as_signs or scale is not None
+    target = out if out is not None and out.is_contiguous() else None
+    if target is None:
+        target = torch.empty(numel, dtype=torch.float32 if floats else torch.uint8, device=packed.device)
     with _device_guard(packed):
-        _unpack_kernel[_grid(nbytes)](flat, out, numel, nbytes, AS_SIGNS=as_signs, BYTES=BYTES,
+        _unpack_kernel[_grid(nbytes)](flat, flat if scale is None else scale.reshape(()), target, numel, nbytes,
+                                      AS_SIGNS=floats, HAS_SCALE=scale is not None, BYTES=BYTES,
                                       num_warps=_NUM_WARPS)
-    return out if as_signs else out.view(torch.bool)
+    if out is not None and target is not out:  # a strided out: written through a contiguous buffer
+        return out.copy_(target.view(out.shape))
+    return target if floats else target.view(torch.bool)
 
 
 def sign_and_error_triton(compensated: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
