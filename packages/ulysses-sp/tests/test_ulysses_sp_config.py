@@ -14,6 +14,7 @@ from plait.ulysses_sp.sharding import padded_length
     ({"inner_attention": "flash_attention_2"}, "inner_attention"),
     ({"tiled_mlp_chunks": 0}, "tiled_mlp_chunks"),
     ({"tiled_mlp_chunks": True}, "tiled_mlp_chunks"),
+    ({"fpdt_chunk": 0}, "fpdt_chunk"),
 ])
 def test_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=f"UlyssesConfig.{field}"):

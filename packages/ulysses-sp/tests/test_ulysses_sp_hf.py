@@ -107,6 +107,31 @@ def test_hf_llama_sp4_kv_heads_fewer_than_sp_equal_single_process():
     assert len(results[0]) == 2
 
 
+def _check_fpdt(families: tuple[str, ...]) -> list[str]:
+    """The whole ALST set with FPDT's chunked attention inside (5-token chunks: several blocks, uneven)."""
+    tol = tolerance("ulysses_model_grad", torch.float32)
+    checked = []
+    for family in families:
+        for seq, padded in ((24, False), (21, True)):
+            base = _model(family)
+            ref_loss, ref_grads = _reference(copy.deepcopy(base), _batch(seq, padded))
+            model = apply_ulysses(base, config=UlyssesConfig(inner_attention="fpdt", fpdt_chunk=5, tiled_mlp_chunks=3))
+            enable_offloaded_checkpointing(model)
+            model.train()
+            loss, grads = _sp_step(model, _batch(seq, padded), tiled=True)
+            what = f"{family} fpdt seq={seq} padded={padded}"
+            tol.assert_close(torch.tensor(loss), torch.tensor(ref_loss), what=f"{what} loss")
+            for name, grad in grads.items():
+                tol.assert_close(grad, ref_grads[name], what=f"{what} grad {name}")
+            checked.append(what)
+    return checked
+
+
+def test_hf_llama_and_qwen3_sp2_fpdt_inside_equal_single_process():
+    results = run_distributed(_check_fpdt, 2, ("llama", "qwen3"), timeout=180)
+    assert len(results[0]) == 4
+
+
 def _apply_and_remove() -> tuple[str, str, bool]:
     model = _model("llama")
     apply_ulysses(model, config=UlyssesConfig(tiled_mlp_chunks=2))

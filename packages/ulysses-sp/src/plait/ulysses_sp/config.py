@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-SUPPORTED_INNER = ("sdpa", "eager")
+SUPPORTED_INNER = ("sdpa", "eager", "fpdt")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,14 +17,19 @@ class UlyssesConfig:
     Attributes:
         sp_dim: name of the ``DeviceMesh`` dimension that holds the sequence-parallel ranks.
         inner_attention: the attention implementation run on the head-sharded tensors for HF
-            models (``"sdpa"`` or ``"eager"``); ``None`` keeps the model's current one.
+            models (``"sdpa"`` or ``"eager"``, or ``"fpdt"``: plait's FPDT attention over sequence
+            chunks with their q/k/v on the host, :mod:`plait.ulysses_sp.fpdt`); ``None`` keeps the
+            model's current one.
         tiled_mlp_chunks: split every decoder MLP into this many sequence chunks, recomputed in
             backward (:class:`plait.ulysses_sp.TiledMLP`); ``None`` or ``1`` leaves MLPs alone.
+        fpdt_chunk: tokens per sequence chunk of ``inner_attention="fpdt"`` (each block of scores
+            is ``fpdt_chunk x fpdt_chunk`` per head); read only with that inner attention.
     """
 
     sp_dim: str = "sp"
     inner_attention: str | None = None
     tiled_mlp_chunks: int | None = None
+    fpdt_chunk: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_dim, str) or not self.sp_dim:
@@ -37,6 +42,8 @@ class UlyssesConfig:
         chunks = self.tiled_mlp_chunks
         if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
             raise ValueError(f"UlyssesConfig.tiled_mlp_chunks={chunks!r} must be a positive int or None.")
+        if not isinstance(self.fpdt_chunk, int) or isinstance(self.fpdt_chunk, bool) or self.fpdt_chunk < 1:
+            raise ValueError(f"UlyssesConfig.fpdt_chunk={self.fpdt_chunk!r} must be a positive int (tokens per chunk).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ from torch import nn
 
 from plait.ulysses_sp.all_to_all import heads_to_seq
 from plait.ulysses_sp.attention import gather_heads, head_layout
-from plait.ulysses_sp.config import SPGroup, UlyssesConfig, sp_group
+from plait.ulysses_sp.config import SUPPORTED_INNER, SPGroup, UlyssesConfig, sp_group
+from plait.ulysses_sp.fpdt import fpdt_attention_forward
 from plait.ulysses_sp.masks import global_mask, sp_attention_mask
 from plait.ulysses_sp.tiled import tile_mlp, untile_mlp
 
@@ -51,17 +52,21 @@ class _AttentionState:
     function: Callable[..., tuple[torch.Tensor, Any]]
 
 
-def inner_function(module: nn.Module, inner: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+def inner_function(module: nn.Module, inner: str, *, fpdt_chunk: int = 1024) -> Callable[..., tuple[torch.Tensor, Any]]:
     """The attention function named ``inner`` as ``module`` would call it.
 
     ``"eager"`` is not in transformers' registry: each modeling file passes its own
     ``eager_attention_forward`` as the default, so it is taken from the module's modeling module.
+    ``"fpdt"`` is plait's chunked attention (:func:`plait.ulysses_sp.fpdt.fpdt_attention_forward`)
+    with ``fpdt_chunk`` tokens per chunk.
 
     Raises:
         UnsupportedModelError: no such function for this module.
     """
     from transformers import AttentionInterface
 
+    if inner == "fpdt":
+        return functools.partial(fpdt_attention_forward, chunk=fpdt_chunk)
     if inner != "eager":
         return AttentionInterface()[inner]
     function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -134,11 +139,11 @@ def inner_mask(keep: torch.Tensor | None, *, inner: str, seq: int, causal: bool,
                like: torch.Tensor) -> torch.Tensor | None:
     """The mask in the form the inner implementation takes.
 
-    SDPA takes the boolean mask as it is (no ``[B, 1, S, S]`` float copy per layer) and needs none
+    SDPA and FPDT take the boolean mask as it is (no ``[B, 1, S, S]`` float copy per layer) and needs none
     for plain causal attention (its kernels apply the triangle); eager adds its mask to the
     scores, so it gets an additive float mask, the causal triangle included.
     """
-    if inner == "sdpa":
+    if inner in ("sdpa", "fpdt"):
         return keep
     if keep is None:
         keep = global_mask(None, seq=seq, causal=causal, device=like.device)
@@ -239,7 +244,7 @@ def apply_ulysses(model: nn.Module, mesh: Any = None, *, config: UlyssesConfig |
     Raises:
         ValueError: the model is already ZeRO-sharded (wrong order), or fewer query heads than sp ranks.
         UnsupportedModelError: the model does not use ``AttentionInterface``, has no attention
-            module we recognise, or runs an inner attention other than sdpa/eager (named).
+            module we recognise, or runs an inner attention other than sdpa/eager/fpdt (named).
         ImportError: transformers missing or out of range.
     """
     check_transformers_version()
@@ -256,14 +261,15 @@ def apply_ulysses(model: nn.Module, mesh: Any = None, *, config: UlyssesConfig |
         raise UnsupportedModelError(f"{name} has no attention module with head_dim/is_causal to wrap.")
     previous = getattr(model, "_plait_ulysses_previous", None) or model.config._attn_implementation
     inner = config.inner_attention or previous
-    if inner not in ("sdpa", "eager"):
-        raise UnsupportedModelError(f"{name} uses attn_implementation={inner!r}; Ulysses runs sdpa or eager inside. "
-                                    "Pass UlyssesConfig(inner_attention='sdpa').")
+    if inner not in SUPPORTED_INNER:
+        raise UnsupportedModelError(f"{name} uses attn_implementation={inner!r}; Ulysses runs sdpa, eager or fpdt "
+                                    "inside. Pass UlyssesConfig(inner_attention='sdpa').")
     sp = sp_group(mesh, sp_dim=config.sp_dim)
     text = model.config.get_text_config()
     head_layout(sp.size, text.num_attention_heads, getattr(text, "num_key_value_heads", None)
                 or text.num_attention_heads)  # refuse impossible head splits before any work
-    states = [_AttentionState(sp=sp, inner=inner, function=inner_function(m, inner)) for m in modules]
+    states = [_AttentionState(sp=sp, inner=inner, function=inner_function(m, inner, fpdt_chunk=config.fpdt_chunk))
+              for m in modules]
     AttentionInterface.register(ATTN_NAME, ulysses_attention)
     model._plait_ulysses_previous = previous
     model.set_attn_implementation(ATTN_NAME)

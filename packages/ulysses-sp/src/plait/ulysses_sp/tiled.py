@@ -42,7 +42,7 @@ def chunk_sizes(length: int, chunks: int) -> list[int]:
 
 
 class TiledReplay:
-    """What the tiled calls inside one checkpointed layer computed in its forward, for its recompute.
+    """What the tiled calls (and FPDT attention) inside a checkpointed layer computed in forward, for its recompute.
 
     A checkpoint (:func:`plait.ulysses_sp.offloaded_checkpoint`) runs its layer twice: once
     without grad in forward, once with grad in backward to rebuild the graph. A tiled call inside
@@ -50,7 +50,9 @@ class TiledReplay:
     function would run three times. Here the first run keeps each tiled call's output (through
     ``keep``, e.g. to the host), and the recompute returns that output instead of computing it
     again; the chunks are still recomputed one at a time in backward, so the memory stays a
-    chunk's. The calls are matched in order (the recompute replays the same ops); a call whose
+    chunk's. FPDT's attention (:mod:`plait.ulysses_sp.fpdt`) keeps its output and log-sum-exp
+    the same way, so the recompute skips the attention blocks and only the backward visits them.
+    The calls are matched in order (the recompute replays the same ops); a call whose
     shape does not match is computed as usual.
 
     Args:
@@ -61,7 +63,7 @@ class TiledReplay:
     def __init__(self, keep: Callable[[torch.Tensor], torch.Tensor],
                  fetch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.keep, self.fetch = keep, fetch
-        self.outputs: list[tuple[tuple, torch.Tensor]] = []
+        self.outputs: list[tuple[tuple, Any]] = []
         self.replaying = False
 
     def __enter__(self) -> TiledReplay:
@@ -74,15 +76,17 @@ class TiledReplay:
             self.outputs.clear()  # the recompute is done: nothing is kept past it
         self.replaying = True  # the next time this replay is entered it hands outputs back
 
-    def put(self, key: tuple, out: torch.Tensor) -> None:
-        """Record a tiled call's output under ``key`` (its input's shape and how chunks combine)."""
-        self.outputs.append((key, self.keep(out)))
+    def put(self, key: tuple, out: Any) -> None:
+        """Record a call's output (a tensor or a tuple of them) under ``key`` (what identifies the call)."""
+        kept = tuple(self.keep(t) for t in out) if isinstance(out, tuple) else self.keep(out)
+        self.outputs.append((key, kept))
 
-    def take(self, key: tuple, like: torch.Tensor) -> torch.Tensor | None:
+    def take(self, key: tuple, like: torch.Tensor) -> Any:
         """The next recorded output if it was recorded under ``key`` (else ``None``: compute it)."""
         if not self.outputs or self.outputs[0][0] != key:
             return None
-        return self.fetch(self.outputs.pop(0)[1], like)
+        kept = self.outputs.pop(0)[1]
+        return tuple(self.fetch(t, like) for t in kept) if isinstance(kept, tuple) else self.fetch(kept, like)
 
 
 class _ReplayStack(threading.local):
@@ -93,7 +97,8 @@ class _ReplayStack(threading.local):
 _REPLAYS = _ReplayStack()
 
 
-def _active_replay() -> TiledReplay | None:
+def active_replay() -> TiledReplay | None:
+    """The innermost :class:`TiledReplay` this thread is inside (``None`` outside any checkpoint)."""
     return _REPLAYS.stack[-1] if _REPLAYS.stack else None
 
 
@@ -148,7 +153,7 @@ def tiled_apply(fn: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor
     if combine not in ("cat", "sum"):
         raise ValueError(f"combine={combine!r} must be 'cat' or 'sum'.")
     sizes = chunk_sizes(x.shape[1], chunks)
-    replay = _active_replay()
+    replay = active_replay()
     if not torch.is_grad_enabled():
         outs = [fn(i, part) for i, part in enumerate(x.split(sizes, dim=1))]
         out = torch.cat(outs, dim=1) if combine == "cat" else torch.stack(outs).sum(0)

@@ -9,6 +9,10 @@ Variants (shared/benchmarks.md's Llama shape, widened to a 48k vocabulary so the
 * ``ulysses+alst``: plait Ulysses + tiled MLP + tiled logits/loss + checkpointed decoder layers
   (``enable_offloaded_checkpointing``; on this CPU-only machine the host copy is a second CPU
   tensor, so what it shows is checkpointing);
+* ``ulysses+alst+fpdt``: ``ulysses+alst`` with FPDT's chunked attention inside
+  (``UlyssesConfig(inner_attention="fpdt", fpdt_chunk=FPDT_CHUNK)``): blocks of
+  ``FPDT_CHUNK x FPDT_CHUNK`` scores, q/k/v chunks "on the host" (on this CPU-only machine the
+  same memory, so no copy is made);
 * ``deepspeed-alst``: DeepSpeed 0.19.8's ``UlyssesSPAttentionHF`` (``register_with_transformers``),
   its ``TiledMLP`` and ``TiledFusedLogitsLoss`` and HF gradient checkpointing, without a DeepSpeed
   engine (plain AdamW and the same gradient all-reduce as ours, so only SP and tiling differ).
@@ -24,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 VOCAB, HIDDEN, LAYERS, HEADS, INTER = 48_000, 256, 4, 4, 688
-VARIANTS = ("baseline", "ulysses", "ulysses+alst", "deepspeed-alst")
+VARIANTS = ("baseline", "ulysses", "ulysses+alst", "ulysses+alst+fpdt", "deepspeed-alst")
+FPDT_CHUNK = 512  # tokens per FPDT chunk: the 1024-token timing length runs as 2 x 2 blocks (3 causal)
 
 
 def build_model():
@@ -53,13 +58,14 @@ def _all_reduce_grads(model: torch.nn.Module) -> None:
             collectives.all_reduce(p.grad)
 
 
-def _plait_step(alst: bool):
+def _plait_step(alst: bool, fpdt: bool = False):
     from plait.ulysses_sp import UlyssesConfig, shard_batch, sp_cross_entropy, sp_tiled_cross_entropy
     from plait.ulysses_sp.hf import apply_ulysses
     from plait.ulysses_sp.offload import enable_offloaded_checkpointing
 
     model = build_model()
-    apply_ulysses(model, config=UlyssesConfig(tiled_mlp_chunks=None))
+    apply_ulysses(model, config=UlyssesConfig(tiled_mlp_chunks=None, inner_attention="fpdt" if fpdt else None,
+                                              fpdt_chunk=FPDT_CHUNK))
     if alst:
         enable_offloaded_checkpointing(model)
     model.train()
@@ -163,7 +169,7 @@ def run_variant(variant: str, seq: int, steps: int, micro_batches: int = 1) -> d
     elif variant == "deepspeed-alst":
         model, step = _deepspeed_step()
     else:
-        model, step = _plait_step(alst=variant == "ulysses+alst")
+        model, step = _plait_step(alst=variant.startswith("ulysses+alst"), fpdt=variant.endswith("fpdt"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, cpu, loss = [], [], float("nan")
     sample = dist.get_rank() if variant == "baseline" else 0  # the baseline's ranks train different sequences
