@@ -8,7 +8,7 @@ give the same losses bit for bit.
 Lightning's own ``strategy="ddp"`` takes them too: plait-lightning's entry-point callback
 (:mod:`plait.lightning.onebit_ddp`) turns DDP's gradient all-reduce off with a communication hook,
 so the optimizer exchanges alone; the run is bitwise the same optimizer in a plain torch loop
-without DDP (and differs from one under DDP without the hook); a checkpoint saved after warm-up
+without DDP, for all three (1-bit Adam's also differs from one under DDP without the hook); a checkpoint saved after warm-up
 carries every rank's error feedback and resumes bit for bit; what the optimizer cannot honour on
 local gradients is refused naming the fix."""
 
@@ -98,7 +98,8 @@ def test_plait_zero1_and_zero2_take_the_onebit_optimizers_from_configure_optimiz
         assert curve[FREEZE - 1] < curve[0] and all(math.isfinite(x) for x in curve)
 
 
-def _plain_torch_loop(wrap_in_ddp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _plain_torch_loop(wrap_in_ddp: bool,
+                      module_cls: type = OnebitModule) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The Lightning run's model, optimizer and batches in a plain torch loop: no DDP (the 1-bit
     optimizer's own use), or under DDP with its gradient all-reduce left on (the double exchange)."""
     import lightning as L
@@ -107,7 +108,7 @@ def _plain_torch_loop(wrap_in_ddp: bool) -> tuple[list[float], dict[str, torch.T
     from plait.lightning.demo import TEST_MODEL
 
     L.seed_everything(0, verbose=False)
-    module = OnebitModule(TEST_MODEL, batch_size=4, seq_len=32, warmup=2, total_steps=RESUME_TOTAL)
+    module = module_cls(TEST_MODEL, batch_size=4, seq_len=32, warmup=2, total_steps=RESUME_TOTAL)
     net = torch.nn.parallel.DistributedDataParallel(module) if wrap_in_ddp else module
     optimizer = module.configure_optimizers()
     losses = []
@@ -120,7 +121,11 @@ def _plain_torch_loop(wrap_in_ddp: bool) -> tuple[list[float], dict[str, torch.T
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # as the module's self.log(..., sync_dist=True): the rank mean
         losses.append(float(mean / dist.get_world_size()))
-    return losses, {k: v.detach().clone() for k, v in module.named_parameters()}
+    return losses, _weights(module)
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
 
 
 def _refusal(**trainer_extra: Any) -> str:
@@ -134,8 +139,8 @@ def _refusal(**trainer_extra: Any) -> str:
 
 
 def ddp_session(root: str) -> dict[str, Any]:
-    """Lightning's ``ddp`` with 1-bit Adam, its plain-torch reference and control, a checkpoint saved
-    after warm-up and resumed, and the refusals."""
+    """Lightning's ``ddp`` with 1-bit Adam (its plain-torch reference and control, a checkpoint saved
+    after warm-up and resumed), with 1-bit LAMB and 0/1 Adam against theirs, and the refusals."""
     from lightning.pytorch.strategies import DDPStrategy
     from test_lightning_distributed import _fit, _quiet
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -147,14 +152,19 @@ def ddp_session(root: str) -> dict[str, Any]:
     recorded, module = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule)
     (callback,) = [c for c in module.trainer.callbacks if isinstance(c, OptimizerOwnsExchange)]
     optimizer = module.trainer.optimizers[0]
+    others = {}
+    for module_cls in (OnebitLambModule, ZeroOneModule):  # the other two, against their plain loops
+        other_losses, other = _fit("ddp", devices=2, steps=STEPS, module_cls=module_cls)
+        others[module_cls.__name__] = ([other_losses[i] for i in range(STEPS)], _weights(other),
+                                       _plain_torch_loop(False, module_cls))
     path = f"{root}/step{RESUME_AT}.ckpt"
     _, first = _fit("ddp", devices=2, steps=RESUME_AT, module_cls=OnebitModule)
     first.trainer.save_checkpoint(path)
     resumed, again = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule, ckpt_path=path)
     return {
-        "resumed": (resumed, {k: v.detach().clone() for k, v in again.named_parameters()}),
-        "lightning": ([recorded[i] for i in range(STEPS)],
-                      {k: v.detach().clone() for k, v in module.named_parameters()}),
+        "others": others,
+        "resumed": (resumed, _weights(again)),
+        "lightning": ([recorded[i] for i in range(STEPS)], _weights(module)),
         "hooked": callback.hooked, "past_warmup": optimizer.step_count, "exchanges": sum(
             e is not None for e in optimizer.exchanges),
         "plain": _plain_torch_loop(False), "ddp_without_hook": _plain_torch_loop(True),
@@ -182,5 +192,9 @@ def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use(tmp_
         assert sorted(resumed_losses) == list(range(RESUME_AT, STEPS))
         assert [resumed_losses[i] for i in range(RESUME_AT, STEPS)] == losses[RESUME_AT:]
         assert all(torch.equal(resumed_weights[k], weights[k]) for k in weights)
+        # 1-bit LAMB and 0/1 Adam (its variance, 1-bit and local steps) likewise: bitwise their plain loops.
+        for name, (other_losses, other_weights, (plain_other, plain_other_weights)) in result["others"].items():
+            assert other_losses == plain_other, name
+            assert all(torch.equal(other_weights[k], plain_other_weights[k]) for k in other_weights), name
         assert "gradient_clip_val=1.0" in result["clip"] and "plait_zero1" in result["clip"]
         assert "ddp_comm_hook" in result["own_hook"]
