@@ -40,6 +40,9 @@ def _timing(row: dict) -> str:
         return f"{row['seconds']:.1f} s (timeout {row['timeout_s']:g} s)"
     if "resumed_after_s" in row:
         return f"resumed {row['resumed_after_s']:.1f} s after the kill"
+    if row.get("requeue"):
+        return (f"checkpoint committed {row['checkpoint_after_s']:.2f} s after SIGUSR1; exit 0 "
+                f"{row['exit_after_s']:.1f} s after the requeue's SIGTERM")
     if "checkpoint_after_s" in row:
         ratio = f" ({row['checkpoint_after_s'] / row['one_save_s']:.1f}x one whole save)" if "one_save_s" in row else ""
         return (f"checkpoint committed {row['checkpoint_after_s']:.2f} s after SIGTERM{ratio}; "

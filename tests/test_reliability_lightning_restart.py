@@ -34,6 +34,10 @@ from reliability_jobs import events, live_processes_mentioning, losses, pids, re
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
 STEPS, SAVE_EVERY = 9, 3
+# One launch's limit (the whole session is SIGKILLed past it). The killed launch starts Lightning twice (the
+# first attempt and torchrun's restart); each start imports Lightning afresh, which took 20-26 s of wall time at
+# load 20-30 on two cores, so that launch took 71 s there: 100 s left too little margin.
+LIMIT_S = 150
 # kind -> (the job, where its final checkpoint is, what it is for the results table)
 JOBS = {
     "trainer": (Path(__file__).with_name("reliability_lightning_job.py"), f"checkpoints/epoch=0-step={STEPS}.ckpt",
@@ -60,13 +64,13 @@ def test_a_killed_rank_is_restarted_and_resumes_from_last_bit_for_bit(tmp_path, 
     script, _, package = JOBS[kind]
     straight = tmp_path / "straight"
     straight.mkdir()
-    job = run_job(straight, "none", steps=STEPS, save_every=SAVE_EVERY, job=script, limit_s=100)
+    job = run_job(straight, "none", steps=STEPS, save_every=SAVE_EVERY, job=script, limit_s=LIMIT_S)
     assert job.rc == 0, job.output[-4000:]
 
     outdir = tmp_path / "killed"
     outdir.mkdir()
     job = run_job(outdir, "kill:rank=1:step=4", steps=STEPS, save_every=SAVE_EVERY, max_restarts=1, job=script,
-                  limit_s=100)
+                  limit_s=LIMIT_S)
     left = live_processes_mentioning(str(outdir))
     assert job.rc == 0, job.output[-6000:]
     assert left == [] and not any(Path(f"/proc/{pid}").exists() for pid in pids(outdir)), left

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups 
 JOB = Path(__file__).with_name("reliability_slurm_job.py")
 STEPS, SIGNAL_STEP, JOB_ID = 9, 3, "4242"
 LIMIT_S = 75.0  # one launch of two Lightning tasks: about 15 s at load 4 on two cores
-KILL_WAIT_S = 20.0  # SLURM's KillWait (30 s by default): SIGTERM, then SIGKILL this much later
+KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM, then SIGKILL this much later (15.4 s used at load 33)
 FAKE_SCONTROL = """#!/bin/sh
 # scontrol as the test's SLURM: record the command; the test ends the job as slurmctld would.
 echo "$@" >> "$FAKE_SLURM_LOG"
@@ -115,8 +115,12 @@ def test_a_requeue_signal_saves_plaits_checkpoint_requeues_and_the_requeued_job_
     hpc = job / "hpc_ckpt_1.ckpt"
     assert is_directory_checkpoint(hpc), sorted(p.name for p in job.iterdir())
     assert not any(e["event"] == "done" for rank in (0, 1) for e in events(job, rank)), output[-4000:]
+    signalled = next(e for e in events(job, 0) if e["event"] == "fault")["time"]
+    saved_after = (hpc / "latest").stat().st_mtime - signalled  # the commit writes the root's latest pointer last
+    redone = max(losses(job, 0)[0]) + 1 - (SIGNAL_STEP + 1)  # steps trained after the save, until the SIGTERM
     print(f"SLURM requeue: SIGUSR1 before step {SIGNAL_STEP} -> {hpc.name} committed, scontrol requeue {JOB_ID}; "
           f"both tasks exited 0 {gone_after:.1f} s after the requeue's SIGTERM")
+    print(f"checkpoint committed {saved_after:.2f} s after SIGUSR1; steps trained after it (redone): {redone}")
 
     codes, output, _ = _srun(tmp_path, job, -1, restart=1)
     assert codes == [0, 0], output[-4000:]
@@ -132,5 +136,5 @@ def test_a_requeue_signal_saves_plaits_checkpoint_requeues_and_the_requeued_job_
     assert [name for name in final_want if not torch.equal(final_got[name], final_want[name])] == []
     record("plait-lightning: Trainer, PlaitStrategy ZeRO-3, SLURM auto-requeue (faked srun/scontrol)",
            f"SIGUSR1 to every task before step {SIGNAL_STEP}, requeue (SIGTERM, SIGKILL {KILL_WAIT_S:g} s later)",
-           named="n/a (a requeue, not a failure)", left=0, lost_steps=0, bitwise=True,
-           exit_after_s=round(gone_after, 1))
+           named="n/a (a requeue, not a failure)", left=0, lost_steps=redone, bitwise=True, requeue=True,
+           checkpoint_after_s=round(saved_after, 2), exit_after_s=round(gone_after, 1))
