@@ -31,7 +31,11 @@ STRATEGY = {"1": "plait_zero1", "2": "plait_zero2", "3": "plait_zero3", "2-cpu":
 RUNS = int(os.environ.get("PLAIT_EXIT_RUNS", "0"))
 
 
+LIMIT_S = 180  # one run's bound (run_job kills it past this); the test's bound is RUNS of them
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(RUNS * LIMIT_S + 60)
 @pytest.mark.skipif(RUNS == 0, reason="minutes per stage: set PLAIT_EXIT_RUNS=50 to run it")
 @pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -40,7 +44,7 @@ def test_finished_four_rank_runs_exit_zero(tmp_path, variant):
     for run in range(RUNS):
         outdir = tmp_path / f"run{run}"
         outdir.mkdir()
-        job = run_job(outdir, "none", steps=3, save_every=3, nproc=4, stage=variant, limit_s=180)
+        job = run_job(outdir, "none", steps=3, save_every=3, nproc=4, stage=variant, limit_s=LIMIT_S)
         left = live_processes_mentioning(str(outdir))
         leftovers += len(left)
         if job.rc != 0 or "terminate called" in job.output or left:
