@@ -10,7 +10,7 @@ from plait.universal_ckpt import CheckpointIntegrityError, CheckpointLayoutError
 from plait.universal_ckpt.mapped import MappedReader
 from plait.universal_ckpt.reader import read_manifest
 from plait.vllm.checkpoint_weights import CheckpointWeights
-from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
+from plait.vllm.tensor_parallel import TensorParallelRank, rank_cols, rank_rows
 
 
 class _Block(nn.Module):
@@ -122,6 +122,16 @@ def test_vllm_rank_rows_follow_vllms_dim0_splits():
         TensorParallelRank(rank=2, size=2)
 
 
+def test_vllm_rank_cols_follow_vllms_row_parallel_splits():
+    tp2 = [TensorParallelRank(rank=r, size=2) for r in range(2)]
+    assert [rank_cols("model.layers.0.self_attn.o_proj.weight", (16, 32), t) for t in tp2] == [(0, 16), (16, 32)]
+    assert rank_cols("model.layers.0.mlp.down_proj.weight", (16, 48), tp2[1]) == (24, 48)
+    # Not row-parallel, TP=1, columns that do not divide: none.
+    assert rank_cols("model.layers.0.self_attn.q_proj.weight", (32, 16), tp2[0]) is None
+    assert rank_cols("model.layers.0.self_attn.o_proj.weight", (16, 32), TensorParallelRank(rank=0, size=1)) is None
+    assert rank_cols("model.layers.0.mlp.down_proj.weight", (16, 45), tp2[0]) is None
+
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -226,13 +236,88 @@ def test_vllm_checked_on_copy_flipped_byte_fails_naming_the_file(tmp_path, use):
             if name != "proj.weight":
                 continue
             if use == "copy":
-                torch.zeros_like(tensor).copy_(tensor)
+                seen["copy"] = torch.zeros_like(tensor)  # the damaged chunk is zeroed in it before copy_ raises
+                seen["copy"].copy_(tensor)
             elif use == "clone":
                 seen[name] = tensor.clone()
             elif use == "in_place":
                 tensor.mul_(2)
     assert info.value.file == damaged and damaged in str(info.value) and "model/proj.weight" in str(info.value)
-    assert not seen
+    copied = seen.pop("copy", None)
+    assert not seen and (copied is None or not copied.any())
+
+
+class _RowParallel(nn.Module):
+    """Two row-parallel weights whose rows are wider than a 4 KiB checksum chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.o_proj = nn.Linear(2048, 8, bias=False)  # 8 KiB rows: 2 chunks
+        self.mlp = nn.Module()
+        self.mlp.down_proj = nn.Linear(4096, 6, bias=False)  # 16 KiB rows: 4 chunks
+
+
+def _row_parallel_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"layers": nn.ModuleList([_RowParallel()])})
+
+
+def save_row_parallel_split(root: str, world: int) -> None:
+    """One rank of a ToyZero stage-3 save of :func:`_row_parallel_model`: down_proj straddles the
+    rank boundary, so it is stored in two pieces."""
+    from plait.universal_ckpt.testing import ToyZero, ToyZeroConfig
+
+    save({"model": ToyZero(_row_parallel_model(), ToyZeroConfig(stage=3))}, root, step=0, chunk_bytes=4096)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("producer", ["one-process", "zero-w2"])
+def test_vllm_tp_rank_reads_and_checks_only_its_columns_of_row_parallel_weights(tmp_path, monkeypatch, producer):
+    """Row-parallel weights narrowed along dim 1 (vLLM's RowParallelLinear), saved with chunks
+    shorter than a row's part: each rank of TP=2 reads and checks only the chunks of its columns
+    (half the bytes), whether the weight is one mapped piece or consolidated from a ZeRO save's
+    two pieces, and gets the right values. In one piece, a flipped byte in the other rank's columns
+    is not read (that rank's own load finds it), while one in its own columns fails naming the file."""
+    from plait.kernels.testing import run_distributed
+    from plait.universal_ckpt import reader
+
+    expected = _row_parallel_model().state_dict()
+    if producer == "one-process":
+        save({"model": _row_parallel_model()}, tmp_path / "ckpt", step=0, chunk_bytes=4096)
+    else:
+        run_distributed(save_row_parallel_split, 2, str(tmp_path / "ckpt"), 2, timeout=120)
+    step = tmp_path / "ckpt" / "step-0000000000"
+    read = []  # bytes read from split pieces
+    original_read = reader.read_verified
+    monkeypatch.setattr(reader, "read_verified", lambda *a, start, stop, **k: read.append(stop - start) or
+                        original_read(*a, start=start, stop=stop, **k))
+
+    def load(rank: int) -> tuple[CheckpointWeights, int]:
+        tp = TensorParallelRank(rank=rank, size=2)
+        weights = CheckpointWeights(step, key="model", tensor_parallel=tp)
+        read.clear()
+        with weights.checked_on_copy() as stream:
+            for name, tensor in stream:
+                assert torch.equal(_vllm_like_copy(name, tensor, tp), _vllm_like_copy(name, expected[name], tp))
+        return weights, (weights.checked_bytes or 0) + sum(read)
+
+    whole = sum(t.numel() * t.element_size() for t in expected.values())
+    for rank in range(2):
+        weights, touched = load(rank)
+        assert touched == whole // 2, (rank, touched, whole)
+        if producer == "zero-w2":
+            assert weights.cols_read == {"layers.0.mlp.down_proj.weight": (2048 * rank, 2048 * (rank + 1))}
+    if producer == "zero-w2":
+        return
+    piece = read_manifest(step).tensors["model/layers.0.self_attn.o_proj.weight"].pieces[0]
+    raw = bytearray((step / piece.file).read_bytes())
+    raw[piece.offset + 2048 * 4 + 1024 * 4 + 8] ^= 0x01  # row 1, column 1026: rank 1's half
+    (step / piece.file).write_bytes(bytes(raw))
+    assert load(0)[1] == whole // 2
+    with pytest.raises(CheckpointIntegrityError) as info:
+        load(1)
+    assert info.value.file == piece.file and "o_proj" in str(info.value)
 
 
 def _tiny_llama_saved(root, producer: str):

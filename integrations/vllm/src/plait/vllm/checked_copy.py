@@ -2,16 +2,19 @@
 
 vLLM's ``load_weights`` copies every tensor it is given into a parameter (``param.data.copy_``,
 after narrowing it to the rank's part). Checking a tensor's checksums before handing it over reads
-its bytes once for the check and again for that copy, both from DRAM for a tensor larger than the
-cache. Here a tensor stored as one piece is handed over unchecked, as a :class:`MappedView` (a
-tensor subclass) of the mapped data file, registered with the load's :class:`CheckOnCopy`. A
-``copy_`` from such a view (contiguous, same shape) copies one checksum chunk at a time, each chunk
-checked right before its bytes are copied, so the copy finds them in cache. Only the chunks the
-copied elements span are read and checked: a tensor-parallel rank that copies only its rows
-touches only those.
+its bytes from memory once for the check and again for that copy. Here a tensor stored as one
+piece is handed over unchecked, as a :class:`MappedView` (a tensor subclass) of the mapped data
+file, registered with the load's :class:`CheckOnCopy`. A ``copy_`` from such a view (contiguous,
+same shape) copies it in blocks of :data:`BLOCK_BYTES` and feeds each block to its chunk's
+streaming hash right after copying it, while the block is still in the core's cache: the bytes come
+from memory once, and the hash runs at cache speed. When a chunk's checksum differs, the bytes
+copied from it are zeroed before the copy raises, so no damaged value stays in the destination.
+Only the chunks the copied elements touch are read and checked: a tensor-parallel rank that copies
+only its rows, or only its columns of a row-parallel weight (where a row's part spans whole
+chunks), touches only those.
 
 Any other use that reads the values (anything but taking views and metadata) checks the chunks the
-view spans: an in-place op on the view before it runs, anything else before its result is
+view touches: an in-place op on the view before it runs, anything else before its result is
 returned. :meth:`CheckOnCopy.finish` checks the chunks that nothing copied, so every byte a load
 was owed is checked before start-up goes on, and a damaged chunk stops it with a
 :class:`~plait.universal_ckpt.CheckpointIntegrityError` naming the file. Only ops that involve the
@@ -20,14 +23,20 @@ view pay for this (a subclass, not a torch function mode, which would intercept 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import torch
 
+from plait.universal_ckpt import storage
 from plait.universal_ckpt.errors import CheckpointIntegrityError
 from plait.universal_ckpt.manifest import Manifest, Piece, TensorEntry
 from plait.universal_ckpt.storage import check_chunks, pick_digests
+
+BLOCK_BYTES = 256 << 10
+"""Copy-then-hash block: small enough to stay in a core's L2 cache between its copy and its hash."""
 
 METADATA = frozenset({
     "shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "stride", "numel", "nelement",
@@ -46,6 +55,37 @@ def integrity_error(exc: CheckpointIntegrityError, directory: Path, tensor: str)
         file=exc.file, expected=exc.expected, actual=exc.actual)
 
 
+def byte_chunks(segments: list[tuple[int, int]], chunk_bytes: int) -> list[int]:
+    """The sorted chunk indices that byte ranges ``[start, stop)`` touch (empty ranges touch none)."""
+    touched: set[int] = set()
+    for start, stop in segments:
+        if stop > start:
+            touched.update(range(start // chunk_bytes, -(-stop // chunk_bytes)))
+    return sorted(touched)
+
+
+def view_segments(tensor: torch.Tensor, start: int) -> list[tuple[int, int]]:
+    """Byte ranges, relative to address ``start``, that the elements of a strided view occupy.
+
+    A 2-D view whose last dim is dense but whose rows are apart (a weight narrowed along dim 1)
+    gives one range per row; any other view gives the one range from its first to its last element.
+    """
+    offset = tensor.data_ptr() - start
+    if tensor.numel() == 0:
+        return []
+    item = tensor.element_size()
+    if tensor.dim() == 2 and tensor.stride(1) == 1 and tensor.stride(0) > tensor.shape[1]:
+        width, step = tensor.shape[1] * item, tensor.stride(0) * item
+        return [(offset + r * step, offset + r * step + width) for r in range(tensor.shape[0])]
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return [(offset, offset + (last + 1) * item)]
+
+
+def _hasher(algorithm: str):
+    """A streaming hash object of ``algorithm`` (XXH3-64 or a hashlib name): ``update``/``hexdigest``."""
+    return storage.xxhash.xxh3_64() if algorithm == storage.CHECKSUM_ALGORITHM else hashlib.new(algorithm)
+
+
 @dataclasses.dataclass(eq=False)
 class _Tracked:
     """One piece handed over unchecked: its bytes, digests, and the chunks still unchecked."""
@@ -59,7 +99,7 @@ class _Tracked:
     base: torch.Tensor  # the whole piece, flat, in its dtype: a view of the mapping
     data: memoryview  # the same bytes
     unchecked: set[int]  # chunk indices not checked yet
-    owed: range  # the chunks the load must have checked when it ends
+    owed: list[int]  # the chunks the load must have checked when it ends
 
     @property
     def address(self) -> int:
@@ -91,17 +131,33 @@ class _Tracked:
             self.owner.checked_bytes += hi - lo
 
     def check_view(self, tensor: torch.Tensor) -> None:
-        """Check the chunks that ``tensor`` (a view of this piece) spans."""
-        self.check(self.chunks_of(*_extent(tensor, self)))
+        """Check the chunks whose bytes ``tensor`` (a view of this piece) touches."""
+        self.check(byte_chunks(view_segments(tensor, self.address), self.chunk_bytes))
 
+    def copy_checked_chunk(self, index: int, dst: torch.Tensor) -> None:
+        """Copy all of chunk ``index`` into ``dst`` (its elements, flat), hashing each block right
+        after copying it; a chunk whose checksum differs is zeroed in ``dst`` and raises.
 
-def _extent(tensor: torch.Tensor, tracked: _Tracked) -> tuple[int, int]:
-    """Bytes ``[start, stop)`` of the piece that a view of it spans."""
-    start = tensor.data_ptr() - tracked.address
-    if tensor.numel() == 0:
-        return start, start
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return start, start + (last + 1) * tensor.element_size()
+        Raises:
+            CheckpointIntegrityError: the chunk's checksum differs (names the file and the tensor).
+        """
+        lo, hi = index * self.chunk_bytes, min(self.piece.nbytes, (index + 1) * self.chunk_bytes)
+        hasher = _hasher(self.algorithm)
+        item = self.base.element_size()
+        same = dst.dtype == self.base.dtype
+        into, source = dst.data_ptr() - lo, self.address
+        for start in range(lo, hi, BLOCK_BYTES):
+            stop = min(hi, start + BLOCK_BYTES)
+            if same:  # a plain byte copy: far less per call than torch's slicing and dispatch
+                ctypes.memmove(into + start, source + start, stop - start)
+            else:
+                dst[(start - lo) // item:(stop - lo) // item].copy_(self.base[start // item:stop // item])
+            hasher.update(self.data[start:stop])  # the block just copied: read again from cache
+        if hasher.hexdigest() != self.digests[index]:
+            dst.zero_()
+            self.check((index,))  # recomputes it and raises the checkpoint's error naming the file
+        self.unchecked.discard(index)
+        self.owner.checked_bytes += hi - lo
 
 
 def _func_name(func) -> str:
@@ -171,15 +227,21 @@ def _fits(dst: torch.Tensor, src: torch.Tensor, tracked: _Tracked) -> bool:
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, tracked: _Tracked, non_blocking: bool) -> torch.Tensor:
-    """``dst.copy_(src)`` chunk by chunk, each chunk checked just before it is copied (hot in cache)."""
+    """``dst.copy_(src)`` chunk by chunk: a whole unchecked chunk copied to CPU memory is hashed block
+    by block as it is copied; any other chunk (covered in part, already checked, or copied to
+    another device) is checked first, then copied."""
     item = src.element_size()
     first = (src.data_ptr() - tracked.address) // item
     stop = first + src.numel()
     per = tracked.chunk_bytes // item
     flat = dst.view(-1)
     for index in tracked.chunks_of(first * item, stop * item):
-        tracked.check(range(index, index + 1))
         lo, hi = max(index * per, first), min((index + 1) * per, stop)
+        whole = lo == index * per and hi * item == min(tracked.piece.nbytes, (index + 1) * tracked.chunk_bytes)
+        if whole and index in tracked.unchecked and dst.device.type == "cpu":  # to a GPU: one H2D copy per chunk
+            tracked.copy_checked_chunk(index, flat[lo - first:hi - first])
+            continue
+        tracked.check((index,))
         flat[lo - first:hi - first].copy_(tracked.base[lo:hi], non_blocking=non_blocking)
     return dst
 
@@ -200,7 +262,7 @@ class CheckOnCopy:
         self._tracked: list[_Tracked] = []
 
     def track(self, tensor: torch.Tensor, entry: TensorEntry, piece: Piece, manifest: Manifest,
-              rows: tuple[int, int] | None = None) -> MappedView:
+              segments: list[tuple[int, int]] | None = None) -> MappedView:
         """``tensor`` (a whole-piece view of the mapping) as an unchecked :class:`MappedView`.
 
         Args:
@@ -208,16 +270,15 @@ class CheckOnCopy:
             entry: its manifest entry.
             piece: the one piece that holds it.
             manifest: the manifest (chunk size and hash algorithm).
-            rows: rows ``[start, stop)`` of dim 0 that the consumer needs (a tensor-parallel rank);
-                only their chunks are owed at :meth:`finish`. None: every chunk is.
+            segments: the byte ranges of the piece that the consumer needs (a tensor-parallel
+                rank's rows, or its columns in every row); only their chunks are owed at
+                :meth:`finish`. None: every chunk is.
         """
         digests, algorithm = pick_digests(piece.hashes, piece.checksums, manifest.hash_algorithm)
         base = tensor.reshape(-1)
+        owed = byte_chunks([(0, piece.nbytes)] if segments is None else segments, manifest.chunk_bytes)
         tracked = _Tracked(self, entry.full_name, piece, digests, algorithm, manifest.chunk_bytes, base,
-                           memoryview(base.view(torch.uint8).numpy()).cast("B"), set(range(len(digests))), range(0))
-        row = piece.nbytes // entry.global_shape[0] if rows is not None else 0
-        tracked.owed = (tracked.chunks_of(0, piece.nbytes) if rows is None
-                        else tracked.chunks_of(rows[0] * row, rows[1] * row))
+                           memoryview(base.view(torch.uint8).numpy()).cast("B"), set(range(len(digests))), owed)
         self._tracked.append(tracked)
         return MappedView.wrap(tensor, tracked)
 

@@ -10,11 +10,13 @@ vLLM's own copy into its parameter, as with safetensors); a tensor split over se
 consolidated, each piece read straight into its place. Every chunk handed over is checked against
 the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums): iterating
 checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_on_copy` (what the
-loader uses with tensor parallelism) checks each chunk of a mapped tensor inside vLLM's copy of
-it (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and
-checks only the rows of dim 0 it keeps of the weights vLLM splits that way
-(:mod:`plait.vllm.tensor_parallel`); under ``checked_on_copy`` it reads and checks only the chunks
-of the bytes vLLM copies, whatever the split.
+loader uses with tensor parallelism) checks the chunks of a mapped tensor inside vLLM's copy of
+it, each block hashed right after it is copied, while it is in cache
+(:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and checks only the rows
+of dim 0 it keeps of the weights vLLM splits that way (:mod:`plait.vllm.tensor_parallel`); under
+``checked_on_copy`` it reads and checks only the chunks of the bytes vLLM copies, whatever the
+split, and owes only the chunks of its rows (dim-0 splits) or of its columns (the row-parallel
+weights split along dim 1).
 
 One layout differs between a model in memory and its HF checkpoint files: transformers >= 5 keeps
 an MoE block's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with the gate
@@ -35,14 +37,15 @@ from pathlib import Path
 
 import torch
 
+from plait.kernels.sharded_state import ShardSpec
 from plait.universal_ckpt.directory import resolve
 from plait.universal_ckpt.errors import CheckpointIntegrityError, CheckpointLayoutError
 from plait.universal_ckpt.interop.hf import ZERO_MARKER, model_name
 from plait.universal_ckpt.manifest import Manifest, TensorEntry
 from plait.universal_ckpt.mapped import MappedReader
-from plait.universal_ckpt.reader import check_files, read_manifest
+from plait.universal_ckpt.reader import check_files, read_manifest, read_region
 from plait.vllm.checked_copy import CheckOnCopy, integrity_error
-from plait.vllm.tensor_parallel import TensorParallelRank, rank_rows
+from plait.vllm.tensor_parallel import TensorParallelRank, rank_cols, rank_rows
 
 WEIGHT_KINDS = ("parameter", "buffer")
 
@@ -113,9 +116,9 @@ class CheckpointWeights:
         model_type: the HF ``config.model_type``; fused experts of the families in
             :data:`ON_DISK_EXPERTS` are then streamed in their on-disk per-expert form.
         tensor_parallel: the vLLM tensor-parallel rank reading (default: TP=1, whole tensors).
-            Tensors split along dim 0 are then whole-shaped with only this rank's rows read and
-            checked (the others are the file's unchecked bytes, or NaN where the tensor had to be
-            consolidated from several pieces).
+            Tensors split along dim 0 (dim 1: the row-parallel weights) are then whole-shaped with
+            only this rank's rows (columns) read and checked; the others are the file's unchecked
+            bytes, or NaN where the tensor had to be consolidated from several pieces.
 
     Raises:
         CheckpointNotFoundError: no plait checkpoint at ``path``.
@@ -134,7 +137,8 @@ class CheckpointWeights:
         self.model_type = model_type
         self.tensor_parallel = tensor_parallel
         self.rows_read: dict[str, tuple[int, int]] = {}  # name -> rows, for the tensors read in part
-        self.nan_filled: set[str] = set()  # of those, the ones consolidated with NaN outside the rows
+        self.cols_read: dict[str, tuple[int, int]] = {}  # name -> columns, for consolidated row-parallel tensors
+        self.nan_filled: set[str] = set()  # tensors consolidated with NaN outside the rows or columns read
         self.checked_bytes: int | None = None  # after a checked stream: bytes of mapped tensors checked
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
@@ -167,6 +171,21 @@ class CheckpointWeights:
         rows = rank_rows(self.name_of(entry), entry.global_shape, self.tensor_parallel)
         return None if rows == (0, entry.global_shape[0] if entry.global_shape else 0) else rows
 
+    def segments_for(self, entry: TensorEntry) -> list[tuple[int, int]] | None:
+        """Byte ranges of a one-piece ``entry`` this rank needs: its rows, or its columns in every
+        row (a row-parallel weight split along dim 1); None for all of it."""
+        if self.tensor_parallel is None or not entry.global_shape:
+            return None
+        row = entry.nbytes // entry.global_shape[0]
+        rows = self.rows_for(entry)
+        if rows is not None:
+            return [(rows[0] * row, rows[1] * row)]
+        cols = rank_cols(self.name_of(entry), entry.global_shape, self.tensor_parallel)
+        if cols is None:
+            return None
+        item = entry.torch_dtype.itemsize
+        return [(r * row + cols[0] * item, r * row + cols[1] * item) for r in range(entry.global_shape[0])]
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` one tensor at a time, in the HF on-disk form, each checked first.
 
@@ -185,9 +204,10 @@ class CheckpointWeights:
         inside those copies.
 
         A mapped tensor is yielded unchecked, as a :class:`~plait.vllm.checked_copy.MappedView`,
-        and each of its chunks is checked right before the consumer's ``copy_`` copies it (any
-        other read of its values checks it first). Leaving the block normally checks every chunk
-        still owed; with ``verify=False`` this is plain iteration.
+        and the consumer's ``copy_`` of it hashes each block right after copying it, while it is in
+        cache (a damaged chunk is zeroed in the destination and raises; any other read of its
+        values checks them first). Leaving the block normally checks every chunk still owed; with
+        ``verify=False`` this is plain iteration.
 
             with weights.checked_on_copy() as stream:
                 model.load_weights(stream)
@@ -204,12 +224,24 @@ class CheckpointWeights:
         checker.finish()
         self.checked_bytes = checker.checked_bytes
 
+    def cols_for(self, entry: TensorEntry) -> tuple[int, int] | None:
+        """The columns of dim 1 this rank reads of a row-parallel ``entry``, or None for all of it."""
+        if self.tensor_parallel is None:
+            return None
+        return rank_cols(self.name_of(entry), entry.global_shape, self.tensor_parallel)
+
     def _read(self, entry: TensorEntry, rows: tuple[int, int] | None, checked: MappedReader,
               unchecked: MappedReader, checker: CheckOnCopy | None) -> torch.Tensor:
         piece = MappedReader.whole_piece(entry)
         if checker is not None and piece is not None:
-            return checker.track(unchecked.tensor(entry), entry, piece, self.manifest, rows)
-        return checked.tensor(entry) if rows is None else checked.tensor_for_rows(entry, *rows)
+            return checker.track(unchecked.tensor(entry), entry, piece, self.manifest, self.segments_for(entry))
+        if rows is not None:
+            return checked.tensor_for_rows(entry, *rows)
+        cols = self.cols_for(entry)
+        if cols is not None and MappedReader.whole_piece(entry) is None and entry.torch_dtype.is_floating_point:
+            self.cols_read[self.name_of(entry)] = cols
+            return _consolidated_cols(self.directory, self.manifest, entry, cols, self.verify)
+        return checked.tensor(entry)
 
     def _stream(self, checker: CheckOnCopy | None) -> Iterator[tuple[str, torch.Tensor]]:
         if checker is None and self.verify:
@@ -226,11 +258,26 @@ class CheckpointWeights:
                 self.checked_bytes += _chunk_span(entry, rows, self.manifest.chunk_bytes)
             if rows is not None:
                 self.rows_read[self.name_of(entry)] = rows
-                if MappedReader.whole_piece(entry) is None and entry.torch_dtype.is_floating_point:
-                    self.nan_filled.add(self.name_of(entry))
+            if MappedReader.whole_piece(entry) is None and entry.torch_dtype.is_floating_point and (
+                    rows is not None or self.name_of(entry) in self.cols_read):
+                self.nan_filled.add(self.name_of(entry))
             yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
         checked.close()
         unchecked.close()
+
+
+def _consolidated_cols(directory: Path, manifest: Manifest, entry: TensorEntry, cols: tuple[int, int],
+                      verify: bool) -> torch.Tensor:
+    """A whole-shaped tensor split over several pieces with only columns ``[start, stop)`` of dim 1 read
+    (and checked: only the chunks those columns touch), NaN elsewhere, so a consumer narrowing to
+    other columns sees NaN."""
+    rows = entry.global_shape[0]
+    box = ShardSpec(name=entry.full_name, kind=entry.kind, global_shape=entry.global_shape, dtype=entry.torch_dtype,
+                    slices=((0, rows), cols, *((0, size) for size in entry.global_shape[2:])))
+    out = torch.full(entry.global_shape, float("nan"), dtype=entry.torch_dtype)
+    out[:, cols[0]:cols[1]] = read_region(directory, manifest, entry, box, verify=verify).view(
+        rows, cols[1] - cols[0], *entry.global_shape[2:])
+    return out
 
 
 def _chunk_span(entry: TensorEntry, rows: tuple[int, int] | None, chunk_bytes: int) -> int:

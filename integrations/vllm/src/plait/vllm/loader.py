@@ -10,11 +10,11 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
 
 Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
 producer's pieces, checked as it is read). In one process every chunk of a view is checked before
-it is handed over; with tensor parallelism each chunk is checked inside vLLM's copy of it
-(:mod:`plait.vllm.checked_copy`), so a rank reads and checks only the chunks of what it copies
-(``"rank_rows": False`` reads every consolidated tensor whole). A corrupted file stops start-up
-with an error naming it. vLLM's own ``model.load_weights`` then does its qkv and gate|up fusion
-and tensor-parallel slicing.
+it is handed over; with tensor parallelism vLLM's copy of a view hashes each block right after
+copying it, while it is in cache (:mod:`plait.vllm.checked_copy`), so a rank reads and checks only
+the chunks of what it copies (``"rank_rows": False`` reads every consolidated tensor whole).
+A corrupted file stops start-up with an error naming it. vLLM's own ``model.load_weights`` then
+does its qkv and gate|up fusion and tensor-parallel slicing.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class PlaitUniversalLoader(BaseModelLoader):
             ``checkpoint`` (path; default: the model directory), ``key`` (the state-dict key of
             the model; default: the only key holding parameters), ``verify`` (default True) and
             ``rank_rows`` (default True: a tensor-parallel rank reads only its rows of the weights
-            vLLM splits along dim 0).
+            vLLM splits along dim 0, and its columns of the row-parallel ones split along dim 1).
 
     Raises:
         ValueError: ``model_loader_extra_config`` is not a dict or has keys other than those above.

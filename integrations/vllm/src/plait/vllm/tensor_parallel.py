@@ -3,8 +3,10 @@
 vLLM's weight loaders take whole tensors and slice out their rank's part themselves. For the
 weights they split along dim 0 (column-parallel linears and the vocabulary-parallel embedding
 and LM head) the rank keeps one contiguous block of rows, so the loader needs only those rows'
-bytes read and checked; every other tensor (row-parallel ``o_proj``/``down_proj`` split along
-dim 1, norms, routers, fused experts) is read whole. The rules follow vLLM 0.32:
+bytes read and checked. For the weights split along dim 1 (the row-parallel ``o_proj`` and
+``down_proj``) the rank keeps one block of columns, a byte range in every row: only the checksum
+chunks those ranges touch need reading (fewer than all when a chunk is shorter than a row's part).
+Every other tensor (norms, routers, fused experts) is read whole. The rules follow vLLM 0.32:
 
 * ``q_proj``, ``gate_proj``, ``up_proj`` (``MergedColumnParallelLinear``, ``QKVParallelLinear``'s
   q): rows ``[r * n / tp, (r + 1) * n / tp)``.
@@ -13,6 +15,8 @@ dim 1, norms, routers, fused experts) is read whole. The rules follow vLLM 0.32:
   ``r // (tp / num_key_value_heads)``.
 * ``embed_tokens``, ``lm_head`` (``VocabParallelEmbedding``): the vocabulary padded to a multiple
   of 64 is split evenly, and each rank's block is clipped to the real vocabulary.
+* ``o_proj``, ``down_proj`` (``RowParallelLinear``, split on its input dim): columns
+  ``[r * n / tp, (r + 1) * n / tp)``.
 
 A rule that does not fit the tensor (sizes that do not divide) gives None: read whole.
 """
@@ -27,6 +31,7 @@ VOCAB_PADDING = 64
 _EVEN = (".q_proj.weight", ".q_proj.bias", ".gate_proj.weight", ".up_proj.weight")
 _KV = (".k_proj.weight", ".k_proj.bias", ".v_proj.weight", ".v_proj.bias")
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
+_ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,3 +98,20 @@ def rank_rows(name: str, shape: tuple[int, ...], tp: TensorParallelRank) -> tupl
         per = padded // tp.size
         return min(tp.rank * per, rows), min((tp.rank + 1) * per, rows)
     return None
+
+
+def rank_cols(name: str, shape: tuple[int, ...], tp: TensorParallelRank) -> tuple[int, int] | None:
+    """Columns ``[start, stop)`` of dim 1 that rank ``tp.rank`` keeps of a row-parallel weight, or None.
+
+    Args:
+        name: the HF ``state_dict`` name.
+        shape: the tensor's shape.
+        tp: the rank.
+
+    Returns:
+        The column range of ``o_proj``/``down_proj`` weights (2-D, columns divisible by ``tp.size``),
+        else None (TP=1, or a tensor this rule does not cover).
+    """
+    if tp.size == 1 or len(shape) != 2 or not name.endswith(_ROW_PARALLEL):
+        return None
+    return _even(shape[1], tp.rank, tp.size)

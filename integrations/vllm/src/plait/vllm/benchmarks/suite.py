@@ -118,7 +118,7 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
     nbytes = sum(t.numel() * t.element_size() for t in dest.values())
     ours, unverified, peer = [], [], []
     threads = torch.get_num_threads()
-    # One thread: torch's copies and plait's checksums (xxhash holds the GIL) all run on this one.
+    # One thread: torch's copies and plait's checksums all run on this one.
     torch.set_num_threads(1)
     try:
         for index in range(LOAD_WARMUP + repeats):  # interleaved, so drift in the machine's load hits all alike
