@@ -99,13 +99,18 @@ def test_grouped_bf16_close_to_loop(method: str | None) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=tol.atol, rtol=tol.rtol)
 
 
+# Experts on both sides of ONEDNN_MIN_ROWS (32): weight gradients by torch mm and by oneDNN.
+BACKWARD_LOADS = {"skewed": LOADS["skewed"], "straddling": [40, 0, 31, 33]}
+
+
+@pytest.mark.parametrize("load", BACKWARD_LOADS)
 @pytest.mark.parametrize("precision", ["input", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_segments_backward_matches_autograd_of_the_loop(dtype: torch.dtype, precision: str) -> None:
+def test_cpu_segments_backward_matches_autograd_of_the_loop(dtype: torch.dtype, precision: str, load: str) -> None:
     """The CPU path's hand-written backward against autograd of the loop reference, both precisions.
 
     Not bitwise: the same GEMMs on differently aligned row slices may take other BLAS kernels."""
-    counts = torch.tensor(LOADS["skewed"])
+    counts = torch.tensor(BACKWARD_LOADS[load])
     x = torch.randn(int(counts.sum()), HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
     x.requires_grad_()
     w_gate_up, w_down = _weights(dtype)

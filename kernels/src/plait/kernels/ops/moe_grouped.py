@@ -235,23 +235,30 @@ class _SegmentGatedMLP(torch.autograd.Function):
             act = gate_product(gate_up, ctx.activation, ctx.precision)
         d_act = _rows([linear_nt(grad[start:end], w_down[expert].t()) for expert, start, end in segments], grad,
                       act.shape[1])
-        d_w_down = _stacked_grad(w_down, {expert: linear_nt(grad[start:end].t(), act[start:end].detach().t())
-                                          for expert, start, end in segments})
+        d_w_down = _weight_grads(w_down, segments, grad, act.detach())
         (d_gate_up,) = torch.autograd.grad(act, gate_up, d_act)
         d_x = _rows([linear_nt(d_gate_up[start:end], w_gate_up[expert].t()) for expert, start, end in segments], x,
                     x.shape[1])
-        d_w_gate_up = _stacked_grad(w_gate_up, {expert: linear_nt(d_gate_up[start:end].t(), x[start:end].t())
-                                                for expert, start, end in segments})
+        d_w_gate_up = _weight_grads(w_gate_up, segments, d_gate_up, x)
         return d_x, None, d_w_gate_up, d_w_down, None, None
 
 
-def _stacked_grad(weight: torch.Tensor, per_expert: dict[int, torch.Tensor]) -> torch.Tensor:
-    """``weight``-shaped gradient from the experts that got rows; the others get zeros."""
-    if len(per_expert) == weight.shape[0]:
-        return torch.stack([per_expert[expert] for expert in range(weight.shape[0])])
-    grad = weight.new_zeros(weight.shape)
-    for expert, value in per_expert.items():
-        grad[expert] = value
+ONEDNN_MIN_ROWS = 32
+"""Weight-gradient GEMMs over fewer rows run as torch ``mm`` straight into the stacked gradient:
+there the GEMM is small and copying oneDNN's separate output in would cost more than oneDNN
+saves (the two break even near 32 rows on the benchmark machine)."""
+
+
+def _weight_grads(weight: torch.Tensor, segments: list[tuple[int, int, int]], left: torch.Tensor,
+                  right: torch.Tensor) -> torch.Tensor:
+    """``weight``-shaped stacked gradient: ``left[rows].T @ right[rows]`` for each expert's rows,
+    zeros for the experts that got none."""
+    grad = weight.new_empty(weight.shape) if len(segments) == weight.shape[0] else weight.new_zeros(weight.shape)
+    for expert, start, end in segments:
+        if end - start < ONEDNN_MIN_ROWS:
+            torch.mm(left[start:end].t(), right[start:end], out=grad[expert])
+        else:
+            grad[expert].copy_(linear_nt(left[start:end].t(), right[start:end].t()))
     return grad
 
 
