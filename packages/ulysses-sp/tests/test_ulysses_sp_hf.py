@@ -77,19 +77,22 @@ def _sp_step(model, batch, tiled: bool) -> tuple[float, dict[str, torch.Tensor]]
     return sp_loss_value(share), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check_families(families: tuple[str, ...]) -> list[str]:
+def _check_families(families: tuple[str, ...], fpdt: bool = False) -> list[str]:
+    """Plain Ulysses and the whole ALST set; with ``fpdt``, ALST twice with FPDT's attention inside
+    (5-token chunks: several blocks, uneven)."""
     tol = tolerance("ulysses_model_grad", torch.float32)
+    inner = {"inner_attention": "fpdt", "fpdt_chunk": 5} if fpdt else {}
     checked = []
     for family in families:
-        for seq, padded, tiled in ((24, False, False), (21, True, True)):
+        for seq, padded, tiled in ((24, False, fpdt), (21, True, True)):
             base = _model(family)
             ref_loss, ref_grads = _reference(copy.deepcopy(base), _batch(seq, padded))
-            model = apply_ulysses(base, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None))
+            model = apply_ulysses(base, config=UlyssesConfig(tiled_mlp_chunks=3 if tiled else None, **inner))
             if tiled:  # the whole ALST set: checkpointed layers with their inputs kept on the host
                 assert enable_offloaded_checkpointing(model) == COMMON["num_hidden_layers"]
                 model.train()  # transformers checkpoints only in training mode (dropout is 0 here)
             loss, grads = _sp_step(model, _batch(seq, padded), tiled)
-            what = f"{family} seq={seq} padded={padded} tiled={tiled}"
+            what = f"{family} seq={seq} padded={padded} tiled={tiled} fpdt={fpdt}"
             tol.assert_close(torch.tensor(loss), torch.tensor(ref_loss), what=f"{what} loss")
             for name, grad in grads.items():
                 tol.assert_close(grad, ref_grads[name], what=f"{what} grad {name}")
@@ -107,28 +110,8 @@ def test_hf_llama_sp4_kv_heads_fewer_than_sp_equal_single_process():
     assert len(results[0]) == 2
 
 
-def _check_fpdt(families: tuple[str, ...]) -> list[str]:
-    """The whole ALST set with FPDT's chunked attention inside (5-token chunks: several blocks, uneven)."""
-    tol = tolerance("ulysses_model_grad", torch.float32)
-    checked = []
-    for family in families:
-        for seq, padded in ((24, False), (21, True)):
-            base = _model(family)
-            ref_loss, ref_grads = _reference(copy.deepcopy(base), _batch(seq, padded))
-            model = apply_ulysses(base, config=UlyssesConfig(inner_attention="fpdt", fpdt_chunk=5, tiled_mlp_chunks=3))
-            enable_offloaded_checkpointing(model)
-            model.train()
-            loss, grads = _sp_step(model, _batch(seq, padded), tiled=True)
-            what = f"{family} fpdt seq={seq} padded={padded}"
-            tol.assert_close(torch.tensor(loss), torch.tensor(ref_loss), what=f"{what} loss")
-            for name, grad in grads.items():
-                tol.assert_close(grad, ref_grads[name], what=f"{what} grad {name}")
-            checked.append(what)
-    return checked
-
-
 def test_hf_llama_and_qwen3_sp2_fpdt_inside_equal_single_process():
-    results = run_distributed(_check_fpdt, 2, ("llama", "qwen3"), timeout=180)
+    results = run_distributed(_check_families, 2, ("llama", "qwen3"), True, timeout=180)
     assert len(results[0]) == 4
 
 
