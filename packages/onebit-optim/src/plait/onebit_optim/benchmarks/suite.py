@@ -1,6 +1,7 @@
 """The onebit-optim benchmark suite (``plait bench onebit-optim [--quick]``).
 
-Two ranks (W=2) train the same tiny-llama LM (26.3M parameters; quick: 5.3M) with DDP +
+Two ranks (W=2) train the same tiny-llama LM (26.3M parameters; quick: 5.3M; one sequence of 64
+tokens per rank and step: the bandwidth-bound regime these optimizers are for, see ``_spec``) with DDP +
 AdamW, DDP + torch's fp16-compression and PowerSGD comm hooks, and plait's 1-bit Adam, 0/1 Adam
 and 1-bit LAMB, over an emulated link: two network namespaces joined by a veth pair with a ``tc``
 rate limit (1 Gbit/s, 100 Mbit/s, and unthrottled: the compute floor), gloo over TCP between
@@ -47,9 +48,14 @@ def _spec(quick: bool) -> dict[str, Any]:
     model = (dict(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688, max_seq_len=128)
              if quick else
              dict(vocab_size=4096, hidden_size=512, num_layers=7, num_heads=8, intermediate_size=1376, max_seq_len=128))
-    # One warm-up block: 1-bit Adam/LAMB freeze after step 2, and 0/1 Adam's sync interval reaches one
-    # per block (4 steps) at step 4; three timed blocks of 4 steps per variant and link.
-    return {"model": model, "seq": 64, "batch": 4, "block": 4, "warmup_blocks": 1, "blocks": 3,
+    # One warm-up block: 1-bit Adam/LAMB freeze after step 2, 0/1 Adam after step 4 (worker.onebit_optimizer);
+    # three timed blocks of 4 steps per variant and link. A global batch of 2 x 64 tokens (one
+    # sequence per rank): these optimizers are for bandwidth-bound training, where communication is
+    # most of a step. With 4 x 64 a step's compute on one core per rank (about 0.7 s forward and
+    # backward, quiet) already covers most of DDP's 105 MB all-reduce at 1 Gbit/s (overlapped with
+    # backward), so no optimizer could be much faster than DDP there; the table's "ceiling
+    # DDP/floor" says how much faster than DDP any variant can be on each link.
+    return {"model": model, "seq": 64, "batch": 2, "block": 4, "warmup_blocks": 1, "blocks": 3,
             "timeout": 900, "threads": 1}
 
 
