@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from plait.kernels import settings
+from plait.kernels.collectives import teardown
 from plait.kernels.collectives.flight import LOG, CollectiveEvent
 
 KEY_PREFIX = "plait/flight/"
@@ -287,6 +288,11 @@ def run(op: str, group: Any | None, group_label: str, label: str, peers: list[in
     ensure_publisher()  # first, as starting one for a new group renumbers the log
     event = LOG.enter(op, group_label, label)
     started = time.perf_counter()
+    # A blocking collective is issued async and waited on here, so its work handle can be kept
+    # (teardown.keep: a gloo worker must never free it during interpreter shutdown).
+    blocking = kwargs.get("async_op") is False
+    if blocking:
+        kwargs["async_op"] = True
     try:
         result = call(*args, **kwargs)
     except RuntimeError as exc:
@@ -297,16 +303,22 @@ def run(op: str, group: Any | None, group_label: str, label: str, peers: list[in
         event.wait_s = time.perf_counter() - started
         event.end = time.time()
         return None
-    return TrackedWork(result, event, group, peers)
+    work = TrackedWork(result, event, group, peers, teardown.tensors_nbytes(args))
+    if blocking:
+        work.wait()
+        return None
+    return work
 
 
 class TrackedWork:
     """An async collective's handle: ``wait()`` is timed and its failure named; the rest is torch's."""
 
-    __slots__ = ("_work", "_event", "_group", "_peers")
+    __slots__ = ("_work", "_event", "_group", "_peers", "_nbytes")
 
-    def __init__(self, work: Any, event: CollectiveEvent, group: Any | None, peers: list[int] | None) -> None:
+    def __init__(self, work: Any, event: CollectiveEvent, group: Any | None, peers: list[int] | None,
+                 nbytes: int = teardown.KEEP_MAX_BYTES + 1) -> None:
         self._work, self._event, self._group, self._peers = work, event, group, peers
+        self._nbytes = nbytes  # the tensors' bytes: whether teardown.keep holds the finished work
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         """torch's ``Work.wait``, timed into the flight log; a failure names the missing ranks."""
@@ -317,6 +329,7 @@ class TrackedWork:
             raise explain(self._event, exc, self._group, self._peers) from None
         self._event.wait_s += time.perf_counter() - started
         self._event.end = time.time()
+        teardown.keep(self._event.group, self._work, self._nbytes)
         return result
 
     def is_completed(self) -> bool:

@@ -172,4 +172,4 @@ def irecv(tensor: torch.Tensor, *, src: int, group: Any | None = None, name: str
 
 def barrier(*, group: Any | None = None, name: str | None = None) -> None:
     """Synchronise the group (moves no logical bytes, so nothing is recorded)."""
-    _issue("barrier", name, group=group)
+    _issue("barrier", name, group=group, async_op=False)
