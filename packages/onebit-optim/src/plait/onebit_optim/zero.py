@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from plait.kernels import collectives
-from plait.kernels.ops.sign import compress_with_error_feedback, scaled_signs, unpack_bits
+from plait.kernels.ops.sign import compress_with_error_feedback, unpack_scaled_signs
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
 
@@ -299,8 +299,9 @@ class OnebitZeroExchange:
         if state.signs is None:  # gathered in fp32 (first compressed step / after a load)
             assert state.scales is not None
             return state.scales.clone()  # the caller updates it in place; a skipped step needs it again
-        decoded = scaled_signs(unpack_bits(state.signs, state.world * state.chunk).view(state.world, state.chunk),
-                               state.scales[:, None])
+        decoded = torch.empty(state.world, state.chunk, dtype=torch.float32, device=unit.device)
+        for server, signs in enumerate(state.signs.view(state.world, -1)):  # +-(that server's scale)
+            unpack_scaled_signs(signs, state.chunk, state.scales[server], out=decoded[server])
         flat = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
         flat.view(state.world, state.shard).copy_(decoded[:, :state.shard])
         for slot, factor in zip(unit.slots, state.factors):
@@ -396,17 +397,17 @@ class OnebitZeroExchange:
         received = received.view(world, -1)
         total = torch.zeros(chunk, dtype=torch.float32, device=buffer.device)
         for worker in range(world):  # rank order, as the kernels' server average
-            total += scaled_signs(unpack_bits(received[worker], chunk), worker_scales[worker])
+            total += unpack_scaled_signs(received[worker], chunk, worker_scales[worker])
         server = total.mul_(1.0 / world)
         server_packed, server_scale = compress_with_error_feedback(server, state.server_error)
         if not gather:
-            return None, None, scaled_signs(unpack_bits(server_packed, chunk), server_scale)
+            return None, None, unpack_scaled_signs(server_packed, chunk, server_scale)
         signs = torch.empty(world * server_packed.numel(), dtype=torch.uint8, device=buffer.device)
         collectives.all_gather_into_tensor(signs, server_packed, group=group, name=f"{label}: server-sign all-gather")
         scales = buffer.new_empty(world)
         collectives.all_gather_into_tensor(scales, server_scale.reshape(1), group=group,
                                            name=f"{label}: server-scale all-gather")
-        own = scaled_signs(unpack_bits(server_packed, chunk), scales[state.rank])
+        own = unpack_scaled_signs(server_packed, chunk, scales[state.rank])
         return signs, scales, own
 
     def take_momentum(self, key: str) -> torch.Tensor | None:
