@@ -8,9 +8,9 @@ give the same losses bit for bit.
 Lightning's own ``strategy="ddp"`` takes them too: plait-lightning's entry-point callback
 (:mod:`plait.lightning.onebit_ddp`) turns DDP's gradient all-reduce off with a communication hook,
 so the optimizer exchanges alone; the run is bitwise the same optimizer in a plain torch loop
-without DDP, for all three (1-bit Adam's also differs from one under DDP without the hook); a checkpoint saved after warm-up
-carries every rank's error feedback and resumes bit for bit; what the optimizer cannot honour on
-local gradients is refused naming the fix."""
+without DDP, for all three (1-bit Adam's also differs from one under DDP without the hook); a
+checkpoint saved after warm-up carries every rank's error feedback and resumes bit for bit; what
+the optimizer cannot honour on local gradients is refused naming the fix."""
 
 from __future__ import annotations
 
