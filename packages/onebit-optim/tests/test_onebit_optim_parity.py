@@ -231,6 +231,10 @@ def _two_pairs() -> dict:
             local_loss(model, step, dist.get_rank(group), 2).backward()
             opt.step()
             opt.zero_grad()
+    # run_distributed's rank 0 hosts the c10d store: the other pair must not lose it mid-run (a
+    # rank's first plait collective connects its flight-log publisher to it). Under torchrun the
+    # agent hosts the store, so a job never needs this.
+    dist.barrier()
     return {"params": [p.detach().clone() for p in model.parameters()], "bytes": ledger.total()}
 
 
