@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.ops import grouped_gated_mlp, grouped_gated_mlp_reference, permute_by_expert
-from plait.kernels.ops.moe_grouped import grouped_gated_mlp_torch
+from plait.kernels.ops.moe_grouped import gate_product, gate_product_backward, grouped_gated_mlp_torch
 from plait.kernels.tolerances import tolerance
 
 EXPERTS, HIDDEN, INTER = 4, 12, 10
@@ -183,6 +183,21 @@ def test_precision_pins_training_and_serving_numerics() -> None:
                            grouped_gated_mlp_reference(x32, counts, gu32, d32, "silu", "fp32"))
     with pytest.raises(ValueError, match="precision='bf16' is not supported"):
         grouped_gated_mlp(x, counts, w_gate_up, w_down, precision="bf16")
+
+
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_product_backward_is_bitwise_autograd(dtype: torch.dtype, activation: str, precision: str) -> None:
+    """The CPU backward's hand-written activation derivative gives autograd's bits (same ops)."""
+    gen = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(9, 2 * INTER, generator=gen).to(dtype)
+    d_act = torch.randn(9, INTER, generator=gen).to(dtype)
+    leaf = gate_up.clone().requires_grad_()
+    act = gate_product(leaf, activation, precision)
+    (want,) = torch.autograd.grad(act, leaf, d_act)
+    got_act, got = gate_product_backward(gate_up, d_act, activation, precision)
+    assert torch.equal(got_act, act.detach()) and torch.equal(got, want)
 
 
 # ---- Triton path (CUDA, or the interpreter on CPU): forward and backward kernels.

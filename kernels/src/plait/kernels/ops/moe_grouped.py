@@ -16,7 +16,8 @@ plait-moe-layers (training) and plait-inference-kernels (serving) both call it.
   the GEMM outputs upcast. This is plait-inference-kernels' and vLLM's fused-MoE numerics.
 
 For fp32 inputs the two are the same computation. The backward takes the local derivative of the
-same formula (autograd of :func:`gate_product`) on both paths.
+same formula on both paths: autograd of :func:`gate_product` (Triton path) or the same ops written
+into one gradient buffer (:func:`gate_product_backward`, CPU path; bitwise autograd's result).
 
 **Paths.** CUDA tensors run the Triton kernels of :mod:`plait.kernels.ops.moe_grouped_triton`
 (two grouped GEMMs forward with the activation fused into the first one's epilogue; three
@@ -80,6 +81,45 @@ def gate_product(gate_up: torch.Tensor, activation: str = "silu", precision: str
     if precision == "fp32" and gate_up.dtype != torch.float32:
         return (_activate(gate.float(), activation) * up.float()).to(gate_up.dtype)
     return _activate(gate, activation) * up
+
+
+def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation: str = "silu",
+                          precision: str = "input") -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation's backward: ``(act, d_gate_up)`` for ``act = gate_product(gate_up)``.
+
+    The ops autograd runs for :func:`gate_product` (``d_up = d_act * act(gate)``,
+    ``d_gate = act'(gate) * (d_act * up)`` by torch's own ``silu_backward``/``gelu_backward``), each
+    written straight into its half of one ``[N, 2I]`` gradient: autograd's slice backward would
+    allocate and zero-fill two ``[N, 2I]`` tensors and add them, the largest non-GEMM cost of the
+    CPU backward at hundreds of rows per expert. ``act`` (needed by the down weight's gradient)
+    reuses ``act(gate)``. The ``"fp32"`` precision on a lower dtype takes autograd of the formula.
+
+    Args:
+        gate_up: ``[N, 2I]`` the first GEMM's output (gate columns first).
+        d_act: ``[N, I]`` gradient of ``act``.
+        activation, precision: as :func:`gate_product`.
+
+    Returns:
+        ``act`` ``[N, I]`` and ``d_gate_up`` ``[N, 2I]``, both in ``gate_up``'s dtype.
+    """
+    if precision == "fp32" and gate_up.dtype != torch.float32:
+        with torch.enable_grad():
+            leaf = gate_up.detach().requires_grad_()
+            act = gate_product(leaf, activation, precision)
+        (d_gate_up,) = torch.autograd.grad(act, leaf, d_act)
+        return act.detach(), d_gate_up
+    inter = d_act.shape[-1]
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    activated = _activate(gate, activation)
+    d_gate_up = torch.empty_like(gate_up)
+    torch.mul(d_act, activated, out=d_gate_up[..., inter:])
+    d_activated = d_act * up
+    if activation == "silu":
+        torch.ops.aten.silu_backward.grad_input(d_activated, gate, grad_input=d_gate_up[..., :inter])
+    else:
+        torch.ops.aten.gelu_backward.grad_input(d_activated, gate, approximate="tanh" if activation == "gelu_tanh"
+                                                else "none", grad_input=d_gate_up[..., :inter])
+    return activated.mul_(up), d_gate_up
 
 
 def check_grouped_inputs(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
@@ -230,13 +270,10 @@ class _SegmentGatedMLP(torch.autograd.Function):
         x, w_gate_up, w_down, gate_up = ctx.saved_tensors
         segments = ctx.segments
         grad = grad.contiguous()
-        with torch.enable_grad():  # the activation's local derivative: autograd of the same formula
-            gate_up = gate_up.detach().requires_grad_()
-            act = gate_product(gate_up, ctx.activation, ctx.precision)
         d_act = _rows([linear_nt(grad[start:end], w_down[expert].t()) for expert, start, end in segments], grad,
-                      act.shape[1])
-        d_w_down = _weight_grads(w_down, segments, grad, act.detach())
-        (d_gate_up,) = torch.autograd.grad(act, gate_up, d_act)
+                      w_down.shape[2])
+        act, d_gate_up = gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
+        d_w_down = _weight_grads(w_down, segments, grad, act)
         d_x = _rows([linear_nt(d_gate_up[start:end], w_gate_up[expert].t()) for expert, start, end in segments], x,
                     x.shape[1])
         d_w_gate_up = _weight_grads(w_gate_up, segments, d_gate_up, x)
