@@ -175,3 +175,62 @@ def test_groups_over_the_same_ranks_are_numbered_apart():
         # each group numbered from 1 on its own: the same number is the same collective on every rank
         assert numbered == sorted([("world", 1), ("world", 2), (twin[0], 1), (twin[0], 2)])
         assert compared == 4  # the straggler summary compares both groups' collectives
+
+
+# ---- the publisher's own store client ----------------------------------------------------------
+_STORE_HOST = """
+import sys, time, datetime, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _client_of_a_store_host(lifetime: float):
+    """A client (two prefixes deep, as the default group's) of a store hosted by a subprocess
+    that exits after ``lifetime`` seconds, the way rank 0 hosts a Lightning job's store."""
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(lifetime)], stdout=subprocess.PIPE, text=True)
+    port = int(host.stdout.readline())
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    return host, dist.PrefixStore("default_pg", dist.PrefixStore("job", client))
+
+
+def test_own_client_keeps_the_shared_timeout_and_reports_on_the_short_one():
+    host, store = _client_of_a_store_host(30.0)
+    try:
+        client = hangs._own_client(store)
+        assert client is not store and client.timeout == datetime.timedelta(seconds=hangs.REPORT_TIMEOUT_S)
+        assert store.timeout == datetime.timedelta(seconds=60)  # the job's own client is untouched
+        client.set("k", "v")
+        assert store.get("k") == b"v"  # same prefixes, same store
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_own_client_gives_up_on_a_gone_store_host_within_seconds():
+    host, store = _client_of_a_store_host(0.0)
+    host.wait()  # the host has exited: a connect would retry for the shared client's 60 s
+    start = time.monotonic()
+    assert hangs._own_client(store) is None
+    assert time.monotonic() - start < 2 * hangs.CONNECT_TIMEOUT_S + 4.0  # torch retries once, after a back-off
+    assert store.timeout == datetime.timedelta(seconds=60)
+
+
+def test_a_rank_whose_store_is_gone_starts_no_publisher_and_tries_once(monkeypatch, capsys):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    tries = []
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+        monkeypatch.setattr(hangs, "_own_client", lambda store: tries.append(store))  # None: unreachable
+        monkeypatch.setattr(hangs, "_publisher", None)
+        monkeypatch.setattr(hangs, "_unreachable", None)
+        hangs.ensure_publisher()
+        hangs.ensure_publisher()  # every collective calls it: the connect is tried once per group
+        assert len(tries) == 1 and hangs._publisher is None
+        assert "could not reach the c10d store" in capsys.readouterr().err
+    finally:
+        dist.destroy_process_group()

@@ -38,6 +38,10 @@ REPORT_TIMEOUT_S = 5.0
 # How long exit waits for the publisher to leave a store call: a report's bound, plus room for a
 # thread that a loaded machine does not schedule for a while (1 s was not always enough on CI).
 STOP_TIMEOUT_S = 2 * REPORT_TIMEOUT_S
+# The publisher's own client connects within this. torch's TCPStore retries a failed connect once
+# after a random back-off, so a gone host is given up on after 1-2x this (measured 2.6-3.4 s). A
+# live store answers in milliseconds; the margin is for a machine too loaded to schedule its host.
+CONNECT_TIMEOUT_S = 2.0
 
 
 class CollectiveError(dist.DistBackendError):
@@ -68,8 +72,8 @@ class _Publisher:
     freed when the user destroys it, not at interpreter teardown.
     """
 
-    def __init__(self, store: Any, rank: int, interval: float) -> None:
-        self.store, self.key, self.interval = _own_client(store), f"{KEY_PREFIX}{rank}", interval
+    def __init__(self, client: Any, rank: int, interval: float) -> None:
+        self.store, self.key, self.interval = client, f"{KEY_PREFIX}{rank}", interval
         self.pg = weakref.ref(dist.distributed_c10d._get_default_group())
         self.stopped = threading.Event()
         self.published, self.groups = -1, "{}"
@@ -115,18 +119,40 @@ class _Publisher:
         self.store.set(self.key, f'{{"time": {time.time()!r}, "groups": {self.groups}}}')
 
 
-def _own_client(store: Any) -> Any:
-    """A separate client of ``store`` with the report timeout, or ``store`` itself where the
-    store type cannot be cloned (a ``HashStore`` of a single process, a custom store)."""
+def _own_client(store: Any) -> Any | None:
+    """A separate client of ``store`` with the report timeout; ``store`` itself where the store
+    type cannot be cloned (a ``HashStore`` of a single process, a custom store); ``None`` where
+    the store's host cannot be reached within :data:`CONNECT_TIMEOUT_S` (with torch's retry).
+
+    A clone connects with the shared client's timeout, which is the job's (30 min by default),
+    and retries until it runs out. The host of a ``torch.multiprocessing`` or Lightning job's
+    store is rank 0's process: when it has gone, a rank starting its publisher would block that
+    long before its collective ran and failed. So the shared client's timeout is shortened for
+    the connect alone and put back at once (this runs on the thread that issues collectives,
+    the only one using the shared client here).
+    """
+    try:
+        shared_timeout = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a custom store without timeouts: clone it as it is
+        shared_timeout = None
     try:
         client = store.clone()
         client.set_timeout(datetime.timedelta(seconds=REPORT_TIMEOUT_S))
         return client
+    except dist.DistNetworkError:
+        return None
     except Exception:  # noqa: BLE001 - cloning is an optimisation; the shared client still works
         return store
+    finally:
+        if shared_timeout is not None:
+            store.set_timeout(shared_timeout)
 
 
 _publisher: _Publisher | None = None
+# The default group whose store could not be reached: its ranks publish nothing (weak, so a
+# destroyed group is not kept alive and a new one tries again).
+_unreachable: weakref.ref | None = None
 
 
 @atexit.register
@@ -139,7 +165,7 @@ def _stop_at_exit() -> None:
 
 def ensure_publisher() -> None:
     """Start this rank's publisher if the default group has more than one rank and none runs."""
-    global _publisher
+    global _publisher, _unreachable
     if _publisher is not None and not _publisher.stopped.is_set():
         return
     interval = settings.collective_publish_interval()
@@ -149,9 +175,19 @@ def ensure_publisher() -> None:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError, ValueError):
         return
-    if _publisher is None or _publisher.pg() is not dist.distributed_c10d._get_default_group():
+    group = dist.distributed_c10d._get_default_group()
+    if _unreachable is not None and _unreachable() is group:
+        return
+    if _publisher is None or _publisher.pg() is not group:
         LOG.clear()  # a new group numbers its collectives from 1 on every rank
-    _publisher = _Publisher(store, dist.get_rank(), interval)
+    client = _own_client(store)
+    if client is None:
+        _unreachable = weakref.ref(group)
+        print(f"plait: rank {dist.get_rank()} could not reach the c10d store within {CONNECT_TIMEOUT_S:g} s "
+              "(its host has gone?); its collectives are not reported, so a hang cannot name them",
+              file=sys.stderr, flush=True)
+        return
+    _publisher = _Publisher(client, dist.get_rank(), interval)
 
 
 def members(group: Any | None) -> list[int]:
