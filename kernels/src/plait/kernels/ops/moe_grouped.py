@@ -24,8 +24,9 @@ into one gradient buffer (:func:`gate_product_backward`, CPU path; bitwise autog
 grouped GEMMs and two per-expert weight-gradient reductions backward). Elsewhere (and with
 ``PLAIT_KERNEL_BACKEND=reference``) torch runs (:func:`grouped_gated_mlp_torch`): on CPU one GEMM
 pair per expert (fp32 on oneDNN, which uses AVX-512 where torch's fp32 ``mm`` calls MKL, and MKL
-runs only its AVX2 code on non-Intel CPUs: see :func:`linear_nt`), the activation once over all
-rows, and a hand-written backward that stacks each expert's weight gradient into one gradient; on
+runs only its AVX2 code on non-Intel CPUs: see :func:`linear_nt`) with that expert's activation
+between them, and a hand-written backward, also expert by expert, that writes each expert's weight
+gradient into one stacked gradient; on
 CUDA without Triton torch's grouped GEMM (``F.grouped_mm``) over the
 segments' offsets where its 16-byte stride rule holds, else the segments zero-padded into one
 ``[E, max_rows, H]`` buffer run as two ``torch.bmm`` (falling back to the loop once the padding
@@ -229,26 +230,42 @@ def _rows(parts: list[torch.Tensor], like: torch.Tensor, width: int) -> torch.Te
     return torch.cat(parts) if parts else like.new_empty(0, width)
 
 
-def _segment_forward(x: torch.Tensor, segments: list[tuple[int, int, int]], w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor, activation: str, precision: str,
-                     in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU forward: ``(out, gate_up)``. ``in_place`` (no autograd) runs SiLU-and-multiply on
-    the GEMM output itself where that gives the same bits (two fewer ``[N, I]`` temporaries)."""
-    gate_up = _rows([linear_nt(x[start:end], w_gate_up[expert]) for expert, start, end in segments], x,
-                    w_gate_up.shape[1])
-    inter = w_down.shape[2]
+def _expert_forward(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str,
+                    precision: str, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's ``(out, gate_up)`` on its rows. ``in_place`` (no autograd) runs SiLU-and-multiply
+    on the GEMM output itself where that gives the same bits (two fewer ``[n, I]`` temporaries)."""
+    gate_up = linear_nt(x, w_gate_up)
+    inter = w_down.shape[1]
     if in_place and activation == "silu" and (precision == "input" or x.dtype == torch.float32):
         act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
     else:
         act = gate_product(gate_up, activation, precision)
-    out = _rows([linear_nt(act[start:end], w_down[expert]) for expert, start, end in segments], x, w_down.shape[1])
-    return out, gate_up
+    return linear_nt(act, w_down), gate_up
+
+
+def _segment_forward(x: torch.Tensor, segments: list[tuple[int, int, int]], w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, activation: str, precision: str,
+                     in_place: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU forward: ``(out, gate_up of each segment)``, one expert after another (its rows'
+    ``[n, 2I]`` intermediates stay in cache between its two GEMMs; only ``[N, H]`` is concatenated)."""
+    outs, gate_ups = [], []
+    for expert, start, end in segments:
+        out, gate_up = _expert_forward(x[start:end], w_gate_up[expert], w_down[expert], activation, precision,
+                                       in_place)
+        outs.append(out)
+        gate_ups.append(gate_up)
+    return _rows(outs, x, w_down.shape[1]), gate_ups
 
 
 class _SegmentGatedMLP(torch.autograd.Function):
-    """The CPU path: per expert one GEMM pair on its segment (oneDNN for fp32, see
-    :func:`_onednn_linear`), the activation once over all rows, and a backward that stacks each
-    expert's weight gradient into one gradient (no per-expert zero tensors, gathers or sums).
+    """The CPU path: one expert after another, its GEMM pair on its segment (oneDNN for fp32, see
+    :func:`_onednn_linear`) with the activation between them, and a backward that writes each
+    expert's weight gradient into one stacked gradient (no per-expert zero tensors, gathers or sums).
+
+    Per expert rather than per op over all rows: the ``[n, 2I]`` and ``[n, I]`` intermediates of one
+    expert stay in cache between the GEMMs and their activation, and only the ``[N, H]`` outputs
+    (and input gradients) are concatenated, not ``[N, 2I]`` buffers (oneDNN writes every GEMM into
+    its own new tensor).
 
     torch's CPU ``grouped_mm`` runs one MKL ``mm`` per group too, on strided views with extra
     copies and zero fills, and its backward does the same: measured 1.3x slower than the MKL
@@ -259,25 +276,27 @@ class _SegmentGatedMLP(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 activation: str, precision: str) -> torch.Tensor:
         segments = _segments(counts)
-        out, gate_up = _segment_forward(x, segments, w_gate_up, w_down, activation, precision, in_place=False)
-        ctx.save_for_backward(x, w_gate_up, w_down, gate_up)
+        out, gate_ups = _segment_forward(x, segments, w_gate_up, w_down, activation, precision, in_place=False)
+        ctx.save_for_backward(x, w_gate_up, w_down, *gate_ups)
         ctx.segments, ctx.activation, ctx.precision = segments, activation, precision
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None, None]:
-        x, w_gate_up, w_down, gate_up = ctx.saved_tensors
+        x, w_gate_up, w_down, *gate_ups = ctx.saved_tensors
         segments = ctx.segments
         grad = grad.contiguous()
-        d_act = _rows([linear_nt(grad[start:end], w_down[expert].t()) for expert, start, end in segments], grad,
-                      w_down.shape[2])
-        act, d_gate_up = gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
-        d_w_down = _weight_grads(w_down, segments, grad, act)
-        d_x = _rows([linear_nt(d_gate_up[start:end], w_gate_up[expert].t()) for expert, start, end in segments], x,
-                    x.shape[1])
-        d_w_gate_up = _weight_grads(w_gate_up, segments, d_gate_up, x)
-        return d_x, None, d_w_gate_up, d_w_down, None, None
+        d_w_gate_up, d_w_down = _stacked_grad(w_gate_up, segments), _stacked_grad(w_down, segments)
+        d_x = []
+        for (expert, start, end), gate_up in zip(segments, gate_ups):
+            rows_grad = grad[start:end]
+            d_act = linear_nt(rows_grad, w_down[expert].t())
+            act, d_gate_up = gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
+            _weight_grad(d_w_down[expert], rows_grad, act)
+            d_x.append(linear_nt(d_gate_up, w_gate_up[expert].t()))
+            _weight_grad(d_w_gate_up[expert], d_gate_up, x[start:end])
+        return _rows(d_x, x, x.shape[1]), None, d_w_gate_up, d_w_down, None, None
 
 
 ONEDNN_MIN_ROWS = 32
@@ -286,17 +305,17 @@ there the GEMM is small and copying oneDNN's separate output in would cost more 
 saves (the two break even near 32 rows on the benchmark machine)."""
 
 
-def _weight_grads(weight: torch.Tensor, segments: list[tuple[int, int, int]], left: torch.Tensor,
-                  right: torch.Tensor) -> torch.Tensor:
-    """``weight``-shaped stacked gradient: ``left[rows].T @ right[rows]`` for each expert's rows,
-    zeros for the experts that got none."""
-    grad = weight.new_empty(weight.shape) if len(segments) == weight.shape[0] else weight.new_zeros(weight.shape)
-    for expert, start, end in segments:
-        if end - start < ONEDNN_MIN_ROWS:
-            torch.mm(left[start:end].t(), right[start:end], out=grad[expert])
-        else:
-            grad[expert].copy_(linear_nt(left[start:end].t(), right[start:end].t()))
-    return grad
+def _stacked_grad(weight: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``weight``-shaped gradient to fill expert by expert; zeros only where an expert got no rows."""
+    return weight.new_empty(weight.shape) if len(segments) == weight.shape[0] else weight.new_zeros(weight.shape)
+
+
+def _weight_grad(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``out = left.T @ right`` (one expert's weight gradient, written into the stacked gradient)."""
+    if left.shape[0] < ONEDNN_MIN_ROWS:
+        torch.mm(left.t(), right, out=out)
+    else:
+        out.copy_(linear_nt(left.t(), right.t()))
 
 
 TORCH_METHODS = ("segments", "grouped_mm", "padded_bmm")
