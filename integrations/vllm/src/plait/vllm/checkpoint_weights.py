@@ -44,6 +44,7 @@ from plait.universal_ckpt.interop.hf import ZERO_MARKER, model_name
 from plait.universal_ckpt.manifest import Manifest, TensorEntry
 from plait.universal_ckpt.mapped import MappedReader
 from plait.universal_ckpt.reader import check_files, read_manifest, read_region
+from plait.vllm.checked_ahead import AheadCheck, core_free, piece_chunks
 from plait.vllm.checked_copy import CheckOnCopy, integrity_error
 from plait.vllm.tensor_parallel import TensorParallelRank, rank_cols, rank_rows
 
@@ -140,6 +141,7 @@ class CheckpointWeights:
         self.cols_read: dict[str, tuple[int, int]] = {}  # name -> columns, for consolidated row-parallel tensors
         self.nan_filled: set[str] = set()  # tensors consolidated with NaN outside the rows or columns read
         self.checked_bytes: int | None = None  # after a checked stream: bytes of mapped tensors checked
+        self.checked_ahead_worker: bool | None = None  # whether checked_ahead() last ran its worker thread
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -223,6 +225,75 @@ class CheckpointWeights:
         yield self._stream(checker)
         checker.finish()
         self.checked_bytes = checker.checked_bytes
+
+    @contextlib.contextmanager
+    def checked_ahead(self, worker: bool | None = None) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        """The whole-tensor stream (TP=1) with its chunks checked by a worker thread one tensor ahead
+        of the consumer (:mod:`plait.vllm.checked_ahead`); the consumer's thread checks what the
+        worker has not started before handing each tensor over. Leaving the block normally checks
+        every chunk not yet found good; with ``verify=False`` this is plain iteration.
+
+        Args:
+            worker: start the worker thread; None (default): when a core looks free for it
+                (:func:`~plait.vllm.checked_ahead.core_free`). False: each tensor is checked
+                before it is handed over, on the consumer's thread.
+
+            with weights.checked_ahead() as stream:
+                model.load_weights(stream)
+
+        Raises:
+            ValueError: for a tensor-parallel rank (use :meth:`checked_on_copy`).
+            CheckpointIntegrityError: a chunk's hash differs (names the file), before its tensor is
+                handed over, or when the block ends for a chunk the worker was hashing just then.
+        """
+        if self.tensor_parallel is not None:
+            raise ValueError(f"checked_ahead() streams whole tensors; rank {self.tensor_parallel.rank} of "
+                             f"{self.tensor_parallel.size} reads only its part: use checked_on_copy().")
+        if not self.verify:
+            yield self._stream(None)
+            return
+        checked = MappedReader(self.directory, self.manifest, verify=True)  # several pieces: checked as read
+        unchecked = MappedReader(self.directory, self.manifest, verify=False)
+        entries = self.entries()
+        try:
+            views = [self._whole_view(unchecked, entry) for entry in entries]
+            ahead = AheadCheck(self.directory, [[] if view is None else piece_chunks(
+                view, entry, MappedReader.whole_piece(entry), self.manifest) for entry, view in zip(entries, views)],
+                worker=core_free() if worker is None else worker)
+        except BaseException:
+            checked.close()
+            unchecked.close()
+            raise
+        self.checked_ahead_worker = ahead.worker
+        try:
+            yield self._ahead_stream(entries, views, checked, ahead)
+            ahead.finish()
+            self.checked_bytes = ahead.checked_bytes
+        finally:
+            ahead.close()
+            checked.close()
+            unchecked.close()
+
+    def _whole_view(self, unchecked: MappedReader, entry: TensorEntry) -> torch.Tensor | None:
+        """``entry`` as an unchecked view of the mapping when one piece holds it, else None."""
+        if MappedReader.whole_piece(entry) is None:
+            return None
+        try:
+            return unchecked.tensor(entry)
+        except CheckpointIntegrityError as exc:
+            raise integrity_error(exc, self.directory, entry.full_name) from exc
+
+    def _ahead_stream(self, entries: list[TensorEntry], views: list[torch.Tensor | None], checked: MappedReader,
+                      ahead: AheadCheck) -> Iterator[tuple[str, torch.Tensor]]:
+        for index, (entry, view) in enumerate(zip(entries, views)):
+            ahead.before(index)
+            tensor = view
+            if tensor is None:
+                try:
+                    tensor = checked.tensor(entry)
+                except CheckpointIntegrityError as exc:
+                    raise integrity_error(exc, self.directory, entry.full_name) from exc
+            yield from on_disk_weights(self.name_of(entry), tensor, self.model_type)
 
     def cols_for(self, entry: TensorEntry) -> tuple[int, int] | None:
         """The columns of dim 1 this rank reads of a row-parallel ``entry``, or None for all of it."""

@@ -9,10 +9,13 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
         model_loader_extra_config={"checkpoint": "runs/ckpt", "key": "model"})
 
 Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
-producer's pieces, checked as it is read). In one process every chunk of a view is checked before
-it is handed over; with tensor parallelism vLLM's copy of a view hashes each block right after
-copying it, while it is in cache (:mod:`plait.vllm.checked_copy`), so a rank reads and checks only
-the chunks of what it copies (``"rank_rows": False`` reads every consolidated tensor whole).
+producer's pieces, checked as it is read). In one process a worker thread checks the chunks one
+tensor ahead of vLLM's copies, on a second core when one is free, and the loading thread checks
+every chunk the worker has not started before handing its tensor over (:mod:`plait.vllm.checked_ahead`);
+a chunk the worker was hashing just then is checked before ``load_weights`` returns. With tensor
+parallelism vLLM's copy of a view hashes each block right after copying it, while it is in cache
+(:mod:`plait.vllm.checked_copy`), so a rank reads and checks only the chunks of what it copies
+(``"rank_rows": False`` reads every consolidated tensor whole).
 A corrupted file stops start-up with an error naming it. vLLM's own ``model.load_weights`` then
 does its qkv and gate|up fusion and tensor-parallel slicing.
 """
@@ -66,6 +69,8 @@ class LoadReport:
             less than ``mapped_bytes``.
         mapped_bytes: bytes of the tensors stored as one piece (handed over as mapped views); the
             others are consolidated from their pieces, checked as they are read.
+        check_worker: at TP=1 with checks on, whether a worker thread checked ahead of the copies
+            (a core was free for it); None otherwise.
     """
 
     directory: str
@@ -73,6 +78,7 @@ class LoadReport:
     tensor_parallel: tuple[int, int] | None
     checked_bytes: int
     mapped_bytes: int
+    check_worker: bool | None = None
 
 
 def load_report(model: nn.Module) -> LoadReport | None:
@@ -134,8 +140,9 @@ class PlaitUniversalLoader(BaseModelLoader):
         start = time.perf_counter()
         tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
         weights = self._weights(model_config, tensor_parallel)
-        if tensor_parallel is None:  # each tensor checked before it is handed over: measured the faster at TP=1
-            loaded = model.load_weights(iter(weights))
+        if tensor_parallel is None:  # whole tensors, checked one tensor ahead on a free core (or each first)
+            with weights.checked_ahead() as stream:
+                loaded = model.load_weights(stream)
         else:  # each rank checks exactly the chunks of what vLLM copies, whatever its split
             with weights.checked_on_copy() as stream:
                 loaded = model.load_weights(stream)
@@ -146,7 +153,8 @@ class PlaitUniversalLoader(BaseModelLoader):
             directory=str(weights.directory), seconds=self.last_load_seconds,
             tensor_parallel=(tensor_parallel.rank, tensor_parallel.size) if tensor_parallel else None,
             checked_bytes=weights.checked_bytes or 0,
-            mapped_bytes=sum(e.nbytes for e in weights.entries() if MappedReader.whole_piece(e) is not None))
+            mapped_bytes=sum(e.nbytes for e in weights.entries() if MappedReader.whole_piece(e) is not None),
+            check_worker=weights.checked_ahead_worker)
         model.plait_universal_report = report  # read back with llm.apply_model(load_report)
         logger.info("plait_universal: %s", report)
         if loaded is None:  # a model that does not report what it loaded: nothing to check

@@ -8,13 +8,15 @@
   is no steadier on a shared machine: the OpenMP threads spin while they wait.)
 * Loading: the part of start-up that differs between the two formats: streaming every weight
   of the same model out of the plait universal checkpoint as its loader does at TP=1 (every
-  chunk's XXH3-64 checksum checked before the tensor is handed over) against vLLM's own safetensors iterator
-  over its HF export, each tensor copied into a preallocated destination as vLLM's weight loaders
-  do (the files are in the page cache). The
-  rest of ``load_weights`` (vLLM's fusion and slicing) is the same code for both. One torch
-  thread, three warm-up rounds, then the three sides interleaved; the note adds the process's CPU
-  time (all threads), which other jobs on the machine disturb less than wall time. Target:
-  <= 1.2x. A second row reads with ``verify=False`` to show what the checks cost.
+  chunk's XXH3-64 checksum checked, by a worker thread one tensor ahead when a core is free for it,
+  else on the loading thread before each tensor is handed over) against vLLM's own safetensors
+  iterator over its HF export, each tensor copied into a preallocated destination as vLLM's weight
+  loaders do (the files are in the page cache). The rest of ``load_weights`` (vLLM's fusion and
+  slicing) is the same code for both. One torch thread, three warm-up rounds, then all sides
+  interleaved; the note adds the process's CPU time (all threads), which other jobs on the machine
+  disturb less than wall time. Target: <= 1.2x. A/B rows force each variant of the check (no
+  worker thread; the worker whatever the load), and one reads with ``verify=False`` to show what
+  the checks cost.
 """
 
 from __future__ import annotations
@@ -116,32 +118,50 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
     files = sorted(str(p) for p in hf_dir.glob("*.safetensors"))
     dest = {name: torch.empty_like(t) for name, t in safetensors_weights_iterator(files, False)}
     nbytes = sum(t.numel() * t.element_size() for t in dest.values())
-    ours, unverified, peer = [], [], []
+    label = f"weights stream + copy, {nbytes / 2**20:.1f} MiB fp32"
+    made: list[CheckpointWeights] = []  # the loader path's, each read anew as the loader does
+    workers = []  # per timed load of the loader's path: whether its worker thread ran
+
+    def loader_path():
+        made.append(CheckpointWeights(universal))
+        return made[-1].checked_ahead()
+
+    # (row label, stream, what the note says): the loader's TP=1 path first, then its variants as A/B
+    sides = ((label, loader_path, "plait checks every chunk's XXH3-64 checksum as its loader does at TP=1"),
+             (f"{label}, each tensor checked first", lambda: CheckpointWeights(universal).checked_ahead(worker=False),
+              "A/B: no worker thread, every chunk checked on the loading thread before its tensor is handed over"),
+             (f"{label}, worker always on", lambda: CheckpointWeights(universal).checked_ahead(worker=True),
+              "A/B: the worker thread checks one tensor ahead whatever the load"),
+             (f"{label}, verify=False", lambda: CheckpointWeights(universal, verify=False).checked_ahead(),
+              "checksums not checked"))
+    streams = [open_stream for _, open_stream, _ in sides]
+    streams.append(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)))
+    times: list[list[tuple[float, float]]] = [[] for _ in streams]
     threads = torch.get_num_threads()
-    # One thread: torch's copies and plait's checksums all run on this one.
+    # One torch thread: torch's copies run on this one (the worker thread is plait's, not torch's).
     torch.set_num_threads(1)
     try:
-        for index in range(LOAD_WARMUP + repeats):  # interleaved, so drift in the machine's load hits all alike
-            # plait's side as its loader streams at TP=1: each tensor checked before it is handed over.
-            times = (_stream_seconds(lambda: contextlib.nullcontext(iter(CheckpointWeights(universal))), dest),
-                     _stream_seconds(lambda: contextlib.nullcontext(iter(CheckpointWeights(universal, verify=False))),
-                                     dest),
-                     _stream_seconds(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)),
-                                     dest))
-            if index >= LOAD_WARMUP:
-                for samples, seconds in zip((ours, unverified, peer), times):
-                    samples.append(seconds)
+        for index in range(LOAD_WARMUP + repeats):
+            # Interleaved, so drift in the machine's load hits all alike, and in a rotating order,
+            # so that no side always follows the same other one (what it left in the cache).
+            for side in (index + k for k in range(len(streams))):
+                seconds = _stream_seconds(streams[side % len(streams)], dest)
+                if index >= LOAD_WARMUP:
+                    times[side % len(streams)].append(seconds)
+                if side % len(streams) == 0 and index >= LOAD_WARMUP:
+                    workers.append(made[-1].checked_ahead_worker)
     finally:
         torch.set_num_threads(threads)
-    label = f"weights stream + copy, {nbytes / 2**20:.1f} MiB fp32"
+    samples, peer = dict(zip((name for name, _, _ in sides), times)), times[-1]
     rows = []
     peer_cpu = TimingStats.of([c for _, c in peer])
-    for name, samples, what in ((label, ours, "plait checks every chunk's XXH3-64 checksum"),
-                                (f"{label}, verify=False", unverified, "checksums not checked")):
-        row = timing_row(name, TimingStats.of([w for w, _ in samples]), "vLLM safetensors iterator",
+    for name, _, what in sides:
+        row = timing_row(name, TimingStats.of([w for w, _ in samples[name]]), "vLLM safetensors iterator",
                          TimingStats.of([w for w, _ in peer]), target_ratio=1.2)
+        if name == label:
+            what += f" (worker thread on in {sum(map(bool, workers))} of {len(workers)} timed loads: a free core)"
         # CPU time does not count the time other jobs held the cores: steadier on a shared machine.
-        cpu = TimingStats.of([c for _, c in samples])
+        cpu = TimingStats.of([c for _, c in samples[name]])
         note = (f"{row.note}; {what}; 1 torch thread; process CPU ms ours {cpu.median * 1e3:.3g} "
                 f"(p10/p90 {cpu.p10 * 1e3:.3g}/{cpu.p90 * 1e3:.3g}), vLLM {peer_cpu.median * 1e3:.3g} "
                 f"(p10/p90 {peer_cpu.p10 * 1e3:.3g}/{peer_cpu.p90 * 1e3:.3g}), "

@@ -1,0 +1,190 @@
+"""Checking a checkpoint's chunks on a second core, one tensor ahead of the consumer that copies them.
+
+vLLM's ``load_weights`` copies every tensor it is given into its parameter. Checking a tensor's
+checksums before handing it over adds one pass over its bytes on the core that copies: at TP=1
+about a third of the load (XXH3-64 reads the bytes from the page cache; the copy then finds them
+in cache, but the hashing itself is on the critical path). Here a worker thread hashes the chunks
+of the tensors ahead of the consumer (``xxhash`` releases the GIL while it hashes, so it runs on
+another core), at most one tensor ahead, so that what it read is still in the shared cache when
+the consumer copies it.
+
+Before handing tensor ``i`` over, the consumer's own thread hashes every chunk of it that the
+worker has not started, so on a machine with no free core this is checking each tensor first, as
+before. A chunk the worker is hashing at that moment is handed over and checked before the stream
+ends: :meth:`AheadCheck.finish` hashes every chunk not yet found good itself rather than wait for
+the worker. So a damaged chunk stops the stream before its tensor is handed over, or, when the
+worker was hashing it just then, makes the load fail when the stream ends: the engine never starts
+on it, and the error names the file.
+
+The worker starts only when a core looks free for it (:func:`core_free`): this process may run on
+two cores or more, and the one-minute load average is below their number. Otherwise it would only
+contend with the consumer for a core, and for the GIL between its hashes (measured slower at load
+15 on 2 cores), and the consumer checks every chunk itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from plait.universal_ckpt.errors import CheckpointIntegrityError
+from plait.universal_ckpt.manifest import Manifest, Piece, TensorEntry
+from plait.universal_ckpt.storage import check_chunks, digest, pick_digests
+from plait.vllm.checked_copy import integrity_error
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Chunk:
+    """One checksum chunk of a mapped piece: its bytes and what they must hash to."""
+
+    tensor: str  # the entry's full name, for the error
+    piece: Piece
+    index: int
+    data: memoryview  # the piece's bytes of this chunk
+    digests: tuple[str, ...]  # all of the piece's, so a failure is reported as storage reports it
+    algorithm: str
+    chunk_bytes: int
+
+    def good(self) -> bool:
+        """Whether the bytes hash to the manifest's digest (the GIL is released while hashing)."""
+        return digest(self.algorithm, self.data) == self.digests[self.index]
+
+    def error(self, directory: Path) -> CheckpointIntegrityError:
+        """The loader's error for this chunk: names the file, the byte range and the tensor."""
+        lo = self.index * self.chunk_bytes
+        try:
+            check_chunks(self.data, self.piece.file, self.piece.offset, self.piece.nbytes, lo, lo + len(self.data),
+                         digests=self.digests, chunk_bytes=self.chunk_bytes, algorithm=self.algorithm)
+        except CheckpointIntegrityError as exc:
+            return integrity_error(exc, directory, self.tensor)
+        return integrity_error(CheckpointIntegrityError(  # the bytes changed between two reads: still damaged
+            f"checkpoint file {self.piece.file}: chunk {self.index} changed while it was read.",
+            file=self.piece.file, expected=self.digests[self.index], actual="unstable"), directory, self.tensor)
+
+
+def piece_chunks(tensor: torch.Tensor, entry: TensorEntry, piece: Piece, manifest: Manifest) -> list[Chunk]:
+    """The checksum chunks of a whole-piece tensor, given as a contiguous view of its mapped bytes."""
+    digests, algorithm = pick_digests(piece.hashes, piece.checksums, manifest.hash_algorithm)
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    size = manifest.chunk_bytes
+    return [Chunk(entry.full_name, piece, index, data[index * size:(index + 1) * size], digests, algorithm, size)
+            for index in range(len(digests))]
+
+
+def core_free() -> bool:
+    """Whether a worker thread would find a core idle: this process may use two cores or more (vLLM's
+    CPU workers may bind theirs to one) and the one-minute load average, which counts this process
+    too, is below their number."""
+    cores = len(os.sched_getaffinity(0))
+    return cores >= 2 and os.getloadavg()[0] < cores
+
+
+class AheadCheck:
+    """A worker thread checking the chunks of a stream's tensors one tensor ahead of its consumer.
+
+    Args:
+        directory: the checkpoint directory (for error messages).
+        tensors: the chunks of each tensor of the stream, in stream order (empty for a tensor
+            checked another way, e.g. consolidated from several pieces as it is read).
+        worker: start the worker thread (False: the consumer's thread checks each tensor first).
+
+    Call :meth:`before` with each tensor's index before handing it over, :meth:`finish` when the
+    stream has ended, and :meth:`close` in any case (it stops the worker).
+
+    Attributes:
+        checked_bytes: after :meth:`finish`, the bytes checked (every chunk's, each found good).
+    """
+
+    def __init__(self, directory: Path, tensors: list[list[Chunk]], *, worker: bool = True) -> None:
+        self.directory = directory
+        self.checked_bytes = 0
+        self._chunks = [chunk for chunks in tensors for chunk in chunks]
+        self._ends = []  # tensor i's chunks are self._chunks[self._ends[i - 1]:self._ends[i]]
+        for chunks in tensors:
+            self._ends.append((self._ends[-1] if self._ends else 0) + len(chunks))
+        self._good = [False] * len(self._chunks)
+        self._bad: Chunk | None = None
+        self._cond = threading.Condition()
+        self._next = 0  # the first chunk neither thread has claimed
+        self._limit = self._ends[min(1, len(self._ends) - 1)] if self._ends else 0  # the worker's bound
+        self._closed = False
+        self._worker = None
+        if worker:
+            self._worker = threading.Thread(target=self._work, name="plait-vllm-check-ahead", daemon=True)
+            self._worker.start()
+
+    @property
+    def worker(self) -> bool:
+        """Whether a worker thread checks ahead (else the consumer's thread checks everything)."""
+        return self._worker is not None
+
+    def _claim(self, bound: int) -> int | None:
+        """The next unclaimed chunk below ``bound`` (now this thread's), or None."""
+        with self._cond:
+            if self._next >= bound:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def _run(self, index: int) -> None:
+        chunk = self._chunks[index]
+        if chunk.good():
+            self._good[index] = True
+        elif self._bad is None:
+            self._bad = chunk
+
+    def _work(self) -> None:
+        # Nothing waits for this thread: should it die, finish() hashes whatever it left unchecked.
+        while True:
+            with self._cond:
+                while not self._closed and self._next >= self._limit:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                index = self._next
+                self._next += 1
+            self._run(index)
+
+    def _raise_if_bad(self) -> None:
+        if self._bad is not None:
+            raise self._bad.error(self.directory)
+
+    def before(self, index: int) -> None:
+        """Let the worker run up to tensor ``index + 1``; check the chunks of tensor ``index`` it has not started.
+
+        Raises:
+            CheckpointIntegrityError: a chunk checked so far (this tensor's or one ahead) is damaged.
+        """
+        with self._cond:
+            self._limit = max(self._limit, self._ends[min(index + 1, len(self._ends) - 1)])
+            self._cond.notify()
+        while (claimed := self._claim(self._ends[index])) is not None:
+            self._run(claimed)
+            self._raise_if_bad()
+        self._raise_if_bad()
+
+    def finish(self) -> None:
+        """Check every chunk not yet found good (those the worker is hashing too: no waiting for it).
+
+        Raises:
+            CheckpointIntegrityError: a chunk is damaged (names the file and the tensor).
+        """
+        while (claimed := self._claim(len(self._chunks))) is not None:
+            self._run(claimed)
+        for index, good in enumerate(self._good):
+            if not good and self._bad is None:
+                self._run(index)
+        self._raise_if_bad()
+        self.checked_bytes = sum(len(chunk.data) for chunk in self._chunks)
+
+    def close(self) -> None:
+        """Stop the worker (after the chunk it is hashing) and wait for it."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._worker is not None:
+            self._worker.join()
