@@ -115,8 +115,9 @@ def _quality_model() -> nn.Module:
 
 
 def _long_run_against_plain(steps: int) -> tuple[int | None, float]:
-    """The quality benchmark's model and schedule (default buckets, variance frozen at 150): the first
-    step whose loss differs from plain 0/1 Adam grouped by ZeRO unit, and the final loss."""
+    """The quality benchmark's model with DeepSpeed's schedule (variance and 1-bit gradient steps,
+    frozen at 150, then local steps; default buckets): the first step whose loss differs from plain
+    0/1 Adam grouped by ZeRO unit, and the final loss."""
     config = ZeroOneAdamConfig(var_freeze_step=steps // 2, var_update_scaler=16, local_step_scaler=steps // 8,
                                local_step_clipper=4)
     model, opt = zero_shard(_quality_model(), ZeroOneAdam, ZeroConfig(stage=2), lr=1e-3, weight_decay=0.01,

@@ -31,6 +31,10 @@ Differences from DeepSpeed's implementation, on purpose:
   denominator is ~eps, so that error divided by it moved parameters by up to ``1/eps`` times it
   and the local steps diverged to inf/NaN. Exchanging the change keeps the error on the scale of
   the changes; in the momentum it is multiplied by the denominator, which is small exactly there.
+  The price: where 1-bit gradient steps (``var_update_scaler`` below the run's length) left the
+  momentum of such elements noisy, their changes are the largest of their tensor and set its 1-bit
+  scale, so the first synchronisation moves the whole tensor by about their size (README, "Why
+  this setting").
 """
 
 from __future__ import annotations

@@ -21,8 +21,12 @@ against AdamW's 1.804):
   communication (W=1) it ends 21% above AdamW (2.189), with ``beta2=0.99`` 2.4% above (1.848).
 * With ``var_update_scaler=16`` or 64 (1-bit gradient steps between variance updates) the loss
   jumps to 4.5-6 within 15 steps of ``var_freeze_step`` at W=2 and ends 30-60% above AdamW, at
-  ``beta2`` 0.999, 0.99 or 0.95, freezing at 150 or 225; masking the embedding rows of tokens the
-  corpus never contains made it worse (NaN). Its cause is not found.
+  ``beta2`` 0.999, 0.99 or 0.95, freezing at 150 or 225. Cause (2026-11-26): the 1-bit gradients
+  leave the momentum of embedding rows with a variance of ~0 (rare or absent tokens) at
+  ``m / (sqrt(v) + eps)`` ~1e3-1e5 against ~1-2 elsewhere; the synchronisation exchanges the
+  parameter change, whose 1-bit scale those rows then set for the whole embedding. DeepSpeed's
+  exchange of ``u = change x (sqrt(v) + eps)`` has no jump but ends 5-7% above AdamW (freezing at
+  225 or 150; W=1, exact: 0.2-2.5%), and diverges on the package's key-bias resume test.
 * Variance at every step up to 150 (half): 1.021x at W=2; up to 225: 0.987x at W=2, and 1.7907
   at W=4. So this setting is 1-bit Adam's recipe (a full-precision warm-up) with 0/1 Adam's local
   steps after it; 0/1 Adam's 1-bit variance phase does not reach 2% here.
