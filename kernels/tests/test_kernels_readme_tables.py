@@ -36,6 +36,7 @@ TABLES = [
     ("packages/universal-ckpt/README.md", "packages/universal-ckpt/benchmarks/results/universal-ckpt.json"),
     ("packages/universal-ckpt/README.md", "packages/universal-ckpt/benchmarks/results/universal-ckpt-quick.json"),
     ("integrations/vllm/README.md", "integrations/vllm/benchmarks/results/vllm.json"),
+    ("integrations/vllm/README.md", "integrations/vllm/benchmarks/results/vllm_load_rows.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-nodes.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-quick.json"),

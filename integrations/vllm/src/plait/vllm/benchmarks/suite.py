@@ -108,6 +108,30 @@ def _stream_seconds(open_stream, dest: dict) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def _interleaved(streams: list, dest: dict, repeats: int, after_first) -> list[list[tuple[float, float]]]:
+    """Wall and CPU seconds of each stream's timed loads (after :data:`LOAD_WARMUP` untimed rounds);
+    ``after_first()`` runs after each timed load of the first stream."""
+    import torch
+
+    times: list[list[tuple[float, float]]] = [[] for _ in streams]
+    threads = torch.get_num_threads()
+    # One torch thread: torch's copies run on this one (plait's worker thread is its own, not torch's).
+    torch.set_num_threads(1)
+    try:
+        for index in range(LOAD_WARMUP + repeats):
+            # Interleaved, so drift in the machine's load hits all alike, and in a rotating order,
+            # so that no side always follows the same other one (what it left in the cache).
+            for side in ((index + k) % len(streams) for k in range(len(streams))):
+                seconds = _stream_seconds(streams[side], dest)
+                if index >= LOAD_WARMUP:
+                    times[side].append(seconds)
+                    if side == 0:
+                        after_first()
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
 def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
     import torch
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
@@ -136,22 +160,7 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
               "checksums not checked"))
     streams = [open_stream for _, open_stream, _ in sides]
     streams.append(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)))
-    times: list[list[tuple[float, float]]] = [[] for _ in streams]
-    threads = torch.get_num_threads()
-    # One torch thread: torch's copies run on this one (the worker thread is plait's, not torch's).
-    torch.set_num_threads(1)
-    try:
-        for index in range(LOAD_WARMUP + repeats):
-            # Interleaved, so drift in the machine's load hits all alike, and in a rotating order,
-            # so that no side always follows the same other one (what it left in the cache).
-            for side in (index + k for k in range(len(streams))):
-                seconds = _stream_seconds(streams[side % len(streams)], dest)
-                if index >= LOAD_WARMUP:
-                    times[side % len(streams)].append(seconds)
-                if side % len(streams) == 0 and index >= LOAD_WARMUP:
-                    workers.append(made[-1].checked_ahead_worker)
-    finally:
-        torch.set_num_threads(threads)
+    times = _interleaved(streams, dest, repeats, after_first=lambda: workers.append(made[-1].checked_ahead_worker))
     samples, peer = dict(zip((name for name, _, _ in sides), times)), times[-1]
     rows = []
     peer_cpu = TimingStats.of([c for _, c in peer])
@@ -159,7 +168,8 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
         row = timing_row(name, TimingStats.of([w for w, _ in samples[name]]), "vLLM safetensors iterator",
                          TimingStats.of([w for w, _ in peer]), target_ratio=1.2)
         if name == label:
-            what += f" (worker thread on in {sum(map(bool, workers))} of {len(workers)} timed loads: a free core)"
+            ran = sum(map(bool, workers))
+            what += f" (its worker thread ran in {ran} of {len(workers)} timed loads, those with a core free)"
         # CPU time does not count the time other jobs held the cores: steadier on a shared machine.
         cpu = TimingStats.of([c for _, c in samples[name]])
         note = (f"{row.note}; {what}; 1 torch thread; process CPU ms ours {cpu.median * 1e3:.3g} "
