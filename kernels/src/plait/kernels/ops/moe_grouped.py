@@ -16,8 +16,8 @@ plait-moe-layers (training) and plait-inference-kernels (serving) both call it.
   the GEMM outputs upcast. This is plait-inference-kernels' and vLLM's fused-MoE numerics.
 
 For fp32 inputs the two are the same computation. The backward takes the local derivative of the
-same formula on both paths: autograd of :func:`gate_product` (Triton path) or the same ops written
-into one gradient buffer (:func:`gate_product_backward`, CPU path; bitwise autograd's result).
+same formula on both paths: :func:`gate_product_backward`, the ops autograd runs for
+:func:`gate_product`, written into one gradient buffer (bitwise autograd's result).
 
 **Paths.** CUDA tensors run the Triton kernels of :mod:`plait.kernels.ops.moe_grouped_triton`
 (two grouped GEMMs forward with the activation fused into the first one's epilogue; three

@@ -24,8 +24,9 @@ truncate where CUDA rounds to nearest even; the bf16 tests' tolerance covers it,
 round as eager torch does.)
 
 Backward (:class:`_GroupedGatedMLP`) recomputes ``gate_up`` with one plain grouped GEMM (instead of
-keeping ``[N, 2I]`` alive from the forward), takes the activation's local derivative with torch
-autograd on those rows (the reference's elementwise formula, so both paths share its numerics),
+keeping ``[N, 2I]`` alive from the forward), takes the activation's local derivative on those rows
+with :func:`~plait.kernels.ops.moe_grouped.gate_product_backward` (the ops autograd runs for the
+reference's elementwise formula, so both paths share its numerics),
 and runs three grouped GEMMs (``d_act``, ``dx``) and two weight-gradient launches.
 
 Tiles: on a GPU the row tile grows with the rows each expert receives (16 for decode, where a
@@ -260,10 +261,11 @@ def _weight_grad(plan: _Plan, a: torch.Tensor, b: torch.Tensor, offsets: torch.T
     return out
 
 
-def _gate_product(gate_up: torch.Tensor, activation: str, precision: str) -> torch.Tensor:
-    from plait.kernels.ops.moe_grouped import gate_product
+def _gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation: str,
+                           precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from plait.kernels.ops.moe_grouped import gate_product_backward
 
-    return gate_product(gate_up, activation, precision)
+    return gate_product_backward(gate_up, d_act, activation, precision)
 
 
 class _GroupedGatedMLP(torch.autograd.Function):
@@ -297,15 +299,12 @@ class _GroupedGatedMLP(torch.autograd.Function):
         d_act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
         _gemm(plan, grad, w_down, (w_down.stride(0), w_down.stride(2), w_down.stride(1)), d_act,
               n_cols=inter, k_dim=hidden)
-        with torch.enable_grad():
-            gate_up = gate_up.detach().requires_grad_()
-            act = _gate_product(gate_up, ctx.activation, ctx.precision)
-            (d_gate_up,) = torch.autograd.grad(act, gate_up, d_act)
+        act, d_gate_up = _gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
         d_x = torch.empty_like(x)
         _gemm(plan, d_gate_up, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), d_x,
               n_cols=hidden, k_dim=2 * inter)
         d_w_gate_up = _weight_grad(plan, d_gate_up, x, offsets, experts, w_gate_up.dtype)
-        d_w_down = _weight_grad(plan, grad, act.detach(), offsets, experts, w_down.dtype)
+        d_w_down = _weight_grad(plan, grad, act, offsets, experts, w_down.dtype)
         return d_x, None, d_w_gate_up, d_w_down, None, None
 
 
