@@ -20,7 +20,8 @@ fp32, one torch thread per process, dropless routing throughout.
    4096-row head), so no MoE implementation could make the whole step 1.5x faster. "The loop" there
    is its ``MoEMLP``, the HF-style per-expert loop of ``nn.Linear`` experts; plait's model is the
    same model after :func:`~plait.moe_layers.tiny_llama.convert_tiny_llama_moe` (same weights).
-   Then the same tiny-llama-MoE fwd+bwd in one process, where only the MoE layers' form differs.
+   Then each model's forward + backward in one process (plait's conversion without expert
+   parallelism against the loop): only the MoE layers' form differs, no all-reduce, no optimizer.
 2. **One MoE layer, fwd+bwd, one process, at three token counts:** 2 x 16 (a few rows per
    expert: per-call overhead dominates), 2 x 128 (the model's batch) and 2 x 1024 (hundreds of
    rows per expert: the GEMMs dominate). Beside each, the GEMM floor: the six expert GEMMs of
@@ -277,10 +278,20 @@ def _slowest_rank(stats: dict[str, TimingStats], steps: int) -> dict[str, Timing
 
 
 def _model_fwd_bwd_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
-    """The same model's forward + backward in one process: only the MoE layers' form differs."""
+    """The same model's forward + backward in one process: only the MoE layers' form differs
+    (no expert parallelism, no all-reduce, no optimizer), for the Mixtral-shaped HF model and for
+    tiny-llama-MoE."""
+    hf_loop, hf_plait, _ = _mixtral_models()
+    hf_ids = torch.randint(0, MIXTRAL["vocab_size"], (shape.batch, shape.seq),
+                           generator=torch.Generator().manual_seed(10))
     loop, plait = _models(shape)
-    ids = _tokens(shape, 10)
+    return (_fwd_bwd_row("Mixtral-shaped HF MixtralForCausalLM", hf_plait, hf_loop, hf_ids,
+                         "HF MixtralForCausalLM, its eager per-expert loop", shape, warmup, steps)
+            + _fwd_bwd_row("tiny-llama-MoE", plait, loop, _tokens(shape, 10), LOOP, shape, warmup, steps))
 
+
+def _fwd_bwd_row(name: str, plait: torch.nn.Module, loop: torch.nn.Module, ids: torch.Tensor, peer: str,
+                 shape: Shape, warmup: int, steps: int) -> list[BenchRow]:
     def fwd_bwd(model: torch.nn.Module) -> Callable[[], None]:
         def step() -> None:
             model(ids, labels=ids).loss.backward()
@@ -290,8 +301,8 @@ def _model_fwd_bwd_rows(shape: Shape, warmup: int, steps: int) -> list[BenchRow]
         torch.testing.assert_close(plait(ids).logits, loop(ids).logits, atol=1e-4, rtol=1e-4)  # same model
     with one_thread():
         stats = interleaved_timing({"plait": fwd_bwd(plait), "loop": fwd_bwd(loop)}, warmup=warmup, steps=steps)
-    bench = f"tiny-llama-MoE fwd+bwd, one process, {shape.batch}x{shape.seq} tokens"
-    return [timing_row(bench, stats["plait"], LOOP, stats["loop"])]
+    bench = f"{name} fwd+bwd, one process, {shape.batch}x{shape.seq} tokens"
+    return [timing_row(bench, stats["plait"], peer, stats["loop"])]
 
 
 def _gemm_floor(layer, x: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
