@@ -155,10 +155,12 @@ def test_vllm_plugin_off_tokens_equal_hf_with_vllms_layers(runs, family):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_plait_universal_checks_every_byte_once_inside_the_copy(runs, family):
-    """One process, no TP: the loader's report says every byte of the checkpoint's tensors was checked,
-    each once (they were read once, inside vLLM's copies); vLLM's safetensors load leaves no report."""
+    """One process, no TP: the loader's report says every byte of the checkpoint's tensors was checked
+    (one tensor ahead of vLLM's copies on a worker thread, or before each is handed over) and says
+    which of the two ran; vLLM's safetensors load leaves no report."""
     (report,) = runs["on"][family]["load_reports"]
     assert report["tensor_parallel"] is None and report["checked_bytes"] == report["mapped_bytes"] > 0, report
+    assert report["check_worker"] in (True, False), report
     assert runs["off"][family]["load_reports"] == [None]
 
 
@@ -230,3 +232,4 @@ def test_vllm_tp2_each_rank_reads_and_checks_only_its_byte_ranges(tp_run):
         want, total = _rank_bytes(tp_run["universal"], rank, 2)
         assert report["mapped_bytes"] == total, report
         assert report["checked_bytes"] == want < total, (rank, report, want)
+        assert report["check_worker"] is None, report  # ranks check inside vLLM's copies, no worker

@@ -18,8 +18,10 @@ on it, and the error names the file.
 
 The worker starts only when a core looks free for it (:func:`core_free`): this process may run on
 two cores or more, and the one-minute load average is below their number. Otherwise it would only
-contend with the consumer for a core, and for the GIL between its hashes (measured slower at load
-15 on 2 cores), and the consumer checks every chunk itself.
+contend with the consumer for a core and for the GIL between its hashes (measured slower at load
+9-16 on 2 cores: with the kernel's autogroup scheduling, on there, the threads of a session share
+one slice of CPU time, so the worker's time is taken from the consumer's), and the consumer
+checks every chunk itself.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ A tensor stored as one piece is handed over as a view of the mapped data file (n
 vLLM's own copy into its parameter, as with safetensors); a tensor split over several pieces is
 consolidated, each piece read straight into its place. Every chunk handed over is checked against
 the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums): iterating
-checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_on_copy` (what the
+checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_ahead` (what the loader
+uses in one process) checks them on a worker thread one tensor ahead of the consumer when a core
+is free (:mod:`plait.vllm.checked_ahead`); :meth:`CheckpointWeights.checked_on_copy` (what the
 loader uses with tensor parallelism) checks the chunks of a mapped tensor inside vLLM's copy of
 it, each block hashed right after it is copied, while it is in cache
 (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and checks only the rows
