@@ -127,3 +127,23 @@ def test_vllm_checked_ahead_worker_starts_only_with_a_free_core(tmp_path, monkey
     with weights.checked_ahead() as stream:
         list(stream)
     assert weights.checked_ahead_worker is free
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker", [True, False])
+def test_vllm_checked_ahead_reads_checkpoints_without_checksums(tmp_path, monkeypatch, worker):
+    """A checkpoint saved without the fast checksums (before they existed, or without ``xxhash``) is
+    checked against its sha256 chunk hashes: its values stream, and a flipped byte names the file."""
+    from plait.universal_ckpt import storage
+
+    monkeypatch.setattr(storage, "xxhash", None)  # the save writes sha256 hashes only
+    model, step = _saved(tmp_path)
+    assert all(p.checksums is None for e in read_manifest(step).tensors.values() for p in e.pieces)
+    with CheckpointWeights(step).checked_ahead(worker=worker) as stream:
+        got = {name: tensor.clone() for name, tensor in stream}
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
+    damaged = _flip(step, "model/0.weight")
+    with pytest.raises(CheckpointIntegrityError) as info, CheckpointWeights(step).checked_ahead(worker=worker) as s:
+        list(s)
+    assert info.value.file == damaged and "sha256" in str(info.value)
