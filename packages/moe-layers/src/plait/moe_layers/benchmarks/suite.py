@@ -190,7 +190,7 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor, groups: Any) -> Calla
 
 def _mixtral_models() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
     """``(loop, plait, hf_grouped)``: HF's ``MixtralForCausalLM`` at :data:`MIXTRAL` with its eager
-    per-expert loop, the same model converted by :func:`~plait.moe_layers.convert_hf_moe`, and the
+    per-expert loop, the same model converted by :func:`~plait.moe_layers.hf.convert_hf_moe`, and the
     same model with HF's default experts implementation (``grouped_mm``). Same weights."""
     import transformers
 
