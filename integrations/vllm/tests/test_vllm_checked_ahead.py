@@ -18,11 +18,22 @@ from plait.vllm.tensor_parallel import TensorParallelRank
 CHUNK = 4096  # small checksum chunks: every weight spans several, so the two threads share tensors
 
 
-def _saved(tmp_path) -> tuple[nn.Module, object]:
+def _model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 80))
+    return nn.Sequential(nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 80))
+
+
+def _saved(tmp_path) -> tuple[nn.Module, object]:
+    model = _model()
     save({"model": model}, tmp_path / "ckpt", step=1, chunk_bytes=CHUNK)
     return model, tmp_path / "ckpt" / "step-0000000001"
+
+
+def save_zero(root: str, world: int) -> None:
+    """One rank of a ToyZero stage-3 save: tensors straddling the rank boundary are split in two pieces."""
+    from plait.universal_ckpt.testing import ToyZero, ToyZeroConfig
+
+    save({"model": ToyZero(_model(), ToyZeroConfig(stage=3))}, root, step=0, chunk_bytes=CHUNK)
 
 
 def _flip(step, tensor_name: str) -> str:
@@ -147,3 +158,32 @@ def test_vllm_checked_ahead_reads_checkpoints_without_checksums(tmp_path, monkey
     with pytest.raises(CheckpointIntegrityError) as info, CheckpointWeights(step).checked_ahead(worker=worker) as s:
         list(s)
     assert info.value.file == damaged and "sha256" in str(info.value)
+
+
+@pytest.mark.timeout(180)
+def test_vllm_checked_ahead_zero_save_consolidates_split_tensors(tmp_path):
+    """A ZeRO W=2 save (some tensors in two pieces, consolidated and checked as they are read; the
+    others mapped and checked ahead): the values stream exactly, with and without the worker, and a
+    flipped byte in a split tensor fails naming its file."""
+    from plait.kernels.testing import run_distributed
+
+    root = tmp_path / "ckpt"
+    run_distributed(save_zero, 2, str(root), 2, timeout=120)
+    step = root / "step-0000000000"
+    entries = [e for e in read_manifest(step).tensors.values() if e.key == "model" and e.kind == "parameter"]
+    split = [e for e in entries if len(e.pieces) > 1]
+    assert split and len(split) < len(entries), "the save should split some tensors and keep others whole"
+    expected = _model().state_dict()
+    for worker in (True, False):
+        with CheckpointWeights(root).checked_ahead(worker=worker) as stream:
+            got = {name: tensor.clone() for name, tensor in stream}
+        assert sorted(got) == sorted(expected)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
+    piece = split[0].pieces[0]
+    raw = bytearray((step / piece.file).read_bytes())
+    raw[piece.offset] ^= 0x01
+    (step / piece.file).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointIntegrityError) as info, CheckpointWeights(root).checked_ahead(worker=True) as s:
+        list(s)
+    assert info.value.file == piece.file and piece.file in str(info.value)

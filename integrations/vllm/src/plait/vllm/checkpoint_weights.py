@@ -235,13 +235,13 @@ class CheckpointWeights:
         worker has not started before handing each tensor over. Leaving the block normally checks
         every chunk not yet found good; with ``verify=False`` this is plain iteration.
 
+            with weights.checked_ahead() as stream:
+                model.load_weights(stream)
+
         Args:
             worker: start the worker thread; None (default): when a core looks free for it
                 (:func:`~plait.vllm.checked_ahead.core_free`). False: each tensor is checked
                 before it is handed over, on the consumer's thread.
-
-            with weights.checked_ahead() as stream:
-                model.load_weights(stream)
 
         Raises:
             ValueError: for a tensor-parallel rank (use :meth:`checked_on_copy`).
