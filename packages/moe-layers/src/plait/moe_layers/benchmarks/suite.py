@@ -97,7 +97,15 @@ def run(quick: bool) -> list[BenchRow]:
 
     Returns:
         The table's rows.
+
+    Raises:
+        RuntimeError: transformers is missing (the target row's model is HF's ``MixtralForCausalLM``).
     """
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError("plait bench moe-layers runs HF's MixtralForCausalLM for its target row; install "
+                           "transformers with pip install 'plait-moe-layers[hf]'.") from exc
     shape = Shape(seq=64 if quick else 128)
     warmup, steps = (1, 5) if quick else (3, 10)
     rows = run_distributed(_mixtral_step_rows, 2, shape, warmup, steps, timeout=600)[0]
