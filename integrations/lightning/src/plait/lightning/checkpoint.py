@@ -133,21 +133,81 @@ class ShardedModelView:
 
 
 def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int) -> Path:
-    """Save ``state`` as the universal checkpoint directory ``path`` (replacing what is there, as a
-    file save would). Collective: every rank calls it.
+    """Save ``state`` as the universal checkpoint directory ``path``, replacing what is there as a
+    file save would, but only once the new checkpoint has committed. Collective: every rank calls it.
+
+    Lightning rewrites one path again and again (``ModelCheckpoint(save_last=True)``'s
+    ``last.ckpt``, a user's fixed ``save_checkpoint`` path). Removing the old checkpoint first would
+    leave nothing there if the job were killed during the save, which is when it is needed; so a
+    checkpoint that exists is replaced by writing the new one beside it (``.<name>.saving``) and
+    swapping the two directories once it has committed.
 
     Returns:
         The committed step directory.
     """
     root = Path(path)
-    if _rank_zero() and (root.exists() or root.is_symlink()):
-        if root.is_dir() and not root.is_symlink():
-            shutil.rmtree(root)
-        else:
-            root.unlink()
+    meta = {"producer": PRODUCER}
+    if not _rank_zero_sees(root):
+        return universal_ckpt.save(state, root, step=int(step), user_meta=meta).wait()
+    staging = root.with_name(f".{root.name}.saving")
+    if _rank_zero():
+        _remove(staging)  # what a save killed part-way left
     _barrier()
-    handle = universal_ckpt.save(state, root, step=int(step), user_meta={"producer": PRODUCER})
-    return handle.wait()
+    committed = universal_ckpt.save(state, staging, step=int(step), user_meta=meta).wait()
+    if _rank_zero():
+        _swap_in(staging, root)
+    _barrier()
+    return root / committed.name
+
+
+def _rank_zero_sees(path: Path) -> bool:
+    """Whether something is at ``path``, as rank 0 sees it, on every rank.
+
+    Every rank must take the same branch of :func:`save_directory` (their collectives differ), and
+    a rank that looked after rank 0 had begun writing a new checkpoint there would see one.
+    """
+    seen = [path.exists() or path.is_symlink()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seen, src=0)
+    return bool(seen[0])
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _swap_in(new: Path, old: Path) -> None:
+    """Put the directory ``new`` at ``old``'s path and delete what was there.
+
+    Linux swaps the two names in one step (``renameat2`` with ``RENAME_EXCHANGE``), so there is no
+    moment without a checkpoint at ``old``; elsewhere (or a file system without it) two renames
+    leave a moment of microseconds in which ``old`` is at ``.<name>.replaced`` instead.
+    """
+    if not _exchange(new, old):
+        aside = old.with_name(f".{old.name}.replaced")
+        _remove(aside)
+        os.rename(old, aside)
+        os.rename(new, old)
+        new = aside
+    _remove(new)  # the old checkpoint, now at the other name
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically; False where the system cannot."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False  # a C library without it (glibc before 2.28)
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def load_directory(path: str | os.PathLike, state: dict[str, Any], *, verify: bool = True,
