@@ -99,11 +99,14 @@ class AheadCheck:
 
     Attributes:
         checked_bytes: after :meth:`finish`, the bytes checked (every chunk's, each found good).
+        worker_bytes: the bytes the worker thread hashed (the consumer's thread hashed the rest;
+            a chunk both hashed, the worker's in flight when the stream ended, counts in both).
     """
 
     def __init__(self, directory: Path, tensors: list[list[Chunk]], *, worker: bool = True) -> None:
         self.directory = directory
         self.checked_bytes = 0
+        self.worker_bytes = 0
         self._chunks = [chunk for chunks in tensors for chunk in chunks]
         self._ends = []  # tensor i's chunks are self._chunks[self._ends[i - 1]:self._ends[i]]
         for chunks in tensors:
@@ -150,6 +153,7 @@ class AheadCheck:
                 index = self._next
                 self._next += 1
             self._run(index)
+            self.worker_bytes += len(self._chunks[index].data)
 
     def _raise_if_bad(self) -> None:
         if self._bad is not None:

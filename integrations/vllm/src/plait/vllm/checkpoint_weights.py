@@ -144,6 +144,7 @@ class CheckpointWeights:
         self.nan_filled: set[str] = set()  # tensors consolidated with NaN outside the rows or columns read
         self.checked_bytes: int | None = None  # after a checked stream: bytes of mapped tensors checked
         self.checked_ahead_worker: bool | None = None  # whether checked_ahead() last ran its worker thread
+        self.worker_checked_bytes: int | None = None  # after checked_ahead(): bytes its worker hashed
         self._zero = f"{self.key}/{ZERO_MARKER}" in self.manifest.tensors
 
     def _pick_key(self, key: str | None) -> str:
@@ -270,7 +271,7 @@ class CheckpointWeights:
         try:
             yield self._ahead_stream(entries, views, checked, ahead)
             ahead.finish()
-            self.checked_bytes = ahead.checked_bytes
+            self.checked_bytes, self.worker_checked_bytes = ahead.checked_bytes, ahead.worker_bytes
         finally:
             ahead.close()
             checked.close()

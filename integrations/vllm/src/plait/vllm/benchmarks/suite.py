@@ -98,22 +98,23 @@ def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple, family
     return [BenchRow(**{**row.__dict__, "note": note})]
 
 
-def _stream_seconds(open_stream, dest: dict) -> tuple[float, float]:
-    """Wall and process CPU seconds (all threads, user + system, page faults included) of one stream
-    (``open_stream()`` is a context manager giving the ``(name, tensor)`` iterator)."""
-    start, cpu = time.perf_counter(), time.process_time()
+def _stream_seconds(open_stream, dest: dict) -> tuple[float, float, float]:
+    """Wall, process CPU (all threads, user + system, page faults included) and this thread's CPU
+    seconds of one stream (``open_stream()`` is a context manager giving the ``(name, tensor)``
+    iterator). This thread's CPU time is the loading thread's share of the work."""
+    start, cpu, mine = time.perf_counter(), time.process_time(), time.thread_time()
     with open_stream() as stream:
         for name, tensor in stream:
             dest[name].copy_(tensor)
-    return time.perf_counter() - start, time.process_time() - cpu
+    return time.perf_counter() - start, time.process_time() - cpu, time.thread_time() - mine
 
 
-def _interleaved(streams: list, dest: dict, repeats: int, after_first) -> list[list[tuple[float, float]]]:
-    """Wall and CPU seconds of each stream's timed loads (after :data:`LOAD_WARMUP` untimed rounds);
-    ``after_first()`` runs after each timed load of the first stream."""
+def _interleaved(streams: list, dest: dict, repeats: int, after) -> list[list[tuple[float, float, float]]]:
+    """:func:`_stream_seconds` of each stream's timed loads (after :data:`LOAD_WARMUP` untimed
+    rounds); ``after(i)`` runs after each timed load of stream ``i``."""
     import torch
 
-    times: list[list[tuple[float, float]]] = [[] for _ in streams]
+    times: list[list[tuple[float, float, float]]] = [[] for _ in streams]
     threads = torch.get_num_threads()
     # One torch thread: torch's copies run on this one (plait's worker thread is its own, not torch's).
     torch.set_num_threads(1)
@@ -125,11 +126,14 @@ def _interleaved(streams: list, dest: dict, repeats: int, after_first) -> list[l
                 seconds = _stream_seconds(streams[side], dest)
                 if index >= LOAD_WARMUP:
                     times[side].append(seconds)
-                    if side == 0:
-                        after_first()
+                    after(side)
     finally:
         torch.set_num_threads(threads)
     return times
+
+
+def _ms(stats: TimingStats) -> str:
+    return f"{stats.median * 1e3:.3g} (p10/p90 {stats.p10 * 1e3:.3g}/{stats.p90 * 1e3:.3g})"
 
 
 def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
@@ -138,44 +142,49 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
 
     from plait.vllm.checkpoint_weights import CheckpointWeights
 
-    repeats = setup[-1]
     files = sorted(str(p) for p in hf_dir.glob("*.safetensors"))
     dest = {name: torch.empty_like(t) for name, t in safetensors_weights_iterator(files, False)}
-    nbytes = sum(t.numel() * t.element_size() for t in dest.values())
-    label = f"weights stream + copy, {nbytes / 2**20:.1f} MiB fp32"
-    made: list[CheckpointWeights] = []  # the loader path's, each read anew as the loader does
-    workers = []  # per timed load of the loader's path: whether its worker thread ran
+    label = f"weights stream + copy, {sum(t.nbytes for t in dest.values()) / 2**20:.1f} MiB fp32"
+    made: dict[int, CheckpointWeights] = {}  # side -> its last load's, each read anew as the loader does
+    workers: dict[int, list[tuple[bool, float]]] = {}  # side -> per timed load: worker ran, share it hashed
 
-    def loader_path():
-        made.append(CheckpointWeights(universal))
-        return made[-1].checked_ahead()
+    def opener(side: int, verify: bool = True, worker: bool | None = None):
+        def open_stream():
+            made[side] = CheckpointWeights(universal, verify=verify)
+            return made[side].checked_ahead(worker=worker)
+        return open_stream
+
+    def after(side: int) -> None:
+        if side in made and made[side].verify:
+            weights = made[side]
+            workers.setdefault(side, []).append(
+                (bool(weights.checked_ahead_worker), (weights.worker_checked_bytes or 0) / weights.checked_bytes))
 
     # (row label, stream, what the note says): the loader's TP=1 path first, then its variants as A/B
-    sides = ((label, loader_path, "plait checks every chunk's XXH3-64 checksum as its loader does at TP=1"),
-             (f"{label}, each tensor checked first", lambda: CheckpointWeights(universal).checked_ahead(worker=False),
+    sides = ((label, opener(0), "plait checks every chunk's XXH3-64 checksum as its loader does at TP=1"),
+             (f"{label}, each tensor checked first", opener(1, worker=False),
               "A/B: no worker thread, every chunk checked on the loading thread before its tensor is handed over"),
-             (f"{label}, worker always on", lambda: CheckpointWeights(universal).checked_ahead(worker=True),
+             (f"{label}, worker always on", opener(2, worker=True),
               "A/B: the worker thread checks one tensor ahead whatever the load"),
-             (f"{label}, verify=False", lambda: CheckpointWeights(universal, verify=False).checked_ahead(),
-              "checksums not checked"))
+             (f"{label}, verify=False", opener(3, verify=False), "checksums not checked"))
     streams = [open_stream for _, open_stream, _ in sides]
     streams.append(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)))
-    times = _interleaved(streams, dest, repeats, after_first=lambda: workers.append(made[-1].checked_ahead_worker))
-    samples, peer = dict(zip((name for name, _, _ in sides), times)), times[-1]
+    times = _interleaved(streams, dest, setup[-1], after)
+    peer = times[-1]
+    peer_cpu = TimingStats.of([c for _, c, _ in peer])
     rows = []
-    peer_cpu = TimingStats.of([c for _, c in peer])
-    for name, _, what in sides:
-        row = timing_row(name, TimingStats.of([w for w, _ in samples[name]]), "vLLM safetensors iterator",
-                         TimingStats.of([w for w, _ in peer]), target_ratio=1.2)
-        if name == label:
-            ran = sum(map(bool, workers))
-            what += f" (its worker thread ran in {ran} of {len(workers)} timed loads, those with a core free)"
+    for side, (name, _, what) in enumerate(sides):
+        row = timing_row(name, TimingStats.of([w for w, _, _ in times[side]]), "vLLM safetensors iterator",
+                         TimingStats.of([w for w, _, _ in peer]), target_ratio=1.2)
         # CPU time does not count the time other jobs held the cores: steadier on a shared machine.
-        cpu = TimingStats.of([c for _, c in samples[name]])
-        note = (f"{row.note}; {what}; 1 torch thread; process CPU ms ours {cpu.median * 1e3:.3g} "
-                f"(p10/p90 {cpu.p10 * 1e3:.3g}/{cpu.p90 * 1e3:.3g}), vLLM {peer_cpu.median * 1e3:.3g} "
-                f"(p10/p90 {peer_cpu.p10 * 1e3:.3g}/{peer_cpu.p90 * 1e3:.3g}), "
+        cpu = TimingStats.of([c for _, c, _ in times[side]])
+        note = (f"{row.note}; {what}; 1 torch thread; process CPU ms ours {_ms(cpu)}, vLLM {_ms(peer_cpu)}, "
                 f"ratio {cpu.median / peer_cpu.median:.2f}")
+        if side in workers:  # how the check was shared between the loading thread and the worker
+            ran = [share for on, share in workers[side] if on]
+            note += (f"; loading thread CPU ms {_ms(TimingStats.of([t for _, _, t in times[side]]))}; worker ran in "
+                     f"{len(ran)} of {len(workers[side])} loads" + (
+                         f", hashing {sorted(ran)[len(ran) // 2]:.0%} of the bytes (median)" if ran else ""))
         rows.append(BenchRow(**{**row.__dict__, "note": note}))
     return rows
 
