@@ -62,6 +62,9 @@ def test_vllm_checked_ahead_streams_every_value_and_checks_every_byte(tmp_path):
                 torch.testing.assert_close(dest[name], tensor, rtol=0, atol=0)
             assert weights.checked_bytes == (sum(p.nbytes for p in pieces) if verify else None)
             assert weights.checked_ahead_worker is worker
+            if verify:  # the worker claims each chunk at most once; without it the loading thread hashes all
+                assert (0 <= weights.worker_checked_bytes <= weights.checked_bytes if worker
+                        else weights.worker_checked_bytes == 0)
 
 
 @pytest.mark.timeout(60)
