@@ -17,7 +17,7 @@ fp32, one torch thread per process, dropless routing throughout.
    The same step on the project's tiny-llama-MoE (``plait.kernels.testing.tiny_llama_moe``: vocab
    4096, hidden 256, 8 layers of which only the 4 odd ones are MoE, SwiGLU 688) is reported without
    a target: there the MoE layers are under half the FLOPs (dense MLPs in half the layers, a
-   4096-row head), so no MoE implementation could make the whole step 1.5x faster. "The loop" there
+   4096-row head), so a 1.5x faster step needs MoE layers about 3.9x faster. "The loop" there
    is its ``MoEMLP``, the HF-style per-expert loop of ``nn.Linear`` experts; plait's model is the
    same model after :func:`~plait.moe_layers.tiny_llama.convert_tiny_llama_moe` (same weights).
    Then each model's forward + backward in one process (plait's conversion without expert
