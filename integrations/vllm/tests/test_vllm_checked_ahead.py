@@ -1,4 +1,4 @@
-"""The TP=1 stream checked by a worker thread one tensor ahead of the consumer (no vLLM needed)."""
+"""The TP=1 stream checked by a worker thread alongside the consumer's copies (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_vllm_checked_ahead_reads_checkpoints_without_checksums(tmp_path, monkey
 @pytest.mark.timeout(180)
 def test_vllm_checked_ahead_zero_save_consolidates_split_tensors(tmp_path):
     """A ZeRO W=2 save (some tensors in two pieces, consolidated and checked as they are read; the
-    others mapped and checked ahead): the values stream exactly, with and without the worker, and a
+    others mapped and checked by the worker or first): the values stream exactly, with and without the worker, and a
     flipped byte in a split tensor fails naming its file."""
     from plait.kernels.testing import run_distributed
 

@@ -10,15 +10,15 @@ vLLM's own copy into its parameter, as with safetensors); a tensor split over se
 consolidated, each piece read straight into its place. Every chunk handed over is checked against
 the manifest's fast checksum (XXH3-64; sha256 for checkpoints saved without checksums): iterating
 checks each tensor before it is yielded; :meth:`CheckpointWeights.checked_ahead` (what the loader
-uses in one process) checks them on a worker thread one tensor ahead of the consumer when a core
-is free (:mod:`plait.vllm.checked_ahead`); :meth:`CheckpointWeights.checked_on_copy` (what the
-loader uses with tensor parallelism) checks the chunks of a mapped tensor inside vLLM's copy of
-it, each block hashed right after it is copied, while it is in cache
-(:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank reads and checks only the rows
-of dim 0 it keeps of the weights vLLM splits that way (:mod:`plait.vllm.tensor_parallel`); under
-``checked_on_copy`` it reads and checks only the chunks of the bytes vLLM copies, whatever the
-split, and owes only the chunks of its rows (dim-0 splits) or of its columns (the row-parallel
-weights split along dim 1).
+uses in one process) checks them on a worker thread alongside the consumer's copies when a core
+is free, the load failing at its end for a damaged chunk (:mod:`plait.vllm.checked_ahead`);
+:meth:`CheckpointWeights.checked_on_copy` (what the loader uses with tensor parallelism) checks
+the chunks of a mapped tensor inside vLLM's copy of it, each block hashed right after it is
+copied, while it is in cache (:mod:`plait.vllm.checked_copy`). With tensor parallelism, a rank
+reads and checks only the rows of dim 0 it keeps of the weights vLLM splits that way
+(:mod:`plait.vllm.tensor_parallel`); under ``checked_on_copy`` it reads and checks only the
+chunks of the bytes vLLM copies, whatever the split, and owes only the chunks of its rows (dim-0
+splits) or of its columns (the row-parallel weights split along dim 1).
 
 One layout differs between a model in memory and its HF checkpoint files: transformers >= 5 keeps
 an MoE block's experts fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` with the gate
@@ -231,10 +231,12 @@ class CheckpointWeights:
 
     @contextlib.contextmanager
     def checked_ahead(self, worker: bool | None = None) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
-        """The whole-tensor stream (TP=1) with its chunks checked by a worker thread one tensor ahead
-        of the consumer (:mod:`plait.vllm.checked_ahead`); the consumer's thread checks what the
-        worker has not started before handing each tensor over. Leaving the block normally checks
-        every chunk not yet found good; with ``verify=False`` this is plain iteration.
+        """The whole-tensor stream (TP=1) with its chunks checked by a worker thread alongside the
+        consumer's copies (:mod:`plait.vllm.checked_ahead`): tensors are handed over before they are
+        checked, and leaving the block normally checks every chunk the worker has not found good,
+        raising for a damaged one (which the consumer may have copied: the load must fail there).
+        Without a worker each tensor is checked before it is handed over. With ``verify=False``
+        this is plain iteration.
 
             with weights.checked_ahead() as stream:
                 model.load_weights(stream)
@@ -246,8 +248,9 @@ class CheckpointWeights:
 
         Raises:
             ValueError: for a tensor-parallel rank (use :meth:`checked_on_copy`).
-            CheckpointIntegrityError: a chunk's hash differs (names the file), before its tensor is
-                handed over, or when the block ends for a chunk the worker was hashing just then.
+            CheckpointIntegrityError: a chunk's hash differs (names the file): at the next tensor
+                once the worker has found it, before the tensor is handed over without a worker,
+                else when the block ends.
         """
         if self.tensor_parallel is not None:
             raise ValueError(f"checked_ahead() streams whole tensors; rank {self.tensor_parallel.rank} of "

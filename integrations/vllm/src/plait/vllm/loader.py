@@ -9,10 +9,11 @@ checkpoint root with ``step-*/`` directories, or one checkpoint directory with `
         model_loader_extra_config={"checkpoint": "runs/ckpt", "key": "model"})
 
 Every tensor is handed over as a view of the mapped checkpoint file (or consolidated from the
-producer's pieces, checked as it is read). In one process a worker thread checks the chunks one
-tensor ahead of vLLM's copies, on a second core when one is free, and the loading thread checks
-every chunk the worker has not started before handing its tensor over (:mod:`plait.vllm.checked_ahead`);
-a chunk the worker was hashing just then is checked before ``load_weights`` returns. With tensor
+producer's pieces, checked as it is read). In one process, when a core is free, a worker thread
+checks the chunks while vLLM copies the tensors, and the loading thread checks what it has not
+reached when the stream ends (:mod:`plait.vllm.checked_ahead`): a damaged chunk makes
+``load_weights`` raise before the engine starts (its value may be in a parameter by then). With no
+free core each tensor is checked before it is handed over. With tensor
 parallelism vLLM's copy of a view hashes each block right after copying it, while it is in cache
 (:mod:`plait.vllm.checked_copy`), so a rank reads and checks only the chunks of what it copies
 (``"rank_rows": False`` reads every consolidated tensor whole).
@@ -69,7 +70,7 @@ class LoadReport:
             less than ``mapped_bytes``.
         mapped_bytes: bytes of the tensors stored as one piece (handed over as mapped views); the
             others are consolidated from their pieces, checked as they are read.
-        check_worker: at TP=1 with checks on, whether a worker thread checked ahead of the copies
+        check_worker: at TP=1 with checks on, whether a worker thread checked alongside the copies
             (a core was free for it); None otherwise.
     """
 
@@ -140,7 +141,7 @@ class PlaitUniversalLoader(BaseModelLoader):
         start = time.perf_counter()
         tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
         weights = self._weights(model_config, tensor_parallel)
-        if tensor_parallel is None:  # whole tensors, checked one tensor ahead on a free core (or each first)
+        if tensor_parallel is None:  # whole tensors, checked alongside the copies on a free core (or each first)
             with weights.checked_ahead() as stream:
                 loaded = model.load_weights(stream)
         else:  # each rank checks exactly the chunks of what vLLM copies, whatever its split

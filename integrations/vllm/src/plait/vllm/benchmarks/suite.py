@@ -8,8 +8,8 @@
   is no steadier on a shared machine: the OpenMP threads spin while they wait.)
 * Loading: the part of start-up that differs between the two formats: streaming every weight
   of the same model out of the plait universal checkpoint as its loader does at TP=1 (every
-  chunk's XXH3-64 checksum checked, by a worker thread one tensor ahead when a core is free for it,
-  else on the loading thread before each tensor is handed over) against vLLM's own safetensors
+  chunk's XXH3-64 checksum checked, by a worker thread alongside the copies when a core is free
+  for it, else on the loading thread before each tensor is handed over) against vLLM's own safetensors
   iterator over its HF export, each tensor copied into a preallocated destination as vLLM's weight
   loaders do (the files are in the page cache). The rest of ``load_weights`` (vLLM's fusion and
   slicing) is the same code for both. One torch thread, three warm-up rounds, then all sides
@@ -165,7 +165,7 @@ def _load_rows(hf_dir: Path, universal: Path, setup: tuple) -> list[BenchRow]:
              (f"{label}, each tensor checked first", opener(1, worker=False),
               "A/B: no worker thread, every chunk checked on the loading thread before its tensor is handed over"),
              (f"{label}, worker always on", opener(2, worker=True),
-              "A/B: the worker thread checks one tensor ahead whatever the load"),
+              "A/B: the worker thread checks alongside the copies whatever the load"),
              (f"{label}, verify=False", opener(3, verify=False), "checksums not checked"))
     streams = [open_stream for _, open_stream, _ in sides]
     streams.append(lambda: contextlib.nullcontext(safetensors_weights_iterator(files, False)))
