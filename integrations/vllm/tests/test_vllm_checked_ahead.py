@@ -190,3 +190,23 @@ def test_vllm_checked_ahead_zero_save_consolidates_split_tensors(tmp_path):
     with pytest.raises(CheckpointIntegrityError) as info, CheckpointWeights(root).checked_ahead(worker=True) as s:
         list(s)
     assert info.value.file == piece.file and piece.file in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_vllm_checked_ahead_damage_the_worker_found_stops_the_stream(tmp_path, monkeypatch):
+    """Once the worker has found a damaged chunk, the stream hands over no further tensor: here the
+    worker checks every chunk before the consumer asks for the first one, so it gets none."""
+    _, step = _saved(tmp_path)
+    damaged = _flip(step, "model/2.weight")
+    started = AheadCheck.__init__
+
+    def worker_first(self: AheadCheck, *args, **kwargs) -> None:
+        started(self, *args, **kwargs)
+        self._worker.join()  # the worker claims every chunk, then ends
+
+    monkeypatch.setattr(AheadCheck, "__init__", worker_first)
+    handed = []
+    with pytest.raises(CheckpointIntegrityError) as info, CheckpointWeights(step).checked_ahead(worker=True) as stream:
+        for name, _ in stream:
+            handed.append(name)
+    assert handed == [] and info.value.file == damaged and "model/2.weight" in str(info.value)
