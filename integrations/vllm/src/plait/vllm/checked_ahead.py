@@ -84,9 +84,9 @@ well under 1 ms) before hashing it itself: a worker descheduled mid-hash never h
 
 
 def core_free() -> bool:
-    """Whether a worker thread would find a core idle: this process may use two cores or more (vLLM's
-    CPU workers may bind theirs to one) and the one-minute load average, which counts this process
-    too, is below their number."""
+    """Whether a worker thread would find a core idle: this thread may use two cores or more (one
+    bound to a single core gets no worker) and the one-minute load average, which counts this
+    process too, is below their number."""
     cores = len(os.sched_getaffinity(0))
     return cores >= 2 and os.getloadavg()[0] < cores
 
