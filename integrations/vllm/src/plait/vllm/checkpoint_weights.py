@@ -274,9 +274,10 @@ class CheckpointWeights:
         try:
             yield self._ahead_stream(entries, views, checked, ahead)
             ahead.finish()
-            self.checked_bytes, self.worker_checked_bytes = ahead.checked_bytes, ahead.worker_bytes
+            self.checked_bytes = ahead.checked_bytes
         finally:
             ahead.close()
+            self.worker_checked_bytes = ahead.worker_bytes  # after close(): the worker has stopped
             checked.close()
             unchecked.close()
 
