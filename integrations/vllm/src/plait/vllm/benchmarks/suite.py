@@ -2,7 +2,7 @@
 
 * Serving: a random Llama and a random Mixtral (head_dim 64, fp32) under vLLM's CPU platform, greedy decode of a batch
   of token-id prompts, once with plait's plugin on (the default per-op CPU choice) and once with
-  ``PLAIT_VLLM=0`` (vLLM alone); each in its own process (two per side, interleaved), a warm-up
+  ``PLAIT_VLLM=0`` (vLLM alone); each in its own process (four per side, interleaved), a warm-up
   round, then timed rounds. Figure: the wall time of one ``generate`` round; tokens/s in the note.
   Target: no slower (<= 1.0; a difference inside the rounds' own spread is called noise). (CPU time
   is no steadier on a shared machine: the OpenMP threads spin while they wait.)
@@ -38,6 +38,8 @@ QUICK = (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
 FULL = (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=8192), 8, 64, 64, 8, 20)
 LOAD_WARMUP = 3
+SERVING_ORDER = ("off", "on", "on", "off", "on", "off", "off", "on")
+"""The engine processes of a serving row, in start order: four per side, balanced against drift."""
 MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)  # on top of the sizes above
 
 
@@ -77,12 +79,14 @@ def _engine(tmp: Path, name: str, model: Path, load_format: str, env: dict, setu
 
 
 def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple, family: str) -> list[BenchRow]:
-    # Two engine processes per side, in the order off, on, on, off, so that a slow spell of the
-    # machine (other jobs on its two cores) falls on both sides alike; their rounds are pooled.
+    # Several engine processes per side, in a balanced order (ABBA BAAB), so that a slow spell of
+    # the machine falls on both sides alike; their rounds are pooled. One process per side was not
+    # enough: on this shared VM the same engine, started twice a minute apart, decoded 772 and 637 ms
+    # per round (2026-11-26 03:20), larger than any difference between the sides.
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     sides = {"off": (hf_dir, "safetensors", {"PLAIT_VLLM": "0"}),
              "on": (universal, "plait_universal", {"PLAIT_VLLM": "1"})}
-    for side in ("off", "on", "on", "off"):
+    for side in SERVING_ORDER:
         model, load_format, env = sides[side]
         runs[side].append(_engine(tmp, f"{family}-{side}{len(runs[side])}", model, load_format, env, setup))
     overrides, batch, prompt_len, new_tokens, _, _ = setup
@@ -93,7 +97,8 @@ def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple, family
     ours = TimingStats.of([t for run in runs["on"] for t in run["seconds"]])
     peer = TimingStats.of([t for run in runs["off"] for t in run["seconds"]])
     row = timing_row(label, ours, "vLLM alone (PLAIT_VLLM=0)", peer, target_ratio=1.0, figure="round time (ms)")
-    note = (f"{row.note}; peer p10/p90 {peer.p10 * 1e3:.3g}/{peer.p90 * 1e3:.3g}; 2 engine processes per side; "
+    note = (f"{row.note}; peer p10/p90 {peer.p10 * 1e3:.3g}/{peer.p90 * 1e3:.3g}; "
+            f"{len(runs['on'])} engine processes per side; "
             f"tokens/s ours {tokens / ours.median:.0f}, vLLM alone {tokens / peer.median:.0f}")
     return [BenchRow(**{**row.__dict__, "note": note})]
 
