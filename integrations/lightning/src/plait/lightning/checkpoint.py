@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait import universal_ckpt
+from plait.kernels import collectives
 from plait.universal_ckpt.directory import resolve
 from plait.universal_ckpt.interop.hf import export_hf
 
@@ -39,9 +40,9 @@ def _rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
+def _barrier(name: str) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier(name=name)  # named: a rank missing from it is named with it
 
 
 def is_directory_checkpoint(path: str | os.PathLike) -> bool:
@@ -152,11 +153,11 @@ def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int)
     staging = root.with_name(f".{root.name}.saving")
     if _rank_zero():
         _remove(staging)  # what a save killed part-way left
-    _barrier()
+    _barrier("checkpoint staging directory cleared")
     committed = universal_ckpt.save(state, staging, step=int(step), user_meta=meta).wait()
     if _rank_zero():
         _swap_in(staging, root)
-    _barrier()
+    _barrier("checkpoint swapped in")
     return root / committed.name
 
 
@@ -166,10 +167,12 @@ def _rank_zero_sees(path: Path) -> bool:
     Every rank must take the same branch of :func:`save_directory` (their collectives differ), and
     a rank that looked after rank 0 had begun writing a new checkpoint there would see one.
     """
-    seen = [path.exists() or path.is_symlink()]
+    seen = torch.tensor([path.exists() or path.is_symlink()], dtype=torch.uint8)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(seen, src=0)
-    return bool(seen[0])
+        if dist.get_backend() == "nccl":  # NCCL moves only device tensors
+            seen = seen.to(torch.device("cuda", torch.cuda.current_device()))
+        collectives.broadcast(seen, src=0, name="checkpoint path check (rank 0's view)")
+    return bool(seen.item())
 
 
 def _remove(path: Path) -> None:
