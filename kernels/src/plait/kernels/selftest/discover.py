@@ -36,7 +36,7 @@ def _from_entry_points() -> dict[str, Callable | str]:
     from plait.kernels.cli.registry import entry_points
 
     found: dict[str, Callable | str] = {}
-    for name, ep in sorted(entry_points(GROUP).items()):
+    for name, ep in sorted(entry_points(GROUP).items(), key=lambda item: (item[0] != "kernels", item[0])):
         try:
             found[name] = ep.load()
         except Exception as exc:  # noqa: BLE001 - a broken provider becomes one FAIL row
@@ -48,7 +48,9 @@ def _from_import_names() -> dict[str, Callable | str]:
     import plait
 
     found: dict[str, Callable | str] = {}
-    names = sorted({info.name for info in pkgutil.iter_modules(plait.__path__) if info.ispkg})
+    # plait-kernels first (its op rows are the base the others build on), then by name
+    names = sorted({info.name for info in pkgutil.iter_modules(plait.__path__) if info.ispkg},
+                   key=lambda name: (name != "kernels", name))
     for name in names:
         module_name = f"plait.{name}.selftest"
         try:
