@@ -7,6 +7,7 @@ own rules: caps, filters, no committed results from a dry run.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -17,7 +18,18 @@ import pytest
 import torch
 
 from plait.kernels.cli.main import main
-from plait.kernels.selftest.core import FAIL, PASS, SKIP, Check, Outcome, SelftestContext, Skip, run_one, selected
+from plait.kernels.selftest.core import (
+    FAIL,
+    PASS,
+    SKIP,
+    Check,
+    Outcome,
+    SelftestContext,
+    Skip,
+    run_all,
+    run_one,
+    selected,
+)
 
 PROVIDERS = {"kernels", "inference_kernels", "zero_sharding", "offload_io"}
 
@@ -89,3 +101,17 @@ def test_cap_skip_and_error_become_rows():
     assert capped.outcome.status == FAIL and "time cap reached before case 2" in capped.outcome.note
     assert run_one(Check("x/skip", skipped), ctx).outcome == Outcome(SKIP, note="needs a GPU")
     assert run_one(Check("x/err", broken), ctx).outcome.note == "RuntimeError: boom"
+
+
+def test_budget_cuts_caps_and_skips_what_is_left():
+    ctx = SelftestContext(device=torch.device("cpu"), dry_run=True)
+
+    def slow(ctx):
+        while True:
+            time.sleep(0.02)
+            ctx.deadline.check("the next case")
+
+    rows = run_all([Check("x/slow", slow, cap_s=60), Check("x/after", lambda ctx: Outcome(PASS))], ctx,
+                   budget_s=5.3, out=io.StringIO())
+    assert rows[0].outcome.status == FAIL and rows[0].seconds < 6  # capped at the budget, not at 60 s
+    assert rows[1].outcome.status == SKIP and "--only 'x/after'" in rows[1].outcome.note

@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "comma-separated)")
     parser.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                         help="leave out checks whose name matches (same form as --only)")
+    parser.add_argument("--budget-s", type=float, default=450.0, metavar="SECONDS",
+                        help="seconds for the whole run (default 450: a GPU run fits in 8 minutes with start-up); "
+                             "checks left when it is spent are SKIP rows")
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     parser.add_argument("--discovery", choices=("auto", "entry-points", "import-names"), default="auto",
                         help="where checks come from (auto: entry points if any are installed, else the "
@@ -84,14 +87,27 @@ def provenance(device, *, dry_run: bool, how: str) -> dict:
 
     cpu = f"CPU dry run ({platform.processor() or 'cpu'})"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
+    driver = _driver() if device.type == "cuda" else "n/a"
+    versions = {"torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers")}
+    # "machine" is what a README table's provenance line shows: the device and what ran it
+    machine = (f"{name}, driver {driver}, CUDA {torch.version.cuda}, torch {versions['torch']}, "
+               f"Triton {versions['triton']}" if device.type == "cuda" else name)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": name, "device": name, "dry_run": dry_run,
-        "driver": _driver() if device.type == "cuda" else "n/a", "cuda": torch.version.cuda,
-        "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
+        "machine": machine, "device": name, "dry_run": dry_run, "driver": driver, "cuda": torch.version.cuda,
+        **versions,
         "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "discovery": how, "command": "plait selftest " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "discovery": how, "command": _command_line(),
     }
+
+
+def _command_line() -> str:
+    """``plait selftest ...`` as run, with ``--json``'s path cut to its file name (a results file,
+    and the README table made from it, name no machine's paths)."""
+    argv = sys.argv[sys.argv.index("selftest") + 1:] if "selftest" in sys.argv else sys.argv[1:]
+    words = [Path(a).name if i and argv[i - 1] == "--json" else a for i, a in enumerate(argv)]
+    words = [w.split("=", 1)[0] + "=" + Path(w.split("=", 1)[1]).name if w.startswith("--json=") else w for w in words]
+    return " ".join(["plait selftest", *(shlex.quote(w) for w in words)])
 
 
 def _bench_rows(rows):
@@ -116,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
+    if not args.budget_s > 0:
+        print(f"plait selftest: --budget-s {args.budget_s} must be > 0 seconds, e.g. 450.")
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("plait selftest: --device cuda but torch sees no CUDA device; drop --device (a CPU dry run).")
         return 2
@@ -143,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"{c.name} (cap {c.cap_s:.0f} s)" for c in checks))
         return 0
     start = time.monotonic()
-    rows = run_all(checks, ctx)
+    rows = run_all(checks, ctx, budget_s=args.budget_s)
     print(f"\n{format_table(rows)}\n\n{sum(r.outcome.status == FAIL for r in rows)} FAIL of {len(rows)} rows "
           f"in {time.monotonic() - start:.0f} s", flush=True)
     from plait.kernels.bench import write_json

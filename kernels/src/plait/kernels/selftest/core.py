@@ -136,17 +136,19 @@ def selected(checks: Sequence[Check], only: Sequence[str], skip: Sequence[str]) 
     return [c for c in checks if (not only or matches(c.name, only)) and not matches(c.name, skip)]
 
 
-def run_one(check: Check, ctx: SelftestContext) -> Row:
+def run_one(check: Check, ctx: SelftestContext, *, cap_s: float | None = None) -> Row:
     """Run one check under its cap: cooperative (``ctx.deadline``) and, as a backstop, a thread
     that is abandoned (row FAIL) if it has not returned 30 s after the cap.
 
     Args:
         check: the check.
         ctx: the context.
+        cap_s: the cap to use instead of ``check.cap_s`` (what is left of the run's budget).
 
     Returns:
         The row; an exception other than :class:`Skip` makes it FAIL with the exception's text.
     """
+    cap = check.cap_s if cap_s is None else cap_s
     box: dict[str, Outcome] = {}
 
     def target() -> None:
@@ -155,26 +157,29 @@ def run_one(check: Check, ctx: SelftestContext) -> Row:
         except Skip as exc:
             box["out"] = Outcome(SKIP, note=str(exc))
         except CapReached as exc:
-            box["out"] = Outcome(FAIL, note=f"{exc} (cap {check.cap_s:.0f} s)")
+            box["out"] = Outcome(FAIL, note=f"{exc} (cap {cap:.0f} s)")
         except Exception as exc:  # noqa: BLE001 - a failing check is a FAIL row, not a crash
             first_line = str(exc).splitlines()[0][:300] if str(exc) else ""
             box["out"] = Outcome(FAIL, note=f"{type(exc).__name__}: {first_line}")
 
     start = time.monotonic()
-    ctx.deadline.start(check.cap_s)
+    ctx.deadline.start(cap)
     worker = threading.Thread(target=target, name=f"selftest {check.name}", daemon=True)
     worker.start()
-    worker.join(check.cap_s + 30.0)
-    outcome = box.get("out") or Outcome(FAIL, note=f"did not return within its cap of {check.cap_s:.0f} s + 30 s")
+    worker.join(cap + 30.0)
+    outcome = box.get("out") or Outcome(FAIL, note=f"did not return within its cap of {cap:.0f} s + 30 s")
     return Row(check.name, outcome, time.monotonic() - start)
 
 
-def run_all(checks: Sequence[Check], ctx: SelftestContext, *, out=None) -> list[Row]:
+def run_all(checks: Sequence[Check], ctx: SelftestContext, *, budget_s: float = float("inf"), out=None) -> list[Row]:
     """Run ``checks`` in order, printing (and flushing) one progress line as each finishes.
 
     Args:
         checks: the checks to run.
         ctx: the context.
+        budget_s: seconds for the whole run: each check's cap is cut to what is left, and once
+            less than 5 s is left the remaining checks are SKIP rows that say so (rerun them with
+            ``--only``).
         out: the stream for progress lines (default ``sys.stdout``).
 
     Returns:
@@ -182,8 +187,14 @@ def run_all(checks: Sequence[Check], ctx: SelftestContext, *, out=None) -> list[
     """
     out = out or sys.stdout
     rows = []
+    end = time.monotonic() + budget_s
     for index, check in enumerate(checks, 1):
-        row = run_one(check, ctx)
+        left = end - time.monotonic()
+        if left < 5:
+            row = Row(check.name, Outcome(SKIP, note=f"the run's budget of {budget_s:.0f} s is spent; "
+                                                       f"rerun with --only '{check.name}'"), 0.0)
+        else:
+            row = run_one(check, ctx, cap_s=min(check.cap_s, left))
         rows.append(row)
         print(f"[{index}/{len(checks)}] {row.outcome.status} {check.name} ({row.seconds:.1f} s)", file=out, flush=True)
     return rows

@@ -128,7 +128,8 @@ def check_rotary(ctx: SelftestContext) -> Outcome:
     """Differentiable RoPE (NeoX and GPT-J pairing) on Llama-8B heads (32 q / 8 kv of 128) and a partial one."""
     note = _backend_note(ctx)
     ratios: dict[str, float] = {}
-    shapes = ctx.pick([(2048, 32, 8, 128, 128), (131, 5, 3, 96, 64)], [(5, 2, 1, 16, 16), (3, 3, 1, 12, 8)])
+    # the dry run keeps the odd case (partial rotary, GQA): the interpreter's time is the CI budget's
+    shapes = ctx.pick([(2048, 32, 8, 128, 128), (131, 5, 3, 96, 64)], [(3, 3, 1, 12, 8)])
     for dtype in DTYPES:
         for tokens, qh, kh, head, rot in shapes:
             table = rotary_cos_sin(4096, rot, device=ctx.device)
@@ -227,7 +228,7 @@ def check_grouped_mlp(ctx: SelftestContext) -> Outcome:
     ratios: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16):
         for experts, hidden, inter, rows in ctx.pick([(8, 4096, 14336, 512), (5, 1000, 1500, 77)],
-                                                      [(3, 32, 48, 10), (2, 24, 20, 5)]):
+                                                      [(3, 24, 20, 7)]):
             ctx.deadline.check(f"grouped mlp {_NAMES[dtype]}")
             counts = torch.distributions.Multinomial(rows, torch.ones(experts)).sample().long().to(ctx.device)
             x = torch.randn(rows, hidden, device=ctx.device, dtype=dtype)
@@ -281,13 +282,13 @@ def checks(ctx: SelftestContext) -> list[Check]:
     """plait-kernels' checks (the ``plait.selftest`` entry point ``kernels``)."""
     del ctx  # the same checks everywhere; each picks its shapes from the context
     return [
-        Check("kernels/rms_norm", check_rms_norm, 40),
-        Check("kernels/gated_activation", check_gated_activation, 40),
-        Check("kernels/rotary", check_rotary, 40),
-        Check("kernels/quantize", check_quantize, 30),
+        Check("kernels/rms_norm", check_rms_norm, 60),
+        Check("kernels/gated_activation", check_gated_activation, 90),
+        Check("kernels/rotary", check_rotary, 60),
+        Check("kernels/quantize", check_quantize, 40),
         Check("kernels/sign_pack", check_sign, 20),
-        Check("kernels/moe_permute", check_moe_permute, 20),
-        Check("kernels/grouped_mlp", check_grouped_mlp, 60),
+        Check("kernels/moe_permute", check_moe_permute, 30),
+        Check("kernels/grouped_mlp", check_grouped_mlp, 90),
         Check("kernels/bw rms_norm", _bw_rms_norm, 20),
         Check("kernels/bw silu_and_mul", _bw_silu, 20),
         Check("kernels/bw quantize", _bw_quantize, 20),

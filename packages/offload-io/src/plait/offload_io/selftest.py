@@ -115,5 +115,5 @@ def checks(ctx: SelftestContext) -> list[Check]:
         Check("offload-io/zero3 cpu offload", lambda c: _offload(c, "cpu"), 60),
         Check("offload-io/zero3 nvme offload", lambda c: _offload(c, "nvme"), 60),
         Check("offload-io/pinned throughput", check_pinned_throughput, 30),
-        Check("offload-io/peak memory vs DDP", check_offload_memory, 90),
+        Check("offload-io/peak memory vs DDP", check_offload_memory, 120),
     ]
