@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from plait.kernels.cli.main import main
+from plait.kernels.selftest import core
 from plait.kernels.selftest.core import (
     FAIL,
     PASS,
@@ -55,6 +56,7 @@ def test_dry_run_command_passes_every_row(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["meta"]["dry_run"] is True and payload["meta"]["driver"] == "n/a"
     assert payload["meta"]["discovery"].startswith("import names")
+    assert payload["meta"]["command"].endswith("--json selftest.json")  # no machine path in a results file
     rows = payload["rows"]
     names = {row["benchmark"] for row in rows}
     assert {"kernels/rms_norm", "kernels/grouped_mlp", "inference-kernels/paged_decode_attention",
@@ -103,7 +105,8 @@ def test_cap_skip_and_error_become_rows():
     assert run_one(Check("x/err", broken), ctx).outcome.note == "RuntimeError: boom"
 
 
-def test_budget_cuts_caps_and_skips_what_is_left():
+def test_budget_cuts_caps_and_skips_what_is_left(monkeypatch):
+    monkeypatch.setattr(core, "MIN_LEFT_S", 0.2)
     ctx = SelftestContext(device=torch.device("cpu"), dry_run=True)
 
     def slow(ctx):
@@ -112,6 +115,6 @@ def test_budget_cuts_caps_and_skips_what_is_left():
             ctx.deadline.check("the next case")
 
     rows = run_all([Check("x/slow", slow, cap_s=60), Check("x/after", lambda ctx: Outcome(PASS))], ctx,
-                   budget_s=5.3, out=io.StringIO())
-    assert rows[0].outcome.status == FAIL and rows[0].seconds < 6  # capped at the budget, not at 60 s
+                   budget_s=0.4, out=io.StringIO())
+    assert rows[0].outcome.status == FAIL and rows[0].seconds < 5  # capped at the budget, not at 60 s
     assert rows[1].outcome.status == SKIP and "--only 'x/after'" in rows[1].outcome.note

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+MIN_LEFT_S = 5.0  # below this much of the run's budget, a check is not started (a SKIP row instead)
 
 
 class Skip(Exception):  # noqa: N818 - raised to mean "skip", like unittest.SkipTest
@@ -178,8 +179,8 @@ def run_all(checks: Sequence[Check], ctx: SelftestContext, *, budget_s: float = 
         checks: the checks to run.
         ctx: the context.
         budget_s: seconds for the whole run: each check's cap is cut to what is left, and once
-            less than 5 s is left the remaining checks are SKIP rows that say so (rerun them with
-            ``--only``).
+            less than :data:`MIN_LEFT_S` is left the remaining checks are SKIP rows that say so
+            (rerun them with ``--only``).
         out: the stream for progress lines (default ``sys.stdout``).
 
     Returns:
@@ -190,7 +191,7 @@ def run_all(checks: Sequence[Check], ctx: SelftestContext, *, budget_s: float = 
     end = time.monotonic() + budget_s
     for index, check in enumerate(checks, 1):
         left = end - time.monotonic()
-        if left < 5:
+        if left < MIN_LEFT_S:
             row = Row(check.name, Outcome(SKIP, note=f"the run's budget of {budget_s:.0f} s is spent; "
                                                        f"rerun with --only '{check.name}'"), 0.0)
         else:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 
 from plait.kernels.selftest.core import FAIL, Check, Outcome, SelftestContext
 
@@ -44,20 +44,28 @@ def _from_entry_points() -> dict[str, Callable | str]:
     return found
 
 
-def _from_import_names() -> dict[str, Callable | str]:
+def _selftest_packages() -> list[str]:
+    """Names of the packages in the ``plait`` namespace that hold a ``selftest`` module, read from
+    the namespace's folders (so that packages without one, such as the integrations, whose
+    ``__init__`` imports Lightning or vLLM, are not imported just to look)."""
     import plait
 
-    found: dict[str, Callable | str] = {}
-    # plait-kernels first (its op rows are the base the others build on), then by name
-    names = sorted({info.name for info in pkgutil.iter_modules(plait.__path__) if info.ispkg},
-                   key=lambda name: (name != "kernels", name))
-    for name in names:
-        module_name = f"plait.{name}.selftest"
-        try:
-            if importlib.util.find_spec(module_name) is None:
-                continue
-        except (ImportError, ValueError):
+    names = set()
+    for entry in plait.__path__:
+        folder = Path(entry)
+        if not folder.is_dir():
             continue
+        for child in folder.iterdir():
+            if (child / "selftest.py").is_file() or (child / "selftest" / "__init__.py").is_file():
+                names.add(child.name)
+    # plait-kernels first (its op rows are the base the others build on), then by name
+    return sorted(names, key=lambda name: (name != "kernels", name))
+
+
+def _from_import_names() -> dict[str, Callable | str]:
+    found: dict[str, Callable | str] = {}
+    for name in _selftest_packages():
+        module_name = f"plait.{name}.selftest"
         try:
             found[name] = importlib.import_module(module_name).checks
         except Exception as exc:  # noqa: BLE001 - a broken provider becomes one FAIL row
