@@ -118,3 +118,22 @@ def test_budget_cuts_caps_and_skips_what_is_left(monkeypatch):
                    budget_s=0.4, out=io.StringIO())
     assert rows[0].outcome.status == FAIL and rows[0].seconds < 5  # capped at the budget, not at 60 s
     assert rows[1].outcome.status == SKIP and "--only 'x/after'" in rows[1].outcome.note
+
+
+def test_entry_point_discovery_and_a_broken_provider(monkeypatch):
+    from importlib import metadata
+
+    from plait.kernels.cli import registry
+    from plait.kernels.selftest.discover import all_checks, discover
+
+    declared = {"kernels": metadata.EntryPoint("kernels", "plait.kernels.selftest:checks", "plait.selftest"),
+                "broken": metadata.EntryPoint("broken", "plait.no_such_package.selftest:checks", "plait.selftest")}
+    monkeypatch.setattr(registry, "entry_points", lambda group: dict(declared) if group == "plait.selftest" else {})
+    found = discover("auto")
+    assert found.how.startswith("entry points") and list(found.providers) == ["kernels", "broken"]
+    ctx = SelftestContext(device=torch.device("cpu"), dry_run=True)
+    checks = all_checks(found, ctx)
+    assert checks[0].name == "kernels/rms_norm"
+    row = run_one(checks[-1], ctx)
+    assert checks[-1].name == "broken/import" and row.outcome.status == FAIL
+    assert "plait.no_such_package.selftest:checks failed to import: ModuleNotFoundError" in row.outcome.note
