@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TABLES = [
     ("kernels/README.md", "kernels/benchmarks/results/kernels-quick.json"),
     ("kernels/README.md", "kernels/benchmarks/results/kernels.json"),
+    # the GPU selftest's table (docs/gpu.md): checked once a GPU run's file is committed
+    ("kernels/README.md", "kernels/benchmarks/results/selftest.json"),
     ("packages/inference-kernels/README.md", "packages/inference-kernels/benchmarks/results/inference-kernels.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers-quality.json"),

@@ -381,6 +381,14 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
                "token: about one bf16 ulp (2^-7) of the tensor's scale; 2 ulps allowed, observed <= 0.0069 "
                "(seeds 0-3, with and without bias); hidden-state gradients mostly bitwise.",
     ),
+    # ---- plait selftest: a ZeRO run on the device (world size 1) vs plain torch AdamW on the CPU.
+    ("zero_losses_vs_cpu", torch.float32): Tolerance(
+        atol=1e-6, rtol=1e-4,
+        reason="fp32 on both sides (TF32 off), but the device's GEMMs and reductions block the sums "
+               "differently from the CPU's BLAS: a few fp32 ulps per matmul, carried through 5 Adam "
+               "steps at lr 1e-3 on an O(1) loss; 1e-4 relative leaves room for that and catches any "
+               "lost or doubled gradient (which moves the loss by percent).",
+    ),
     ("quantize_blockwise", torch.float32): Tolerance(
         atol=0.0, rtol=0.0,
         reason="bitwise equal: absmax is a max (order-free), scale and codes use IEEE division "

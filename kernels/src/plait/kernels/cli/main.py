@@ -18,9 +18,11 @@ Register = Callable[[argparse._SubParsersAction], None]
 
 # plait-kernels' own subcommands are registered directly, so the command also works from a
 # source tree on PYTHONPATH (where no entry points exist); others come from entry points.
-_BUILTIN = {"report": "plait.kernels.cli.report:register", "bench": "plait.kernels.cli.bench:register"}
+_BUILTIN = {"report": "plait.kernels.cli.report:register", "bench": "plait.kernels.cli.bench:register",
+            "selftest": "plait.kernels.cli.selftest:register"}
 _BUILTIN_HELP = {"report": "what is installed, what each piece registers, which kernels run where",
-                 "bench": "run a package's benchmarks against its peers, as a table"}
+                 "bench": "run a package's benchmarks against its peers, as a table",
+                 "selftest": "run every GPU path plait has (a CPU dry run without a GPU), as one table"}
 
 
 def _commands() -> dict[str, metadata.EntryPoint]:
