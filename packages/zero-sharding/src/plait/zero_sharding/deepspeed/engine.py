@@ -118,3 +118,38 @@ class DeepSpeedEngine(nn.Module):
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage."""
         return self.plan.zero.stage
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True) -> bool:
+        """Save a universal checkpoint under ``save_dir`` (see :mod:`plait.zero_sharding.deepspeed.checkpoint`).
+
+        Args:
+            save_dir: the checkpoint root.
+            tag: DeepSpeed's tag (default ``global_step<N>``).
+            client_state: extra state returned by :meth:`load_checkpoint`.
+            save_latest: must be ``True`` (the root's ``latest`` pointer always moves).
+
+        Returns:
+            ``True``, as DeepSpeed.
+
+        Raises:
+            ValueError: ``save_latest=False``.
+        """
+        if not save_latest:
+            raise ValueError("save_checkpoint(save_latest=False) is not supported: plait's checkpoint root always "
+                             "points `latest` at the newest commit; load older ones by tag.")
+        from plait.zero_sharding.deepspeed.checkpoint import save_checkpoint
+
+        save_checkpoint(self, save_dir, tag, client_state)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, **_: Any) -> tuple[str | None, dict[str, Any]]:
+        """Resume from a checkpoint saved by :meth:`save_checkpoint`; returns ``(path, client_state)``.
+
+        See :func:`plait.zero_sharding.deepspeed.checkpoint.load_checkpoint` for the arguments.
+        """
+        from plait.zero_sharding.deepspeed.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
