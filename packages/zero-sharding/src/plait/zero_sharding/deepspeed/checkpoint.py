@@ -116,7 +116,10 @@ def _find_tag(universal_ckpt: Any, root: Path, tag: str) -> Path:
 def load_checkpoint(engine: Any, load_dir: str | os.PathLike[str], tag: str | None = None,
                     load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True) -> tuple[str | None, dict[str, Any]]:
-    """Load a checkpoint saved by :func:`save_checkpoint` (any world size or stage) into ``engine``.
+    """Load a checkpoint saved by :func:`save_checkpoint`, or by DeepSpeed itself, into ``engine``.
+
+    Both load at any world size or ZeRO stage; a DeepSpeed directory (a ``latest`` file naming a
+    tag directory with ``*model_states.pt``) goes through :mod:`plait.zero_sharding.deepspeed.ds_resume`.
 
     Args:
         engine: the engine to restore.
@@ -137,6 +140,11 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike[str], tag: str | No
         raise ValueError("load_checkpoint(load_optimizer_states=False) is not supported: plait restores the fp32 "
                          "masters and optimizer moments together with the weights; load the full state.")
     universal_ckpt = _universal_ckpt()
+    from plait.zero_sharding.deepspeed.ds_resume import deepspeed_tag_dir, load_deepspeed_checkpoint
+
+    tag_dir = deepspeed_tag_dir(load_dir, tag)
+    if tag_dir is not None:  # written by DeepSpeed itself
+        return load_deepspeed_checkpoint(engine, tag_dir, load_lr_scheduler_states=load_lr_scheduler_states)
     root = Path(load_dir)
     if tag is None and universal_ckpt.latest(root) is None:
         return None, {}
