@@ -53,9 +53,10 @@ class DeepSpeedPlan:
 
     Attributes:
         zero: the :class:`~plait.zero_sharding.ZeroConfig`.
-        train_batch_size: global batch per optimizer step.
-        micro_batch_size: per-rank batch per forward/backward.
-        gradient_accumulation_steps: micro batches per optimizer step.
+        train_batch_size: global batch per optimizer step (``None`` when translated without a
+            world size: a framework's own loader then sets the batch).
+        micro_batch_size: per-rank batch per forward/backward (``None`` likewise).
+        gradient_accumulation_steps: micro batches per optimizer step (``None`` likewise).
         optimizer: the optimizer block, or ``None`` (the script brings its own).
         scheduler: the ``scheduler`` block (validated), or ``None``.
         sequence_parallel_size: ranks per sequence-parallel group (1: none).
@@ -65,9 +66,9 @@ class DeepSpeedPlan:
     """
 
     zero: ZeroConfig
-    train_batch_size: int
-    micro_batch_size: int
-    gradient_accumulation_steps: int
+    train_batch_size: int | None
+    micro_batch_size: int | None
+    gradient_accumulation_steps: int | None
     optimizer: OptimizerSpec | None = None
     scheduler: dict[str, Any] | None = None
     sequence_parallel_size: int = 1
@@ -241,13 +242,14 @@ def _zero_config(config: dict[str, Any]) -> ZeroConfig:
     return ZeroConfig(**fields)
 
 
-def translate(config: dict[str, Any] | str | os.PathLike[str], *, world_size: int,
+def translate(config: dict[str, Any] | str | os.PathLike[str], *, world_size: int | None,
               auto: dict[str, Any] | None = None) -> DeepSpeedPlan:
     """Translate a DeepSpeed config into a :class:`DeepSpeedPlan`, refusing before any work.
 
     Args:
         config: the ``ds_config`` dict or a path to its JSON file.
-        world_size: data-parallel ranks (for the batch rule).
+        world_size: data-parallel ranks (for the batch rule); ``None`` skips the batch rule
+            (for Lightning, whose loaders and Trainer set the batch; the keys are still checked).
         auto: values for ``"auto"`` keys by dotted path (see :func:`hf_auto_values`).
 
     Returns:
@@ -267,7 +269,7 @@ def translate(config: dict[str, Any] | str | os.PathLike[str], *, world_size: in
                         "lr_scheduler= yourself")
     if problems:
         raise ValueError("the DeepSpeed config has keys plait cannot run:\n  " + "\n  ".join(problems))
-    total, micro, steps = batch_sizes(tree, world_size)
+    total, micro, steps = batch_sizes(tree, world_size) if world_size is not None else (None, None, None)
     zero = tree.get("zero_optimization") or {}
     sp = tree.get("sequence_parallel_size", 1)
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
