@@ -26,8 +26,8 @@ def _config(stage: int) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def _group(tmp_path_factory):
-    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
+    added = [name for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE") if name not in os.environ]
+    os.environ.update({name: "1" if name == "WORLD_SIZE" else "0" for name in added})  # DeepSpeed requires them
     created = not dist.is_initialized()
     if created:
         store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
@@ -35,6 +35,8 @@ def _group(tmp_path_factory):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo transport; skip the C++ build
     deepspeed.init_distributed(dist_backend="gloo")
     yield
+    for name in added:
+        os.environ.pop(name, None)
     if created:
         dist.destroy_process_group()
 
