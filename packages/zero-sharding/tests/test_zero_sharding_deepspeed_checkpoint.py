@@ -73,3 +73,15 @@ def test_resume_continues_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
         _engine().load_checkpoint(tmp_path, tag="epoch9")
     with pytest.raises(ValueError, match="load_optimizer_states=False"):
         _engine().load_checkpoint(tmp_path, load_optimizer_states=False)
+
+
+def test_zero_init_builds_sharded_and_trains_as_the_plain_build() -> None:
+    plain = _train(_engine(), 2, seed=3)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 3))
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=CONFIG)
+    assert _train(engine, 2, seed=3) == pytest.approx(plain, rel=1e-6)
+    with pytest.raises(ValueError, match=r"zero.Init\(module=...\): build the model inside"), \
+            deepspeed.zero.Init(module=nn.Linear(2, 2)):
+        pass
