@@ -489,6 +489,25 @@ class PlaitStrategy(DDPStrategy):
         self.checkpoint_io.teardown()
 
     @classmethod
+    def from_deepspeed(cls, config: Any, **kwargs: Any) -> PlaitStrategy:
+        """The strategy for a Lightning DeepSpeed setup: a ``ds_config`` (dict or JSON path) or a name
+        such as ``"deepspeed_stage_3"`` (see :mod:`plait.lightning.deepspeed_config`).
+
+        Args:
+            config: the DeepSpeed config or Lightning DeepSpeed strategy name.
+            **kwargs: further ``PlaitStrategy`` arguments (not ``zero``/``offload``/``config``).
+
+        Returns:
+            The strategy.
+
+        Raises:
+            ValueError: a refused key (named by its dotted path) or an unknown name.
+        """
+        from plait.lightning.deepspeed_config import strategy_kwargs
+
+        return cls(**strategy_kwargs(config), **kwargs)
+
+    @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register the ``plait_*`` names (see :mod:`plait.lightning.registry`)."""
         from plait.lightning.config import register_names
