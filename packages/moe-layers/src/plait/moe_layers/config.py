@@ -10,6 +10,7 @@ DROP_POLICIES = ("position", "probability")
 NOISE_KINDS = ("none", "jitter", "gumbel")
 ROUTER_GRADIENTS = ("straight_through", "grin")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+AUX_LOSS_CHOICES = ("all", "first")
 
 
 def _positive_int(name: str, value: object, fix: str) -> None:
@@ -44,8 +45,18 @@ class MoEConfig:
         eval_capacity_factor: the capacity factor in ``eval()`` mode; ``None`` = same as training.
         min_capacity: the smallest capacity an expert gets (keeps tiny batches from dropping all).
         drop_policy: over capacity, keep assignments in token order, all first choices before any
-            second choice (``"position"``, GShard/DeepSpeed), or keep each expert's highest router
-            probabilities (``"probability"``, Switch's "batch prioritized routing").
+            second choice (``"position"``: GShard, and DeepSpeed's ``top1gating`` without
+            ``use_rts`` and ``top2gating``; DeepSpeed's ``topkgating`` for ``k > 2`` keeps each
+            expert's highest probabilities, i.e. ``"probability"``), or keep each expert's highest
+            router probabilities (``"probability"``, Switch's "batch prioritized routing").
+        renormalize_after_drops: after capacity drops, divide each token's kept weights by their
+            sum (a token that lost its second expert gets weight 1 on its first; one that lost
+            every expert gets 0), as DeepSpeed's ``top2gating`` does. Use with ``top_k=2``,
+            ``score_order="softmax_topk"``; DeepSpeed's ``top1gating`` keeps the raw probability
+            (``renormalize=False`` and this ``False``).
+        aux_loss_choices: which assignments the load-balancing loss counts in ``f_e``: ``"all"``
+            (the ``T * k`` of them) or ``"first"`` (each token's first choice only, DeepSpeed's
+            ``top1gating`` / ``top2gating`` ``l_aux``).
         noise: router noise in training mode only: ``"none"``; ``"jitter"`` multiplies the router's
             input by ``U(1 - noise_eps, 1 + noise_eps)`` (Switch, Mixtral's ``router_jitter_noise``);
             ``"gumbel"`` picks experts on ``logits + noise_eps * Gumbel(0, 1)`` while the combine
@@ -73,6 +84,8 @@ class MoEConfig:
     eval_capacity_factor: float | None = None
     min_capacity: int = 4
     drop_policy: str = "position"
+    renormalize_after_drops: bool = False
+    aux_loss_choices: str = "all"
     noise: str = "none"
     noise_eps: float = 1e-2
     activation: str = "silu"
@@ -92,6 +105,10 @@ class MoEConfig:
             )
         _choice("score_order", self.score_order, SCORE_ORDERS)
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        _choice("aux_loss_choices", self.aux_loss_choices, AUX_LOSS_CHOICES)
+        if not isinstance(self.renormalize_after_drops, bool):
+            raise ValueError(f"MoEConfig.renormalize_after_drops={self.renormalize_after_drops!r} must be True "
+                             "or False.")
         _choice("noise", self.noise, NOISE_KINDS)
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("router_gradient", self.router_gradient, ROUTER_GRADIENTS)

@@ -77,6 +77,10 @@ class MoE(nn.Module):
         # puts the module's path in it).
         self.comm_label = "MoE layer"
 
+    def _counted(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The assignments the load-balancing loss counts (``MoEConfig.aux_loss_choices``)."""
+        return expert_ids[:, :1] if self.config.aux_loss_choices == "first" else expert_ids
+
     def forward(self, x: torch.Tensor, *, return_losses: bool = False) -> torch.Tensor | tuple[torch.Tensor, MoELosses]:
         """Route, run the experts and combine.
 
@@ -101,7 +105,7 @@ class MoE(nn.Module):
             mix = F.softmax(self.coefficient(flat), dim=-1)
             out = out * mix[:, :1] + self.dense(flat) * mix[:, 1:]
         self.last_losses = MoELosses(
-            load_balancing=load_balancing_loss(routing.probs, routing.expert_ids),
+            load_balancing=load_balancing_loss(routing.probs, self._counted(routing.expert_ids)),
             z_loss=router_z_loss(routing.logits), expert_load=load,
             dropped=int(routing.kept.numel() - int(routing.kept.sum())),
         )

@@ -123,6 +123,20 @@ def capacity_keep(expert_ids: torch.Tensor, priority: torch.Tensor | None, num_e
     return (rank < capacity).view(expert_ids.shape[1], expert_ids.shape[0]).t()
 
 
+def renormalize_kept(weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Each token's kept weights divided by their sum (dropped ones 0), DeepSpeed's ``top2gating``.
+
+    Args:
+        weights: ``[T, k]`` combine weights.
+        kept: ``[T, k]`` bool from :func:`capacity_keep`.
+
+    Returns:
+        ``[T, k]`` weights; a token with nothing kept gets zeros (the sum is clamped at fp32 eps).
+    """
+    masked = weights * kept.to(weights.dtype)
+    return masked / masked.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(masked.dtype).eps)
+
+
 class Router(nn.Module):
     """Linear router with top-k selection, noise and capacity (see :class:`MoEConfig`).
 
@@ -167,4 +181,6 @@ class Router(nn.Module):
         capacity = cfg.capacity(x.shape[0], training=self.training)
         priority = probs.gather(1, expert_ids) if cfg.drop_policy == "probability" else None
         kept = capacity_keep(expert_ids, priority, cfg.num_experts, capacity)
+        if cfg.renormalize_after_drops:
+            weights = renormalize_kept(weights, kept)
         return Routing(logits=logits, probs=probs, expert_ids=expert_ids, weights=weights, kept=kept)

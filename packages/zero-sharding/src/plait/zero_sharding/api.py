@@ -1,4 +1,4 @@
-"""The public API: ``zero_shard``, ``sharded_init``, ``gathered_parameters``.
+"""The public API: ``zero_shard``, ``sharded_init`` (and ``gathered_parameters``, from :mod:`.scoped_gather`).
 
 ``zero_shard(model, optimizer, config, mesh=...)`` modifies ``model`` in place (its class becomes
 a :class:`~plait.zero_sharding.module.ZeroModule` subclass, as ``fully_shard`` does) and returns it
@@ -32,6 +32,7 @@ from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.placements import GroupedPlacement
+from plait.zero_sharding.scoped_gather import gathered_parameters  # noqa: F401  (public here too)
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
 
@@ -412,20 +413,3 @@ def _refuse_unsharded(module: nn.Module, args: Any) -> None:
         f"{type(module).__name__} was built under sharded_init() and has no weights yet; call "
         "zero_shard(model, optimizer, config) on the whole model before running it."
     )
-
-
-def gathered_parameters(model: nn.Module, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-    """Inside, every parameter of a sharded model is whole on every rank and the engine neither
-    gathers nor frees (so generation under stage 3 runs without per-token gathering).
-
-    Args:
-        model: a model returned by :func:`zero_shard`.
-        writeback: copy edits made inside back into the shards and fp32 masters on exit
-            (every rank must make the same edits).
-
-    Raises:
-        TypeError: ``model`` was not sharded with :func:`zero_shard`.
-    """
-    if not isinstance(model, ZeroModule):
-        raise TypeError(f"{type(model).__name__} is not sharded; call zero_shard(model, ...) first.")
-    return model.zero_engine.gathered(writeback)

@@ -7,7 +7,9 @@
   backward (waits for reductions, handles parameters that got no gradient).
 * Module hooks (stage 3): a forward pre-hook gathers a unit and prefetches the next ones in
   forward order; a forward post-hook frees it and registers a multi-grad hook on the outputs,
-  which gathers it again (prefetching in backward order) when backward reaches it.
+  which gathers it again (prefetching in backward order) when backward reaches it. A submodule
+  called directly, outside the model's forward, gathers what it needs itself
+  (:mod:`plait.zero_sharding.direct_calls`).
 
 Every collective follows an order fixed by the model's structure, never by which hooks fired on
 this rank (see :mod:`plait.zero_sharding.ordering`), so ranks that run different modules or get
@@ -27,10 +29,12 @@ from torch import nn
 from plait.kernels.collectives import named
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.direct_calls import DirectCalls
 from plait.zero_sharding.extension import DefaultReducer, wait
 from plait.zero_sharding.grad_stash import GradStash
 from plait.zero_sharding.ordering import GatherCursor, module_orders, reduce_order, twin_groups
 from plait.zero_sharding.partition import Partition
+from plait.zero_sharding.scoped_gather import register_owner
 from plait.zero_sharding.units import FlatUnit
 
 # Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
@@ -100,6 +104,7 @@ class ZeroEngine:
         self.host_copies_pending = False
         self.grad_stash: GradStash | None = None  # gradient offload, see attach_grad_storage
         self._register_grad_hooks()
+        register_owner(self)
         if config.stage == 3:
             twins = twin_groups(self.units)
             for unit in self.units:
@@ -123,6 +128,8 @@ class ZeroEngine:
         root = self.partition.root_units
         self.handles.append(self.model.register_forward_pre_hook(lambda m, args: self._root_pre_forward(root)))
         self.handles.append(self.model.register_forward_hook(lambda m, args, out: self._root_post_forward(root)))
+        # A submodule called directly (model.model(...), model.lm_head(...)) gathers what it needs.
+        self.handles.extend(DirectCalls(self).register())
 
     def remove_hooks(self) -> None:
         """Detach every hook (used when a model is sharded again)."""
@@ -417,17 +424,21 @@ class ZeroEngine:
         finally:
             self.pinned -= 1
             if writeback:
-                self._write_back()
+                self.write_back(self.units)
             if not self.pinned:
                 for unit in self.units:
                     unit.release()
 
     @torch.no_grad()
-    def _write_back(self) -> None:
-        """Copy edited elements of the full parameters into shards and masters. Only elements
+    def write_back(self, units: list[FlatUnit]) -> None:
+        """Copy edited elements of the gathered ``units`` into shards and masters. Only elements
         that differ from the master's compute-dtype value are written, so untouched fp32 masters
-        keep their precision under bf16/fp16 compute."""
-        for unit in self.units:
+        keep their precision under bf16/fp16 compute.
+
+        Args:
+            units: gathered (or resident) units of this engine.
+        """
+        for unit in units:
             lo, hi = unit.shard_range
             edited = unit.full[lo:hi]
             if not unit.resident:

@@ -123,6 +123,7 @@ class FlatUnit:
         self.grad_shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
         self.gathered = resident
+        self.held = 0  # >0 inside gathered_parameters(params): release() keeps the unit gathered
         self.pending_gather: Any = None
         self.ready = 0  # trainable params whose gradient arrived in the current backward
         self.storage: Any = None
@@ -249,7 +250,7 @@ class FlatUnit:
 
     def release(self) -> None:
         """Free the gathered buffer of a sharded unit (its views stay valid, zero-sized)."""
-        if self.resident or not self.gathered:
+        if self.resident or not self.gathered or self.held:
             return
         self.wait_gather()
         self.full.untyped_storage().resize_(0)

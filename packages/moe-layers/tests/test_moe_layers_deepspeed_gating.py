@@ -1,0 +1,106 @@
+"""DeepSpeed's gating reproduced by MoEConfig switches, checked against DeepSpeed's own
+``top1gating`` / ``top2gating`` (``deepspeed.moe.sharded_moe``, run on the CPU) on skewed logits
+where the capacity binds: combine weights and dispatch masks (summed over DeepSpeed's capacity
+slots), the aux loss and the expert counts before drops."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from plait.moe_layers import MoE, MoEConfig, Router
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+
+E, T = 4, 24
+
+
+def _skewed_logits(seed: int) -> torch.Tensor:
+    """Most tokens prefer experts 0 and 1, so their capacity binds for first and second choices."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 0] += 2.0
+    logits[:, 1] += 1.0
+    return logits
+
+
+def _route(config: MoEConfig, logits: torch.Tensor):
+    """Plait's routing of tokens whose router logits are exactly ``logits`` (identity router)."""
+    router = Router(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+    routing = router(logits.clone())
+    dense = torch.zeros(T, E).scatter_add_(1, routing.expert_ids, routing.weights.detach() * routing.kept)
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter_(1, routing.expert_ids, routing.kept)
+    return routing, dense, mask
+
+
+def _aux(config: MoEConfig, logits: torch.Tensor) -> torch.Tensor:
+    """The layer's load-balancing loss for tokens whose router logits are ``logits``."""
+    layer = MoE(config)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(E))
+    _, losses = layer(logits.clone(), return_losses=True)
+    return losses.load_balancing
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
+def test_top2_matches_deepspeed_top2gating(seed, capacity_factor):
+    logits = _skewed_logits(seed)
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=2, capacity_factor=capacity_factor,
+                       min_capacity=1, drop_policy="position", renormalize_after_drops=True,
+                       aux_loss_choices="first")
+    routing, dense, mask = _route(config, logits)
+    l_aux, combine, dispatch, exp_counts = sharded_moe.top2gating(
+        logits.clone(), capacity_factor, 1, drop_tokens=True, top2_2nd_expert_sampling=False)
+    assert int((~routing.kept).sum()) > 0, "the capacity must bind for the test to mean anything"
+    assert torch.equal(mask, dispatch.any(dim=-1))
+    torch.testing.assert_close(dense, combine.sum(dim=-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_aux(config, logits), l_aux, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.bincount(routing.expert_ids.reshape(-1), minlength=E), exp_counts)
+    # A token that lost its second expert gets weight 1 on its first.
+    lost_second = routing.kept[:, 0] & ~routing.kept[:, 1]
+    assert bool(lost_second.any())
+    torch.testing.assert_close(routing.weights[lost_second, 0], torch.ones(int(lost_second.sum())))
+
+
+def test_plain_renormalisation_differs_where_deepspeed_renormalises_after_drops():
+    logits = _skewed_logits(0)
+    base = dict(hidden_size=E, num_experts=E, intermediate_size=8, top_k=2, capacity_factor=0.5, min_capacity=1)
+    _, dense_before, _ = _route(MoEConfig(**base), logits)
+    _, dense_after, _ = _route(MoEConfig(**base, renormalize_after_drops=True), logits)
+    _, combine, _, _ = sharded_moe.top2gating(logits.clone(), 0.5, 1, top2_2nd_expert_sampling=False)
+    assert not torch.allclose(dense_before, combine.sum(dim=-1))
+    torch.testing.assert_close(dense_after, combine.sum(dim=-1), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
+def test_top1_matches_deepspeed_top1gating_up_to_which_tokens_are_kept(capacity_factor):
+    """DeepSpeed's ``top1gating`` picks the tokens an over-full expert keeps with ``torch.topk``
+    over a 0/1 mask (``use_rts=False``; random with ``use_rts=True``), so which tokens survive is
+    not token order. Everything else is equal: the aux loss, the counts before drops, how many
+    each expert keeps, and a kept token's weight (its raw probability)."""
+    logits = _skewed_logits(2)
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=1, capacity_factor=capacity_factor,
+                       min_capacity=1, renormalize=False, drop_policy="position", aux_loss_choices="first")
+    routing, dense, mask = _route(config, logits)
+    l_aux, combine, dispatch, exp_counts = sharded_moe.top1gating(
+        logits.clone(), capacity_factor, 1, noisy_gate_policy=None, drop_tokens=True, use_rts=False)
+    assert int((~routing.kept).sum()) > 0
+    ds_mask = dispatch.any(dim=-1)
+    assert torch.equal(mask.sum(dim=0), ds_mask.sum(dim=0))
+    both = mask & ds_mask
+    torch.testing.assert_close(dense[both], combine.sum(dim=-1)[both], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_aux(config, logits), l_aux, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.bincount(routing.expert_ids.reshape(-1), minlength=E), exp_counts)
+
+
+def test_bad_switches_are_refused_by_name():
+    with pytest.raises(ValueError, match="aux_loss_choices"):
+        MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, aux_loss_choices="second")
+    with pytest.raises(ValueError, match="renormalize_after_drops"):
+        MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, renormalize_after_drops=1)
