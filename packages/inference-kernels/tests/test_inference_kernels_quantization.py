@@ -170,3 +170,22 @@ def test_bad_input_is_refused_naming_the_layer_before_any_change():
     patched_model = build("llama")
     with patched(patched_model, PatchConfig(policy="always")), pytest.raises(ValueError, match="revert the patch"):
         quantize(patched_model)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_cpu_paths_prefill_dense_and_bf16_decode_match_the_reference(kind):
+    from plait.inference_kernels.quantization.modules import CPU_DENSE_ROWS
+    from plait.kernels.ops.quant_matmul import quant_matmul_reference
+
+    linear = torch.nn.Linear(128, 64, bias=True)
+    config = QuantizeConfig(kind=kind, group_size=64 if kind == "int4" else None)
+    fast = QuantizedLinear(linear, config.scheme, bf16_decode=True)
+    for rows in (3, CPU_DENSE_ROWS):  # decode through torch's bf16 kernel, prefill through the fp32 GEMM
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        want = quant_matmul_reference(x, fast.weight_codes, fast.weight_scales, fast.weight_zeros, config.scheme,
+                                      linear.bias.detach())
+        got = fast(x)
+        assert got.dtype == torch.float32
+        # decode rounds x to bf16 for torch's kernel: the bf16 entry; prefill is an fp32 GEMM
+        key = torch.bfloat16 if rows < CPU_DENSE_ROWS else torch.float32
+        tolerance("quant_matmul_cpu", key).assert_close(got, want, what=f"{kind} rows={rows}")

@@ -49,6 +49,8 @@ class QuantizeConfig:
             (costs their memory while quantized). False frees them; revert then puts back Linears
             holding the dequantized weights.
         cpu_kernels: on CPU use torch's weight-packed int8/int4 matmuls (False: the torch reference).
+        cpu_bf16_decode: with fp32 activations on CPU, run those matmuls on the input rounded to
+            bf16 for decode-sized inputs (< 32 rows); faster, but activations lose precision there.
     """
 
     kind: str = "int8"
@@ -59,10 +61,11 @@ class QuantizeConfig:
     skip: tuple[str, ...] = ()
     keep_original: bool = True
     cpu_kernels: bool = True
+    cpu_bf16_decode: bool = False
 
     def __post_init__(self) -> None:
         self.scheme  # noqa: B018 - validates kind, group_size, symmetric (names the field)
-        for name in ("head", "embedding", "keep_original", "cpu_kernels"):
+        for name in ("head", "embedding", "keep_original", "cpu_kernels", "cpu_bf16_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantizeConfig.{name}={getattr(self, name)!r} must be True or False.")
         if not isinstance(self.skip, tuple) or not all(isinstance(p, str) and p for p in self.skip):
@@ -193,7 +196,8 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None) -> Quantize
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding(module, scheme)
         else:
-            new = QuantizedLinear(module, scheme, cpu_kernels=config.cpu_kernels)
+            new = QuantizedLinear(module, scheme, cpu_kernels=config.cpu_kernels,
+                                  bf16_decode=config.cpu_bf16_decode)
         before += module.weight.numel() * module.weight.element_size()
         after += weight_nbytes(new.weight_shape, scheme)
         originals[name] = module if config.keep_original else None

@@ -4,7 +4,9 @@ Both keep the codes, scales and (asymmetric int4) zero points as persistent buff
 ``state_dict()`` holds the quantized weight and nothing else of it. ``QuantizedLinear`` runs
 ``y = x @ dequantize(W)^T + b``:
 
-* on CPU, through the matmuls torch ships for this (``torch._weight_int8pack_mm`` for int8,
+* on CPU with at least ``CPU_DENSE_ROWS`` (32) rows of input (prefill), by dequantizing the
+  weight to fp32 and one dense GEMM;
+* on CPU with fewer rows (decode), through the matmuls torch ships for this (``torch._weight_int8pack_mm`` for int8,
   ``torch._weight_int4pack_mm_for_cpu`` for int4 when ``out_features % 16 == 0``), which read the
   codes directly; the int4 one needs torch's own blocked layout, built once per activation dtype
   and cached on the module (another ``N K / 2`` bytes plus the scales, freed by
@@ -17,6 +19,7 @@ Both keep the codes, scales and (asymmetric int4) zero points as persistent buff
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.ops.quant_matmul import (
@@ -31,6 +34,9 @@ from plait.kernels.ops.quant_matmul import (
 )
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# From this many rows of x on, the CPU path dequantizes the weight to fp32 and runs one dense GEMM
+# (the benchmark's prefill rows: torch's int8/int4 kernels were ~3x slower there at 128 rows).
+CPU_DENSE_ROWS = 32
 
 
 class _QuantizedWeight(nn.Module):
@@ -65,16 +71,21 @@ class QuantizedLinear(_QuantizedWeight):
         scheme: the format.
         cpu_kernels: on CPU, use torch's int8/int4 weight-packed matmuls where they apply (True,
             the fast path) or always the op's torch reference (False: the oracle).
+        bf16_decode: on CPU, feed fp32 inputs of fewer than ``CPU_DENSE_ROWS`` rows to torch's
+            kernels rounded to bf16 (the output is cast back to fp32): their fp32 path was about
+            10x slower than their bf16 one in the benchmark. Off by default (it rounds activations).
 
     Raises:
         ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN.
     """
 
-    def __init__(self, linear: nn.Linear, scheme: QuantScheme, *, cpu_kernels: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, scheme: QuantScheme, *, cpu_kernels: bool = True,
+                 bf16_decode: bool = False) -> None:
         super().__init__(linear.weight.detach(), scheme)
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.cpu_kernels = cpu_kernels
+        self.bf16_decode = bf16_decode
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._cpu_int4: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -85,6 +96,16 @@ class QuantizedLinear(_QuantizedWeight):
     def _cpu_path(self, x: torch.Tensor) -> torch.Tensor | None:
         if not (self.cpu_kernels and x.device.type == "cpu" and x.dtype in _CPU_DTYPES):
             return None
+        if x.numel() // max(1, x.shape[-1]) >= CPU_DENSE_ROWS:
+            # Prefill: torch's weight-packed kernels are built for few rows and lose to one fp32
+            # GEMM on the dequantized weight (whose cost is one pass over the weight).
+            return F.linear(x.to(torch.float32), self.dequantized_weight(torch.float32)).to(x.dtype)
+        if self.bf16_decode and x.dtype == torch.float32:
+            y = self._packed(x.to(torch.bfloat16))
+            return None if y is None else y.to(torch.float32)
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.scheme.kind == "int8":
             return int8_matmul_cpu(x, self.weight_codes, self.weight_scales)
         if self.scheme.kind == "int4" and int4_cpu_packable(self.weight_shape):
