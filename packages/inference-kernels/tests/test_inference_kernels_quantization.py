@@ -189,3 +189,18 @@ def test_cpu_paths_prefill_dense_and_bf16_decode_match_the_reference(kind):
         # decode rounds x to bf16 for torch's kernel: the bf16 entry; prefill is an fp32 GEMM
         key = torch.bfloat16 if rows < CPU_DENSE_ROWS else torch.float32
         tolerance("quant_matmul_cpu", key).assert_close(got, want, what=f"{kind} rows={rows}")
+
+
+def test_benchmark_bytes_rows_and_alternating_order():
+    from plait.inference_kernels.quantization import benchmark
+
+    fp32 = build("llama")
+    models = {"fp32 HF": fp32}
+    for label, config in (("int8", benchmark.INT8_FAST), ("int4 g64", benchmark.INT4_FAST)):
+        models[label] = copy.deepcopy(fp32)
+        quantize(models[label], config)
+    rows = benchmark.bytes_rows(models)
+    assert [r.passed for r in rows] == [True, True] and all(r.ours == r.peer_value for r in rows)
+    order = []
+    stats = benchmark._alternating({k: (lambda k=k: order.append(k)) for k in "ABC"}, warmup=0, rounds=2)
+    assert order == list("ABCCBA") and set(stats) == set("ABC")
