@@ -21,6 +21,8 @@ TABLES = [
     ("kernels/README.md", "kernels/benchmarks/results/kernels-quick.json"),
     ("kernels/README.md", "kernels/benchmarks/results/kernels.json"),
     ("packages/inference-kernels/README.md", "packages/inference-kernels/benchmarks/results/inference-kernels.json"),
+    ("packages/inference-kernels/README.md",
+     "packages/inference-kernels/benchmarks/results/quantized-inference-quick.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers-quality.json"),
     ("packages/ulysses-sp/README.md", "packages/ulysses-sp/benchmarks/results/ulysses-sp.json"),
