@@ -23,6 +23,8 @@ TABLES = [
     # the GPU selftest's table (docs/gpu.md): checked once a GPU run's file is committed
     ("kernels/README.md", "kernels/benchmarks/results/selftest.json"),
     ("packages/inference-kernels/README.md", "packages/inference-kernels/benchmarks/results/inference-kernels.json"),
+    ("packages/inference-kernels/README.md",
+     "packages/inference-kernels/benchmarks/results/quantized-inference-quick.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers.json"),
     ("packages/moe-layers/README.md", "packages/moe-layers/benchmarks/results/moe-layers-quality.json"),
     ("packages/ulysses-sp/README.md", "packages/ulysses-sp/benchmarks/results/ulysses-sp.json"),

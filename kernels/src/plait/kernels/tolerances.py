@@ -403,6 +403,41 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
         atol=0.0, rtol=0.0,
         reason="bitwise equal: one fp32 -> fp16 round-to-nearest-even cast of identical fp32 values.",
     ),
+    # ---- quant_matmul (weight-only int8/int4/fp6): y = x @ dequantize(W)^T. The reference
+    # dequantizes to fp32 and does one fp32 matmul, cast once to x's dtype.
+    ("quant_matmul_triton", torch.float32): Tolerance(
+        atol=1e-4, rtol=1e-5,
+        reason="the Triton kernel dequantizes in fp32 exactly as the reference does (same products of "
+               "small integers and fp32 scales) and dots in fp32 without tf32, so only the summation "
+               "order over K differs: a few fp32 ulps of the largest partial sum (K up to 2048 in the tests).",
+    ),
+    ("quant_matmul_triton", torch.bfloat16): Tolerance(
+        atol=1e-4, rtol=1.6e-2,
+        reason="both sides accumulate in fp32 and cast the output to bf16 once; a few-ulp fp32 difference "
+               "(summation order) can flip that final rounding: one bf16 ulp (2^-7 relative), rtol allows two.",
+    ),
+    ("quant_matmul_triton", torch.float16): Tolerance(
+        atol=1e-4, rtol=2e-3,
+        reason="as for bf16: one flipped final fp16 rounding (2^-10 relative); rtol allows two ulps.",
+    ),
+    ("quant_matmul_cpu", torch.float32): Tolerance(
+        atol=1e-4, rtol=1e-5,
+        reason="torch's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu dequantize with fp32 scales (and, "
+               "int4, the float zero (8 - z) * scale, one extra fp32 rounding) and sum in another order; "
+               "observed at most 1e-5 absolute on outputs up to 7 (K 2048).",
+    ),
+    ("quant_matmul_cpu", torch.bfloat16): Tolerance(
+        atol=5e-2, rtol=1.6e-2,
+        reason="torch's CPU kernels take the scales (and int4 zeros) in bf16, so every output channel's or "
+               "group's scale is rounded to 8 significant bits (2^-9 relative), and the int4 kernel adds "
+               "bf16-rounded terms; where the sum over K cancels, that error is absolute, not relative to y. "
+               "Observed at most 0.031 absolute on outputs up to 8 (x ~ N(0,1), |w| ~ 0.05, K 2048).",
+    ),
+    ("quant_matmul_cpu", torch.float16): Tolerance(
+        atol=1e-2, rtol=2e-3,
+        reason="as for bf16 with fp16's 11 significant bits: observed at most 3.9e-3 absolute on outputs "
+               "up to 8 (K 2048).",
+    ),
 }
 
 

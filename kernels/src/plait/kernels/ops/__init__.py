@@ -21,6 +21,7 @@ from plait.kernels.ops.moe_permute import (
     permute_tokens,
     permute_tokens_reference,
 )
+from plait.kernels.ops.quant_matmul import QuantScheme, quant_matmul, quant_matmul_reference, quantize_weight
 from plait.kernels.ops.quantize import (
     dequantize_blockwise,
     dequantize_blockwise_reference,
@@ -47,6 +48,7 @@ from plait.kernels.ops.sign import (
 
 __all__ = [
     "BlockAlignment",
+    "QuantScheme",
     "GeluAndMul",
     "RMSNorm",
     "RotaryEmbedding",
@@ -68,6 +70,9 @@ __all__ = [
     "permute_by_expert",
     "permute_tokens",
     "permute_tokens_reference",
+    "quant_matmul",
+    "quant_matmul_reference",
+    "quantize_weight",
     "quantize_blockwise",
     "quantize_blockwise_reference",
     "rms_norm",

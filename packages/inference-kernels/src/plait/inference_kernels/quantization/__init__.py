@@ -1,0 +1,33 @@
+"""Weight-only quantization (int8, int4, FP6 e3m2) of HF transformers models, reversibly.
+
+>>> from plait.inference_kernels.quantization import QuantizeConfig, quantize, revert, quantized
+>>> report = quantize(model, QuantizeConfig(kind="int4", group_size=64))  # Linears -> QuantizedLinear
+>>> revert(model)                                                        # the original modules back
+>>> with quantized(model, QuantizeConfig(kind="int8")): model.generate(...)
+
+Families: those of :mod:`plait.inference_kernels.patching`. The formats and the matmul are the
+``plait.kernels.ops.quant_matmul`` op unit. Listed in docs/patches.md.
+"""
+
+from plait.inference_kernels.quantization.apply import (
+    QuantizeConfig,
+    QuantizeReport,
+    is_quantized,
+    quantize,
+    quantize_report,
+    quantized,
+    revert,
+)
+from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear
+
+__all__ = [
+    "QuantizeConfig",
+    "QuantizeReport",
+    "QuantizedEmbedding",
+    "QuantizedLinear",
+    "is_quantized",
+    "quantize",
+    "quantize_report",
+    "quantized",
+    "revert",
+]

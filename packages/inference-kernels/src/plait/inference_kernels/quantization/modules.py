@@ -1,0 +1,182 @@
+"""``QuantizedLinear`` and ``QuantizedEmbedding``: modules that hold weight-only quantized codes.
+
+Both keep the codes, scales and (asymmetric int4) zero points as persistent buffers, so
+``state_dict()`` holds the quantized weight and nothing else of it. ``QuantizedLinear`` runs
+``y = x @ dequantize(W)^T + b``:
+
+* on CPU with at least ``CPU_DENSE_ROWS`` (32) rows of input (prefill), by dequantizing the
+  weight to fp32 and one dense GEMM;
+* on CPU with fewer rows (decode), through the matmuls torch ships for this (``torch._weight_int8pack_mm`` for int8,
+  ``torch._weight_int4pack_mm_for_cpu`` for int4 when ``out_features % 16 == 0``), which read the
+  codes directly; the int4 one needs torch's own blocked layout, built once per activation dtype
+  and cached on the module (another ``N K / 2`` bytes plus the scales, freed by
+  :meth:`QuantizedLinear.drop_cpu_cache`);
+* everywhere else (CUDA, fp6, shapes torch's kernels refuse), through
+  :func:`plait.kernels.ops.quant_matmul.quant_matmul`: the Triton kernel on CUDA, the torch
+  reference (dequantize, then matmul) on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.kernels.ops.quant_matmul import (
+    QuantScheme,
+    dequantize_weight,
+    int4_cpu_packable,
+    int4_matmul_cpu,
+    int8_matmul_cpu,
+    prepack_int4_cpu,
+    quant_matmul,
+    quantize_weight,
+)
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# From this many rows of x on, the CPU path dequantizes the weight to fp32 and runs one dense GEMM
+# (the benchmark's prefill rows: torch's int8/int4 kernels were ~3x slower there at 128 rows).
+CPU_DENSE_ROWS = 32
+
+
+class _QuantizedWeight(nn.Module):
+    """Shared storage of one quantized ``[N, K]`` weight (codes, scales, zeros) and its scheme."""
+
+    def __init__(self, weight: torch.Tensor, scheme: QuantScheme) -> None:
+        super().__init__()
+        codes, scales, zeros = quantize_weight(weight, scheme)
+        self.scheme = scheme
+        self.weight_shape = tuple(weight.shape)
+        self.dtype = weight.dtype
+        self.register_buffer("weight_codes", codes.to(weight.device))
+        self.register_buffer("weight_scales", scales.to(weight.device))
+        self.register_buffer("weight_zeros", None if zeros is None else zeros.to(weight.device))
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ``[N, K]`` weight the codes stand for, in ``dtype`` (default: the original weight's)."""
+        return dequantize_weight(self.weight_codes, self.weight_scales, self.weight_zeros, self.scheme,
+                                 dtype or self.dtype)
+
+    def extra_repr(self) -> str:
+        scheme = self.scheme
+        group = f", group_size={scheme.group_size}, symmetric={scheme.symmetric}" if scheme.kind == "int4" else ""
+        return f"shape={self.weight_shape}, kind={scheme.kind}{group}"
+
+
+class QuantizedLinear(_QuantizedWeight):
+    """A Linear whose weight is stored quantized (inference only: no gradients).
+
+    Args:
+        linear: the ``nn.Linear`` to quantize (its weight is read, not kept).
+        scheme: the format.
+        cpu_kernels: on CPU, use torch's int8/int4 weight-packed matmuls where they apply (True,
+            the fast path) or always the op's torch reference (False: the oracle).
+        bf16_decode: on CPU, feed fp32 inputs of fewer than ``CPU_DENSE_ROWS`` rows to torch's
+            kernels rounded to bf16 (the output is cast back to fp32): their fp32 path was about
+            10x slower than their bf16 one in the benchmark. Off by default (it rounds activations).
+
+    Raises:
+        ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN.
+    """
+
+    def __init__(self, linear: nn.Linear, scheme: QuantScheme, *, cpu_kernels: bool = True,
+                 bf16_decode: bool = False) -> None:
+        super().__init__(linear.weight.detach(), scheme)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.cpu_kernels = cpu_kernels
+        self.bf16_decode = bf16_decode
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._cpu_int4: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def drop_cpu_cache(self) -> None:
+        """Free the int4 weight re-laid out for torch's CPU kernel (rebuilt on the next CPU forward)."""
+        self._cpu_int4.clear()
+
+    def _cpu_path(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not (self.cpu_kernels and x.device.type == "cpu" and x.dtype in _CPU_DTYPES):
+            return None
+        if x.numel() // max(1, x.shape[-1]) >= CPU_DENSE_ROWS:
+            # Prefill: torch's weight-packed kernels are built for few rows and lose to one fp32
+            # GEMM on the dequantized weight (whose cost is one pass over the weight).
+            return F.linear(x.to(torch.float32), self.dequantized_weight(torch.float32)).to(x.dtype)
+        if self.bf16_decode and x.dtype == torch.float32:
+            y = self._packed(x.to(torch.bfloat16))
+            return None if y is None else y.to(torch.float32)
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.scheme.kind == "int8":
+            return int8_matmul_cpu(x, self.weight_codes, self.weight_scales)
+        if self.scheme.kind == "int4" and int4_cpu_packable(self.weight_shape):
+            packed = self._cpu_int4.get(x.dtype)
+            if packed is None:
+                packed = prepack_int4_cpu(self.weight_codes, self.weight_scales, self.weight_zeros, self.scheme,
+                                          x.dtype)
+                self._cpu_int4[x.dtype] = packed
+            return int4_matmul_cpu(x, packed[0], packed[1], self.scheme.group_size)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ dequantize(W)^T + b`` in x's dtype.
+
+        Args:
+            x: ``[..., in_features]`` fp32/bf16/fp16 input.
+
+        Returns:
+            ``[..., out_features]``.
+        """
+        y = self._cpu_path(x)
+        if y is None:
+            return quant_matmul(x, self.weight_codes, self.weight_scales, self.weight_zeros, self.scheme,
+                                None if self.bias is None else self.bias.to(torch.float32))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` holding the dequantized weight (in the original dtype)."""
+        w = self.dequantized_weight()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+
+class QuantizedEmbedding(_QuantizedWeight):
+    """An embedding table stored quantized: each looked-up row is dequantized on the fly.
+
+    Args:
+        embedding: the ``nn.Embedding`` to quantize (rows are quantized like Linear rows: per row
+            for int8/fp6, in groups along the embedding dimension for int4).
+        scheme: the format.
+
+    Raises:
+        ValueError: the table's shape or dtype does not fit the scheme, or it holds inf/NaN.
+    """
+
+    def __init__(self, embedding: nn.Embedding, scheme: QuantScheme) -> None:
+        super().__init__(embedding.weight.detach(), scheme)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized table, in the original dtype.
+
+        Args:
+            ids: integer tensor of any shape.
+
+        Returns:
+            ``[*ids.shape, embedding_dim]``.
+        """
+        flat = ids.reshape(-1)
+        zeros = None if self.weight_zeros is None else self.weight_zeros[flat]
+        rows = dequantize_weight(self.weight_codes[flat], self.weight_scales[flat], zeros, self.scheme, self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def to_embedding(self) -> nn.Embedding:
+        """A plain ``nn.Embedding`` holding the dequantized table."""
+        w = self.dequantized_weight()
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
+                            _weight=w.clone(), _freeze=True, device=w.device, dtype=w.dtype)
