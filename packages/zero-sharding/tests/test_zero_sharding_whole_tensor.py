@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from zero_test_support import MODEL, build_model
 
+from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
 from plait.zero_sharding import ConstructedParameter, LocalPlacement, ZeroConfig, sharded_init, zero_shard
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
@@ -83,14 +84,34 @@ def _rank_jobs(jobs: list[tuple[str, int]]) -> list[dict[str, torch.Tensor]]:
         assert isinstance(model.zero_engine.placement, WholeTensorPlacement)
         for step in range(STEPS):
             model(**rank_slice(global_batch(step, BATCH, SEQ), rank, world)).loss.backward()
-            optimizer.step()
+            with ByteLedger() as ledger:
+                optimizer.step()
             optimizer.zero_grad()
+        counted = {"all_gather": ledger.total(op="all_gather"), "broadcast": ledger.total(op="broadcast")}
+        assert counted == _expected_step_bytes(model.zero_engine), (name, stage, counted)
         if (name, stage) == ("muon", 2):  # the sharded layout does not cover per-tensor state: refused, not lost
             with pytest.raises(ValueError, match="whole-tensor optimizer.*does not describe"):
                 model.sharded_state_dict()
         state = model.state_dict()
         out.append({k: v.clone() for k, v in state.items()} if rank == 0 else {})
     return out
+
+
+def _expected_step_bytes(engine: Any) -> dict[str, int]:
+    """Logical bytes of one step's gathers and broadcasts, from the layout: per unit, the
+    whole-tensor all-gather of gradient and master shards (2 x padded fp32) plus, stages 1/2, the
+    refresh of the resident parameters (padded x 4); one broadcast per tensor whose elements lie on
+    a rank other than its owner."""
+    placement = engine.placement
+    gather, broadcast = 0, 0
+    for unit in engine.units:
+        gather += 2 * unit.padded_numel * 4 + (unit.padded_numel * 4 if unit.resident else 0)
+        for slot in unit.slots:
+            start, stop = slot.flat_range
+            holders = set(range(start // unit.shard_numel, (stop - 1) // unit.shard_numel + 1))
+            if holders - {placement.owner[(unit.key, slot.name)]}:
+                broadcast += slot.numel * 4
+    return {"all_gather": gather, "broadcast": broadcast}
 
 
 def _reference(name: str) -> dict[str, torch.Tensor]:

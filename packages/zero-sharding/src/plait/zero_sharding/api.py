@@ -33,7 +33,7 @@ from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.placements import GroupedPlacement
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
-from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor
+from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor, update_cost
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
 
 _before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -313,7 +313,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             for slot in unit.slots:
                 _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
     if is_whole_tensor(cls) and not config.elementwise_optimizer:  # each tensor stepped whole by one rank
-        placement = WholeTensorPlacement(partition.units)  # check_placement refused any other
+        # check_placement refused any other placement; the class may weigh its own updates
+        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost))
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(),
                         placement=_engine_placement(placement or LocalPlacement(), groups, partition))
