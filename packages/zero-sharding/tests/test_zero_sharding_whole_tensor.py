@@ -22,7 +22,7 @@ from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
 from plait.zero_sharding import ConstructedParameter, LocalPlacement, ZeroConfig, sharded_init, zero_shard
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
-from plait.zero_sharding.whole_tensor import WholeTensorPlacement, assign_owners, update_cost
+from plait.zero_sharding.whole_tensor import WholeTensorPlacement, assign_owners, register_whole_tensor, update_cost
 
 BATCH, SEQ, STEPS, WORLD = 4, 16, 3, 2
 
@@ -44,17 +44,43 @@ class NormalizedSGD(torch.optim.Optimizer):
                     p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
 
 
+@register_whole_tensor
+class ReferenceLamb(torch.optim.Optimizer):
+    """LAMB (Adam moments, update scaled by the trust ratio ||p|| / ||update|| of the whole tensor),
+    declared through register_whole_tensor rather than the class attribute."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat = state["m"] / (1 - b1 ** state["step"])
+                v_hat = state["v"] / (1 - b2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = (w_norm / u_norm).item() if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-lr * trust)
+
+
 def _optimizers() -> dict[str, tuple[Any, dict[str, Any], bool]]:
     """name -> (class, options, groups the Muon way)."""
     out: dict[str, tuple[Any, dict[str, Any], bool]] = {
         "muon": (MuonWithAdamW, dict(lr=0.02, adamw_lr=1e-3), True),
         "user": (NormalizedSGD, dict(lr=0.01), False),
     }
-    try:
-        from plait.onebit_optim.lamb import Lamb
-        out["lamb"] = (Lamb, dict(lr=1e-3, weight_decay=0.01), False)
-    except ImportError:
-        pass
+    out["lamb"] = (ReferenceLamb, dict(lr=1e-3, weight_decay=0.01), False)
     try:
         from transformers.optimization import Adafactor
         out["adafactor"] = (Adafactor, dict(lr=1e-3, relative_step=False, scale_parameter=False,
