@@ -34,6 +34,7 @@ from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.placements import GroupedPlacement
 from plait.zero_sharding.scoped_gather import gathered_parameters  # noqa: F401  (public here too)
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
+from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor, update_cost
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
 
 _before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -280,6 +281,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         raise ValueError("model is already sharded with a different ZeroConfig; build a fresh model to re-shard.")
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     check_optimizer(cls, config)
+    check_placement(cls, placement, param_groups)
     compose = getattr(cls, "compose_with_zero", None)
     if callable(compose):  # an optimizer bringing its own exchange (plait-onebit-optim's 1-bit Adam) or refusing
         optimizer, param_groups, optimizer_kwargs, reducer = compose(
@@ -311,6 +313,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         if groups[unit.option_index].global_of is not None:
             for slot in unit.slots:
                 _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
+    if is_whole_tensor(cls) and not config.elementwise_optimizer:  # each tensor stepped whole by one rank
+        # check_placement refused any other placement; the class may weigh its own updates
+        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost))
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(),
                         placement=_engine_placement(placement or LocalPlacement(), groups, partition))

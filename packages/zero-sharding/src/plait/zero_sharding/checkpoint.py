@@ -167,6 +167,20 @@ def ensure_optimizer_state(optimizer: Any) -> None:
                 inner.state[p]["step"] = 0
 
 
+def _refuse_whole_tensor(engine: Any, what: str) -> None:
+    """The sharded (universal) layout describes optimizer state per flat master slice; a
+    whole-tensor optimizer keeps it per whole tensor on its owner rank, not covered yet.
+
+    Raises:
+        ValueError: the engine runs a whole-tensor optimizer.
+    """
+    if getattr(engine.placement, "whole_tensor", False):
+        raise ValueError(f"{what}: a whole-tensor optimizer (Muon, LAMB, Adafactor...) keeps its state per whole "
+                         "tensor on one owner rank, which the sharded checkpoint layout does not describe yet. Save "
+                         "model.state_dict() and optimizer.state_dict() on every rank (resumable at the same world "
+                         "size), or use an elementwise optimizer to reshard.")
+
+
 def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
     """Masters, optimizer state and loss scaler as described pieces (see the module docstring).
     Collective (one exchange of names over the world) when some parameters live on some ranks
@@ -175,8 +189,10 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
 
     Raises:
         ValueError: parameters that differ across ranks share a name and elements (a group without
-            ``zero_global``), or their identities leave part of a global tensor uncovered.
+            ``zero_global``), or their identities leave part of a global tensor uncovered; or the
+            engine runs a whole-tensor optimizer (see :func:`_refuse_whole_tensor`).
     """
+    _refuse_whole_tensor(engine, "sharded_state_dict")
     world = dist.get_world_size() if dist.is_initialized() else 1
     spread_units = [u for u in engine.units if spread(u, world)]
     if spread_units:  # the same answer on every rank

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.whole_tensor import is_whole_tensor
 
 # Optimizers whose update of an element depends only on that element's own gradient and state,
 # so a flat slice of a tensor can be updated independently of the rest of it.
@@ -19,7 +20,8 @@ ELEMENTWISE_OPTIMIZERS = frozenset({
 
 
 def check_optimizer(cls: Any, config: ZeroConfig) -> None:
-    """Refuse optimizers whose update needs whole tensors (LAMB, Adafactor, Shampoo, Muon, LBFGS...).
+    """Refuse optimizers that are neither elementwise nor declared whole-tensor (an undeclared
+    Shampoo, LBFGS...): ZeRO's flat slices would change their update.
 
     Raises:
         ValueError: naming the optimizer and the fix.
@@ -38,12 +40,14 @@ def check_optimizer(cls: Any, config: ZeroConfig) -> None:
             "not compose with ZeRO sharding yet (any stage). Use it on the plain, unwrapped model (no zero_shard, "
             "no DDP), or use ZeRO with torch.optim.AdamW."
         )
-    if name in ELEMENTWISE_OPTIMIZERS or config.elementwise_optimizer:
-        return
+    if name in ELEMENTWISE_OPTIMIZERS or config.elementwise_optimizer or is_whole_tensor(cls):
+        return  # whole-tensor optimizers run under plait.zero_sharding.whole_tensor's placement
     raise ValueError(
         f"optimizer {name} is not known to be elementwise, and ZeRO updates flat slices of tensors, which is "
         f"exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}). Optimizers that "
-        "need whole tensors (LAMB's trust ratio, Adafactor's factored moments, LBFGS) are not supported; if "
+        "need whole tensors (LAMB's trust ratio, Adafactor's factored moments, Muon, Shampoo) run whole on one "
+        f"rank each once declared: give {name} a class attribute whole_tensor = True or call "
+        "plait.zero_sharding.register_whole_tensor(cls) (closure-based ones such as LBFGS are not supported); if "
         f"{name} does update each element independently, set ZeroConfig(elementwise_optimizer=True)."
     )
 

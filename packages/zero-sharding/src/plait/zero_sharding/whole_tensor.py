@@ -1,0 +1,236 @@
+"""Whole-tensor optimizers (Muon, LAMB, Adafactor, a user's own) under ZeRO stages 1, 2 and 3.
+
+ZeRO keeps each rank's fp32 masters as a flat slice of a unit's parameters, which is exact only
+for optimizers that update every element on its own. An optimizer whose update needs the whole
+tensor (Muon's Newton-Schulz orthogonalisation, LAMB's trust ratio, Adafactor's factored moments)
+runs under :class:`WholeTensorPlacement` instead:
+
+1. every tensor has one *owner* rank in its unit's group, chosen so that the optimizer's work is
+   balanced (:func:`update_cost`: Newton-Schulz costs about ``m * n * min(m, n)`` per matrix, not
+   its bytes); the owner keeps the whole fp32 tensor the inner optimizer steps, and its state;
+2. gradients are reduce-scattered as for any optimizer; at the step each unit's averaged
+   gradient shards and master shards are all-gathered (one collective of ``2 * shard`` fp32
+   elements per rank), so the owner has its tensors' whole reduced gradient and current master;
+3. the inner optimizer steps, one unit at a time (only that unit's owned tensors hold a
+   gradient, so the transient memory is one unit's gathered buffer), and each updated tensor is
+   broadcast from its owner to the ranks whose master shards hold a piece of it.
+
+The flat master shards stay the source of truth (``gathered_parameters(writeback=True)``, state
+dict loads and checkpoints write them), so the whole tensors are refreshed from them every step.
+The updated weights equal one process running the same optimizer on the same averaged gradients.
+
+An optimizer declares itself with a class attribute ``whole_tensor = True`` or through
+:func:`register_whole_tensor`; it may define ``whole_tensor_cost(shape) -> float`` to weigh its
+tensors. It must keep per-tensor state and skip tensors whose ``grad`` is ``None`` (as every
+``torch.optim`` optimizer does), because it is stepped once per unit.
+
+Communication per step and rank, on top of the gradient reduce-scatter: the all-gather receives
+``(W - 1) * 2 * shard_numel * 4`` bytes per unit, and each tensor whose pieces lie on ranks other
+than its owner is broadcast once (``numel * 4`` bytes) over the unit's group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from plait.kernels import collectives
+
+# Whole-tensor optimizers known by class name (classes from torch, transformers and plait that
+# cannot carry the attribute themselves).
+WHOLE_TENSOR_OPTIMIZERS = {"Muon", "Adafactor", "Lamb"}
+
+
+def register_whole_tensor(cls: type) -> type:
+    """Declare ``cls`` a whole-tensor optimizer (usable as a class decorator).
+
+    Args:
+        cls: an optimizer class whose update of a tensor needs the whole tensor.
+
+    Returns:
+        ``cls`` itself.
+
+    Raises:
+        ValueError: ``cls`` is not a class.
+    """
+    if not isinstance(cls, type):
+        raise ValueError(f"register_whole_tensor({cls!r}): pass the optimizer class, e.g. "
+                         "register_whole_tensor(Shampoo).")
+    WHOLE_TENSOR_OPTIMIZERS.add(cls.__name__)
+    return cls
+
+
+def is_whole_tensor(cls: Any) -> bool:
+    """Whether ``cls`` declared itself (``whole_tensor = True``) or was registered as a
+    whole-tensor optimizer."""
+    declared = getattr(cls, "whole_tensor", None)
+    if declared is not None:
+        return bool(declared)
+    return getattr(cls, "__name__", None) in WHOLE_TENSOR_OPTIMIZERS
+
+
+def update_cost(shape: tuple[int, ...]) -> float:
+    """The work of one tensor's update: ``m * n * min(m, n)`` for a matrix (Newton-Schulz
+    iterations; dimensions after the first are flattened into ``n``), ``numel`` otherwise."""
+    numel = math.prod(shape)
+    if len(shape) < 2:
+        return float(numel)
+    rows, cols = shape[0], numel // max(1, shape[0])
+    return float(rows * cols * min(rows, cols))
+
+
+def assign_owners(costs: list[float], ranks: int) -> list[int]:
+    """Owner index in ``range(ranks)`` for each cost, greedily balancing the total cost per
+    rank (largest first, ties to the lowest rank; the same answer on every rank)."""
+    loads = [0.0] * ranks
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners
+
+
+class WholeTensorPlacement:
+    """A :class:`~plait.zero_sharding.extension.StatePlacement` for whole-tensor optimizers (see
+    the module docstring). ``zero_shard`` builds it for an optimizer that declared itself.
+
+    Args:
+        units: the engine's flat units.
+        cost: the update cost of a shape (default :func:`update_cost`).
+    """
+
+    whole_tensor = True
+
+    def __init__(self, units: list[Any], cost: Callable[[tuple[int, ...]], float] = update_cost) -> None:
+        self.units = {unit.key: unit for unit in units}
+        self._masters: dict[str, Tensor] = {}
+        self.owner: dict[tuple[str, str], int] = {}  # (unit key, slot name) -> owner index in the group
+        self.whole: dict[tuple[str, str], nn.Parameter] = {}  # the tensors this rank owns
+        by_group: dict[int, list[tuple[Any, Any]]] = {}
+        for unit in units:
+            by_group.setdefault(id(unit.group), []).extend((unit, slot) for slot in unit.slots)
+        for pairs in by_group.values():
+            owners = assign_owners([cost(tuple(slot.shape)) for _, slot in pairs], pairs[0][0].group_size)
+            for (unit, slot), owner in zip(pairs, owners):
+                self.owner[(unit.key, slot.name)] = owner
+
+    def place_master(self, key: str, master: Tensor) -> Tensor:
+        """Keep the flat master shard where it is (it stays the source of truth)."""
+        self._masters[key] = master
+        return master
+
+    def make_optimizer(self, build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+                       param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """Build the user's optimizer over the whole fp32 tensors this rank owns, keeping the
+        user's groups (a group may be empty on a rank that owns none of its tensors)."""
+        key_of = {id(master): key for key, master in self._masters.items()}
+        groups = []
+        for group in param_groups:
+            owned = []
+            for master in group["params"]:
+                unit = self.units[key_of[id(master)]]
+                for slot in unit.slots:
+                    if self.owner[(unit.key, slot.name)] == unit.group_rank and slot.param.requires_grad:
+                        whole = nn.Parameter(torch.zeros(slot.shape, dtype=torch.float32, device=master.device))
+                        self.whole[(unit.key, slot.name)] = whole
+                        owned.append(whole)
+            groups.append({**group, "params": owned})
+        return build(groups)
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
+        """Gather each unit's gradient and master shards, step the owned tensors, send them back."""
+        for key in self.units:  # unit order: the same collectives in the same order on every rank
+            if key not in grads:
+                continue
+            unit, grad = self.units[key], grads[key]
+            if not isinstance(grad, Tensor):
+                raise ValueError("a whole-tensor optimizer needs gradient shards in memory; turn gradient offload "
+                                 "(grad_device='nvme') off.")
+            full_grad, full_master = self._gather(unit, grad)
+            for slot in unit.slots:
+                whole = self.whole.get((key, slot.name))
+                if whole is not None:
+                    lo, hi = slot.flat_range
+                    whole.copy_(full_master[lo:hi].view(slot.shape))
+                    whole.grad = full_grad[lo:hi].view(slot.shape)
+            optimizer.step()
+            for slot in unit.slots:  # the next unit's step must not move these again
+                whole = self.whole.get((key, slot.name))
+                if whole is not None:
+                    whole.grad = None
+            self._scatter_back(unit)
+
+    def _gather(self, unit: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The unit's whole averaged gradient and fp32 master, flat (padded)."""
+        master = self._masters[unit.key].detach()
+        if unit.group_size == 1:
+            return grad.to(master.device), master
+        mine = torch.cat([grad.to(master.device, torch.float32).reshape(-1), master.reshape(-1)])
+        out = torch.empty(unit.group_size * mine.numel(), dtype=torch.float32, device=master.device)
+        collectives.all_gather_into_tensor(out, mine, group=unit.group,
+                                           name=f"whole-tensor gather of unit `{unit.key}`")
+        out = out.view(unit.group_size, 2, unit.shard_numel)
+        return out[:, 0].reshape(-1), out[:, 1].reshape(-1)
+
+    def _scatter_back(self, unit: Any) -> None:
+        """Each updated tensor to the ranks holding its pieces; every rank writes its pieces."""
+        master = self._masters[unit.key].detach()
+        lo, hi = unit.shard_range
+        ranks = dist.get_process_group_ranks(unit.group) if unit.group_size > 1 else [0]
+        for slot in unit.slots:
+            owner = self.owner[(unit.key, slot.name)]
+            whole = self.whole.get((unit.key, slot.name))
+            if not slot.param.requires_grad:
+                continue
+            start, stop = slot.flat_range
+            holders = range(start // unit.shard_numel, (stop - 1) // unit.shard_numel + 1)
+            if any(h != owner for h in holders):
+                buffer = whole.detach().reshape(-1) if whole is not None else torch.empty(
+                    slot.numel, dtype=torch.float32, device=master.device)
+                collectives.broadcast(buffer, src=ranks[owner], group=unit.group,
+                                      name=f"whole-tensor update of `{slot.name}`")
+            elif whole is None:
+                continue  # the owner alone holds this tensor's elements
+            else:
+                buffer = whole.detach().reshape(-1)
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                master[a - lo:b - lo].copy_(buffer[a - start:b - start])
+
+    def read_master(self, key: str, out: Tensor) -> None:
+        """Copy (casting) the flat master shard into ``out``; a no-op when ``out`` is the master."""
+        master = self._masters[key]
+        if out.data_ptr() != master.data_ptr():
+            out.copy_(master)
+
+    def masters(self) -> Mapping[str, Tensor]:
+        """key -> flat master shard."""
+        return self._masters
+
+
+def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]] | None) -> None:
+    """Refuse a placement for a whole-tensor optimizer, before any work.
+
+    Args:
+        cls: the optimizer class.
+        placement: ``zero_shard``'s ``placement`` argument.
+        param_groups: ``zero_shard``'s ``param_groups`` (``zero_placement`` keys are checked).
+
+    Raises:
+        ValueError: a placement was given (offload, per-group placements: they step flat shards).
+    """
+    if not is_whole_tensor(cls):
+        return
+    groups = [g for g in (param_groups or []) if isinstance(g, dict)]
+    if placement is not None or any(g.get("zero_placement") is not None for g in groups):
+        raise ValueError(f"optimizer {cls.__name__} updates whole tensors, which runs under plait's whole-tensor "
+                         "placement; a custom placement (CPU/NVMe offload, a param group's zero_placement) steps "
+                         "flat shards and does not compose with it yet. Drop placement= / zero_placement, or use "
+                         "an elementwise optimizer such as torch.optim.AdamW with offload.")
