@@ -111,3 +111,23 @@ def test_variance_floor_is_validated():
         OnebitAdamConfig(variance_floor=-1)
     with pytest.raises(ValueError, match="variance_floor"):
         ZeroOneAdamConfig(variance_floor=float("nan"))
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam_freeze_2", "zero_one_adam_short"])
+@pytest.mark.parametrize("bad_step", [1, 5])  # in warm-up / the variance phase, and after the freeze
+def test_a_non_finite_update_stops_naming_the_optimizer_parameter_and_step(kind, bad_step):
+    model = WideVocabLM()
+    optimizer = make_optimizer(kind, model.parameters(), 0.01)
+    name = type(optimizer).__name__
+    # 0/1 Adam's local steps differ per rank: it checks at the next synchronisation (steps 4, 8 here).
+    seen_at = 8 if kind == "zero_one_adam_short" and bad_step == 5 else bad_step
+    with pytest.raises(FloatingPointError, match=rf"{name}: parameter 0 of param group 0 \(shape \(2048, 32\)\) is "
+                                                 rf"not finite after step {seen_at}"):
+        for step in range(1, 9):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+            loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss.backward()
+            if step == bad_step:
+                model.embed.weight.grad[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()

@@ -118,13 +118,15 @@ class OnebitAdam(CompressedOptimizer):
         self.step_count += 1
         if self.step_count <= self.config.freeze_step:
             self.average_gradients_()
-            for group in self.param_groups:
+            for index, group in enumerate(self.param_groups):
                 self._adamw_step(group)
+                self.check_finite(index, self.params_with_grad(group))
         else:
             if self.step_count == self.config.freeze_step + 1:
                 self._freeze_variance()
             for index, group in enumerate(self.param_groups):
                 self._compressed_step(index, group)
+                self.check_finite(index, self.params_with_grad(group))
         return loss
 
     def _freeze_variance(self) -> None:

@@ -185,6 +185,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 state["step"] += 1
                 zero_one_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, variance=variance_step,
                                  variance_floor=self.config.variance_floor)
+            self.check_finite(index, params)
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.config.var_update_scaler:
@@ -224,3 +225,4 @@ class ZeroOneAdam(CompressedOptimizer):
             resynchronise_(p, state["exp_avg"], state["exp_avg_sq"], state["anchor"], change, group["eps"],
                            self.lr_sums[index])
         self.lr_sums[index] = 0.0
+        self.check_finite(index, params)  # replicas again: every rank raises together
