@@ -48,7 +48,7 @@ def _model() -> nn.Module:
 def _zero(stage: int, optimizer: object = OnebitAdam, **kwargs: object) -> tuple[nn.Module, object]:
     cfg = ZeroConfig(stage=stage, reduce_bucket_elements=BUCKET)
     if optimizer is OnebitAdam:
-        kwargs.setdefault("onebit_config", OnebitAdamConfig(freeze_step=FREEZE))
+        kwargs.setdefault("onebit_config", OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     return zero_shard(_model(), optimizer, cfg, lr=1e-3, weight_decay=0.01, **kwargs)
 
 
@@ -94,7 +94,9 @@ def _against_plain_dp(stage: int, steps: int) -> tuple[float, list[float], list[
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in units]
-    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01, config=OnebitAdamConfig(freeze_step=FREEZE))
+    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
+                           config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     plain_losses = train_losses(plain, plain_opt, steps, batch=BATCH, seq=SEQ)
     ours = _full_params(model)
     worst = max(float((ours[name] - p.detach()).abs().max()) for name, p in named.items() if name in ours)
@@ -243,7 +245,9 @@ def _resume_at_two_with_reference(root: str) -> tuple[list[float], list[float]]:
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in engine.units]
-    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01, config=OnebitAdamConfig(freeze_step=FREEZE))
+    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
+                           config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     masters = engine.placement.masters()
     for index, unit in enumerate(engine.units):
         inner = opt.inner.state[masters[unit.key]]

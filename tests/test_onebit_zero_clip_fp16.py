@@ -50,7 +50,7 @@ def _zero(stage: int, lamb: bool = False, **config: object) -> tuple[nn.Module, 
         return zero_shard(_model(), OnebitLamb, cfg, lr=1e-3, weight_decay=0.01,
                           onebit_config=OnebitLambConfig(freeze_step=FREEZE))
     return zero_shard(_model(), OnebitAdam, cfg, lr=1e-3, weight_decay=0.01,
-                      onebit_config=OnebitAdamConfig(freeze_step=FREEZE))
+                      onebit_config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
 
 
 def _masters(model: nn.Module) -> list[torch.Tensor]:
@@ -130,7 +130,9 @@ def _clipped_against_plain(stage: int) -> tuple[list[float], list[float], list[f
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in units]
-    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01, config=OnebitAdamConfig(freeze_step=FREEZE))
+    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
+                           config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     reference = _clipped_by_hand(plain, plain_opt, units, FREEZE + 5)
     unclipped_model, unclipped_opt = _zero(stage)
     unclipped = train_losses(unclipped_model, unclipped_opt, FREEZE + 5, batch=BATCH, seq=SEQ)

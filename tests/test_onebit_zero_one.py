@@ -40,7 +40,8 @@ BATCH, SEQ = 8, 32
 BUCKET = 150_000  # several ZeRO units on tiny-llama
 # Steps 1, 2, 4, 6 are variance steps, 3 and 5 1-bit steps; from 7 local steps, synchronising at
 # 7, 8, 10, 12, 16, 20, 24, ... (the interval doubles every 2 local steps up to 4).
-SCHEDULE = ZeroOneAdamConfig(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+SCHEDULE = ZeroOneAdamConfig(var_freeze_step=6, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+                             variance_floor=0)  # ZeRO runs the published algorithm (no floor)
 KINDS = {1: VARIANCE, 2: VARIANCE, 3: ONEBIT, 4: VARIANCE, 5: ONEBIT, 6: VARIANCE}
 SYNCS = (7, 8, 10, 12, 16, 20, 24, 28, 32)
 STEPS = 16
@@ -119,7 +120,7 @@ def _long_run_against_plain(steps: int) -> tuple[int | None, float]:
     frozen at 150, then local steps; default buckets): the first step whose loss differs from plain
     0/1 Adam grouped by ZeRO unit, and the final loss."""
     config = ZeroOneAdamConfig(var_freeze_step=steps // 2, var_update_scaler=16, local_step_scaler=steps // 8,
-                               local_step_clipper=4)
+                               local_step_clipper=4, variance_floor=0)
     model, opt = zero_shard(_quality_model(), ZeroOneAdam, ZeroConfig(stage=2), lr=1e-3, weight_decay=0.01,
                             onebit_config=config)
     ours = train_losses(model, opt, steps, batch=BATCH, seq=SEQ)

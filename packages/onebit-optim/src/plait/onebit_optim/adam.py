@@ -13,6 +13,9 @@ moves. Each later step:
    ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^freeze_step) + eps)``.
 
 Bias correction continues the warm-up's: the variance's correction is frozen with the variance.
+When it freezes, the variance is raised to its floor (``config.variance_floor`` of each tensor's
+mean, :mod:`plait.onebit_optim.variance_floor`), so elements the warm-up never saw cannot step
+by ``|m| / eps``; where none is below it this is the published algorithm bit for bit.
 Every rank ends the step with the same ``m`` and therefore the same parameters.
 """
 
@@ -27,6 +30,7 @@ from torch.optim.adam import adam as torch_adam
 
 from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
+from plait.onebit_optim.variance_floor import floor_variance_
 
 
 def adam_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -114,12 +118,22 @@ class OnebitAdam(CompressedOptimizer):
         self.step_count += 1
         if self.step_count <= self.config.freeze_step:
             self.average_gradients_()
-            for group in self.param_groups:
+            for index, group in enumerate(self.param_groups):
                 self._adamw_step(group)
+                self.check_finite(index, self.params_with_grad(group))
         else:
+            if self.step_count == self.config.freeze_step + 1:
+                self._freeze_variance()
             for index, group in enumerate(self.param_groups):
                 self._compressed_step(index, group)
+                self.check_finite(index, self.params_with_grad(group))
         return loss
+
+    def _freeze_variance(self) -> None:
+        """Raise every frozen variance to its floor (once, at the first compressed step)."""
+        for group in self.param_groups:
+            for p in self.params_with_grad(group):
+                floor_variance_(self._state(p)["exp_avg_sq"], self.config.variance_floor)
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         return adam_state(self.state[p], p)

@@ -179,6 +179,27 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if mask is not None:
                 tensor.mul_(mask)
 
+    def check_finite(self, index: int, params: list[torch.Tensor]) -> None:
+        """Stop at the first parameter of group ``index`` that is no longer finite after a step.
+
+        Called where every rank holds the same parameters (replicas), so every rank raises together
+        instead of one rank leaving the others waiting in a collective. One host synchronisation.
+
+        Raises:
+            FloatingPointError: naming the optimizer, the parameter (group, position, shape) and the step.
+        """
+        if not params:
+            return
+        finite = torch.stack([torch.isfinite(p).all() for p in params])
+        if bool(finite.all()):
+            return
+        position = int((~finite).nonzero()[0])
+        raise FloatingPointError(
+            f"{type(self).__name__}: parameter {position} of param group {index} (shape "
+            f"{tuple(params[position].shape)}) is not finite after step {self.step_count}: the loss or the update "
+            "diverged. Lower lr, freeze later (a longer warm-up) or raise config.variance_floor; resume from the "
+            "last checkpoint.")
+
     # -- state ------------------------------------------------------------------------------
 
     def onebit_state(self) -> dict[str, Any]:

@@ -32,13 +32,20 @@ class OnebitAdamConfig:
         freeze_step: steps of plain (full-precision, all-reduced) Adam before the variance is
             frozen and the momentum is exchanged in 1 bit. DeepSpeed's papers use 15-25% of
             the run; too short a warm-up freezes a variance that has not settled yet. At least 1.
+        variance_floor: when the variance freezes, every element's variance is raised to at
+            least this fraction of its tensor's mean, so an element the warm-up never or rarely
+            saw (an unseen embedding row) cannot step by ``|m| / eps``
+            (:mod:`plait.onebit_optim.variance_floor`). Where no element is below it, the update
+            is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
     """
 
     freeze_step: int = 100
+    variance_floor: float = 0.01
 
     def __post_init__(self) -> None:
         # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.
         _check_int("OnebitAdamConfig", "freeze_step", self.freeze_step, 1)
+        _check_ratio("OnebitAdamConfig", "variance_floor", self.variance_floor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,21 +99,33 @@ class ZeroOneAdamConfig:
         local_step_scaler: after the variance is frozen, the interval between synchronisations
             doubles every this many steps...
         local_step_clipper: ...up to at most this many steps.
+        variance_floor: every element's variance, wherever it divides the momentum, is at
+            least this fraction of its tensor's mean (raised in place when the variance
+            freezes), so elements the variance steps never or rarely saw cannot step by
+            ``|m| / eps`` (:mod:`plait.onebit_optim.variance_floor`). Where no element is below
+            it, the update is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
     """
 
     var_freeze_step: int = 100_000
     var_update_scaler: int = 16
     local_step_scaler: int = 32_678
     local_step_clipper: int = 16
+    variance_floor: float = 0.01
 
     def __post_init__(self) -> None:
         owner = "ZeroOneAdamConfig"
         _check_int(owner, "var_freeze_step", self.var_freeze_step, 0)
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             _check_int(owner, name, getattr(self, name), 1)
+        _check_ratio(owner, "variance_floor", self.variance_floor)
 
 
 CONFIGS = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
+
+
+def _check_ratio(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"{owner}.{name}={value!r} must be a number in [0, 1]; pass e.g. 0.01 (0 turns it off).")
 
 
 def config_from_dict(kind: str, options: dict[str, Any]) -> Any:

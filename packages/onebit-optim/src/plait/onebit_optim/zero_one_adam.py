@@ -18,6 +18,13 @@ The interval doubles every ``local_step_scaler`` steps, up to ``local_step_clipp
 buffers are zeroed when this phase starts: they held gradient error, and now carry the error of
 the exchanged parameter change.
 
+**Variance floor.** Wherever the variance divides the momentum it is at least
+``config.variance_floor`` of its tensor's mean (:mod:`plait.onebit_optim.variance_floor`): in the
+variance phase in the denominator only, and raised in place when the variance freezes. Elements
+the variance steps never or rarely saw (unseen embedding rows) would otherwise step by
+``|m| / eps`` and diverge, even at W=1. Where no element is below it, this is the published
+algorithm bit for bit.
+
 Differences from DeepSpeed's implementation, on purpose:
 
 * The synchronisation restarts from a stored copy of the last synchronised parameters
@@ -46,21 +53,25 @@ import torch
 
 from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import ZeroOneAdamConfig
+from plait.onebit_optim.variance_floor import floor_variance_, floored
 
 
 def zero_one_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     group: dict[str, Any], *, variance: bool) -> None:
+                     group: dict[str, Any], *, variance: bool, variance_floor: float = 0.0) -> None:
     """One 0/1 Adam update of ``p`` in place: ``m <- beta1 m + (1 - beta1) g``, on variance steps
     ``v <- beta2 v + (1 - beta2) g^2``, then ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
 
-    Elementwise, so :class:`ZeroOneAdam` (whole tensors) and its ZeRO form (flat shards and units,
-    :mod:`plait.onebit_optim.zero_one_zero`) give the same bits for the same elements.
+    Elementwise when ``variance_floor`` is 0, so :class:`ZeroOneAdam` (whole tensors) and its ZeRO
+    form (flat shards and units, :mod:`plait.onebit_optim.zero_one_zero`) give the same bits for
+    the same elements. With a floor, ``v`` in the denominator is raised to at least
+    ``variance_floor x mean(v)`` of the tensor (:mod:`plait.onebit_optim.variance_floor`; the
+    stored ``v`` is unchanged, it is still being averaged).
     """
     beta1, beta2 = group["betas"]
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     if variance:
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+    update = exp_avg / (floored(exp_avg_sq, variance_floor).sqrt() + group["eps"])
     if group["weight_decay"]:
         update.add_(p, alpha=group["weight_decay"])
     p.sub_(update, alpha=group["lr"])
@@ -172,7 +183,9 @@ class ZeroOneAdam(CompressedOptimizer):
             for p in params:
                 state = self._state(p)
                 state["step"] += 1
-                zero_one_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, variance=variance_step)
+                zero_one_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, variance=variance_step,
+                                 variance_floor=self.config.variance_floor)
+            self.check_finite(index, params)
         if variance_step:
             self.var_counter += 1
             if self.var_counter == self.config.var_update_scaler:
@@ -183,7 +196,11 @@ class ZeroOneAdam(CompressedOptimizer):
         for index, group in enumerate(self.param_groups):
             self.exchange(index).reset_errors()
             for p in group["params"]:
-                self._state(p)["anchor"] = p.detach().clone()
+                state = self._state(p)
+                state["anchor"] = p.detach().clone()
+                # Frozen from here on: floored once, in place, so local steps and
+                # resynchronisations divide by the same floored denominator.
+                floor_variance_(state["exp_avg_sq"], self.config.variance_floor)
 
     def _local_step(self, index: int, group: dict[str, Any]) -> None:
         params = self.params_with_grad(group)
@@ -208,3 +225,4 @@ class ZeroOneAdam(CompressedOptimizer):
             resynchronise_(p, state["exp_avg"], state["exp_avg_sq"], state["anchor"], change, group["eps"],
                            self.lr_sums[index])
         self.lr_sums[index] = 0.0
+        self.check_finite(index, params)  # replicas again: every rank raises together

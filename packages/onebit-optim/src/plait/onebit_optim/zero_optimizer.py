@@ -5,6 +5,7 @@ for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from plait.onebit_optim.base import check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig, ZeroOneAdamConfig
 from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner
 
+LOG = logging.getLogger(__name__)
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # The optimizers that compose with ZeRO-1/2: their config class.
 COMPOSABLE = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
@@ -63,6 +65,11 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     if param_groups is not None:
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
+    if getattr(config, "variance_floor", 0):
+        # The floor is a statistic of whole tensors; a ZeRO shard holds pieces of flat units.
+        LOG.warning("%s under ZeRO: variance_floor=%s is not applied (the published algorithm runs); elements "
+                    "whose frozen variance is ~0 (unseen embedding rows) can step by |m| / eps. Use a longer "
+                    "warm-up, or plain data parallel, where the floor works.", name, config.variance_floor)
     from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
     from plait.onebit_optim.zero_one_zero import ShardedZeroOneAdam, ZeroOneZeroExchange
 
