@@ -66,8 +66,9 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
     if getattr(config, "variance_floor", 0):
-        # The floor is a statistic of whole tensors; a ZeRO shard holds pieces of flat units.
-        LOG.warning("%s under ZeRO: variance_floor=%s is not applied (the published algorithm runs); elements "
+        # The floor is a statistic of whole tensors; a ZeRO shard holds pieces of flat units. Said at
+        # info level: the floor is on by default, and a warning on every ZeRO run would be noise.
+        LOG.info("%s under ZeRO: variance_floor=%s is not applied (the published algorithm runs); elements "
                     "whose frozen variance is ~0 (unseen embedding rows) can step by |m| / eps. Use a longer "
                     "warm-up, or plain data parallel, where the floor works.", name, config.variance_floor)
     from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
