@@ -8,7 +8,8 @@ and the command. ``python tests/reliability_report.py render`` writes the table 
 committed file into docs/reliability.md, between its two marker lines;
 ``test_reliability_report.py`` checks that the page holds exactly that rendering. Rows of the chaos
 campaign (``tests/test_reliability_chaos.py``) and the suite's pass rates under a load generator
-(the file's ``under_load`` list) go to a second table, between the ``chaos-table`` markers.
+(the file's ``under_load`` list, written by ``python tests/reliability_report.py load TEST ...``,
+which runs them with ``stress-ng --cpu 4`` beside them) go to a second table, between the ``chaos-table`` markers.
 """
 
 from __future__ import annotations
@@ -145,9 +146,45 @@ def run(tests: list[str]) -> int:
     return code
 
 
+def record_load(junit_xml: Path, tests: str, generator: str, load: str, started: str, command: str) -> dict:
+    """Count a pytest run's passed tests (its JUnit XML) and keep the row in the results file's
+    ``under_load`` list (replacing a row of the same tests and generator). Returns the row."""
+    import xml.etree.ElementTree as ET
+
+    cases = list(ET.parse(junit_xml).getroot().iter("testcase"))
+    failed = sum(1 for case in cases if case.find("failure") is not None or case.find("error") is not None)
+    skipped = sum(1 for case in cases if case.find("skipped") is not None)
+    row = {"tests": tests, "generator": generator, "passed": len(cases) - failed - skipped,
+           "total": len(cases) - skipped, "date": started, "load": load, "command": command}
+    old = json.loads(RESULTS.read_text())
+    kept = [r for r in old.get("under_load", []) if (r["tests"], r["generator"]) != (tests, generator)]
+    RESULTS.write_text(json.dumps({**old, "under_load": kept + [row]}, indent=1) + "\n")
+    return row
+
+
+def run_under_load(tests: list[str], cpus: int = 4) -> int:
+    """Run ``tests`` with ``stress-ng --cpu CPUS`` beside them; record the share that passed."""
+    before, started = _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    stress = subprocess.Popen(["stress-ng", "--cpu", str(cpus), "--timeout", "3600s"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".xml") as xml:
+            code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    f"--junitxml={xml.name}", *tests], cwd=HERE.parent)
+            row = record_load(Path(xml.name), " ".join(tests), f"stress-ng --cpu {cpus}", f"{before} -> {_load()}",
+                              started, "python tests/reliability_report.py load " + " ".join(tests))
+    finally:
+        stress.terminate()
+        stress.wait()
+    print(f"{row['passed']} of {row['total']} passed with stress-ng --cpu {cpus} (pytest exit code {code})")
+    return code
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in ("run", "render"):
-        raise SystemExit("usage: python tests/reliability_report.py run [TEST ...] | render")
+    if len(sys.argv) < 2 or sys.argv[1] not in ("run", "render", "load"):
+        raise SystemExit("usage: python tests/reliability_report.py run [TEST ...] | load TEST ... | render")
     if sys.argv[1] == "run":
         sys.exit(run(sys.argv[2:] or list(DEFAULT_TESTS)))
+    if sys.argv[1] == "load":
+        sys.exit(run_under_load(sys.argv[2:]))
     write_page(json.loads(RESULTS.read_text()))

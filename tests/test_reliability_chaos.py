@@ -71,6 +71,7 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return sorted(got) == sorted(want) and all(torch.equal(got[name], want[name]) for name in want)
 
 
+@pytest.mark.timeout(7200 if LONG else 1200)  # dozens of torchrun launches; a busy machine multiplies each
 def test_chaos_campaign_recovers_every_fault_bitwise(tmp_path: Path) -> None:
     jobs = {variant: TorchrunJob(variant) for variant in SETUPS}
 
