@@ -7,8 +7,10 @@ collectives. Rank 0 must end with one :class:`~plait.kernels.collectives.Collect
 * names rank 1 (and only rank 1) as the rank that did not enter the package's collective, with
   that collective's plait-level name and step 2, and says rank 1 may have died (its last report is
   older than the failure);
-* comes within the timeout plus a few seconds of the kill (printed: gloo notices a closed peer at
-  once, so it is usually well under the timeout).
+* comes within the timeout plus a margin of the kill (printed: gloo notices a closed peer at
+  once, so it is usually well under the timeout). The margin (:data:`MARGIN_S`) is wide enough for a
+  machine at load 10 on two cores and still far below torch's default timeout, which is what a rank
+  without plait would wait.
 
 The cases: ZeRO stages 1, 2 and 3; ZeRO-3 with CPU and with NVMe optimizer offload (plait-offload-io);
 1-bit Adam after warm-up (plait-onebit-optim); Ulysses attention (plait-ulysses-sp); MoE with expert
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reliability_jobs import record
 
 SHORT = datetime.timedelta(seconds=4)  # the job's collective timeout
+MARGIN_S = 20.0  # scheduling delay of a busy machine on top of the timeout; torch's default is 600 s or more
 KILL = "kill:rank=1:step=2"
 STEPS = 4
 
@@ -170,7 +173,7 @@ def _check_named(message: str, words: str, workdir: Path, failed_at: float, pack
     assert "it may have died" in message, message
     seconds = failed_at - float((workdir / "killed").read_text())
     print(f"{package}: rank 1 SIGKILLed at step 2 -> named by rank 0 {seconds:.1f} s later: {first}")
-    assert 0 <= seconds < SHORT.total_seconds() + 4
+    assert 0 <= seconds < SHORT.total_seconds() + MARGIN_S
     record(package, FAULT, named=first.split(" (step")[0], seconds=round(seconds, 2),
            timeout_s=SHORT.total_seconds(), **extra)
 

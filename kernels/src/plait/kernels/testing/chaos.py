@@ -1,0 +1,233 @@
+"""A chaos campaign: a training job under random faults, restarted as a scheduler would, must end
+with the weights of the run that saw none.
+
+The faults are :class:`~plait.kernels.testing.faults.Fault` kinds, drawn (seeded) per job and placed
+at random steps, each after the point the job will have resumed from after the previous one:
+
+* ``kill`` (a rank SIGKILLed), ``hang`` (a rank stops past the job's collective timeout) and
+  ``diskfull`` (a rank's files cannot grow, so its next checkpoint save fails): the launch's
+  workers die, and torchrun's ``--max-restarts`` starts them again from the newest checkpoint;
+* ``sigterm`` (a scheduler's preemption): every rank saves after the same step and the launch
+  exits 0 unfinished; the driver launches the job again (SLURM-style requeue);
+* ``slow`` (a straggler for the rest of the attempt): nothing restarts, nothing may be lost.
+
+The driver knows a job only through a :class:`ChaosJob`: launch it, read its final weights, read
+its events (``start``, ``resume``, ``save``, ``preempted``, ``fault``, ``done``, each with
+``attempt``, ``step`` and wall-clock ``time``), as ``tests/reliability_restart_job.py`` writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from plait.kernels.testing.faults import Fault
+
+__all__ = ["RESTARTING", "ChaosConfig", "ChaosJob", "FaultRecord", "plan_faults", "run_campaign", "summarize"]
+
+RESTARTING = ("kill", "hang", "diskfull")  # the launch's workers die; torchrun restarts them
+KINDS = (*RESTARTING, "sigterm", "slow")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """A campaign's settings.
+
+    Attributes:
+        seed: seeds every draw (setup, kind, rank, step).
+        faults: faults in all (spread over jobs of ``faults_per_job``).
+        faults_per_job: faults injected into one job before it may finish.
+        kinds: the fault kinds drawn from (a subset of ``kill``, ``hang``, ``diskfull``,
+            ``sigterm``, ``slow``).
+        steps: training steps of each job.
+        save_every: the job's checkpoint interval (restarts resume from a multiple of it).
+        world_size: ranks of each job.
+        hang_s: how long a ``hang`` rank sleeps (longer than the job's collective timeout).
+        slow_s: how late a ``slow`` rank is at each step.
+        disk_bytes: the largest file a ``diskfull`` rank can still write (above the job's log
+            files, below one checkpoint file).
+        max_launches: launches of one job before it counts as not recovered.
+    """
+
+    seed: int = 0
+    faults: int = 20
+    faults_per_job: int = 3
+    kinds: tuple[str, ...] = ("kill", "diskfull", "sigterm", "slow")
+    steps: int = 9
+    save_every: int = 3
+    world_size: int = 2
+    hang_s: float = 3600.0
+    slow_s: float = 0.05
+    disk_bytes: int = 16384
+    max_launches: int = 6
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.kinds) - set(KINDS))
+        if unknown or not self.kinds:
+            raise ValueError(f"ChaosConfig.kinds={self.kinds!r}: use a non-empty subset of {KINDS}.")
+        for name in ("faults", "faults_per_job", "save_every", "world_size", "max_launches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ChaosConfig.{name}={getattr(self, name)} must be >= 1.")
+        if self.steps <= self.save_every:
+            raise ValueError(f"ChaosConfig.steps={self.steps} must exceed save_every={self.save_every} "
+                             "(a restart must have a checkpoint to resume from).")
+
+
+class ChaosJob(Protocol):
+    """How the driver runs one training setup."""
+
+    def launch(self, outdir: Path, faults: str, max_restarts: int) -> int:
+        """Run the job once (torchrun, ``max_restarts``); ``faults`` as ``fault@attempt,...``; exit code."""
+
+    def weights(self, outdir: Path) -> dict[str, Any]:
+        """The final checkpoint's tensors."""
+
+    def events(self, outdir: Path) -> list[dict[str, Any]]:
+        """Every rank's events, in time order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRecord:
+    """What one injected fault cost.
+
+    Attributes:
+        setup: the training setup it hit.
+        kind, rank, step: the fault.
+        recovered: the job finished and its final weights are bitwise the uninterrupted run's.
+        steps_lost: steps trained again because of it (for ``diskfull``, up to the save that failed).
+        seconds_lost: wall-clock from the last commit before the fault to the resumed run's start
+            (redone work plus restart); for ``slow``, the delay injected.
+    """
+
+    setup: str
+    kind: str
+    rank: int
+    step: int
+    recovered: bool
+    steps_lost: int
+    seconds_lost: float
+
+
+def plan_faults(config: ChaosConfig, rng: random.Random) -> list[list[Fault]]:
+    """One job's faults, grouped by launch (in each, the i-th restarting fault acts on attempt i).
+
+    Each fault's step is drawn at or after the step the job resumes from after the previous one,
+    so every drawn fault fires.
+    """
+    launches: list[list[Fault]] = [[]]
+    position = 0
+    for _ in range(config.faults_per_job):
+        if position >= config.steps:
+            break
+        kind = rng.choice(config.kinds)
+        step = rng.randrange(position, config.steps)
+        extra = {"hang": {"seconds": config.hang_s}, "slow": {"seconds": config.slow_s},
+                 "diskfull": {"nbytes": config.disk_bytes}}.get(kind, {})
+        launches[-1].append(Fault(kind=kind, rank=rng.randrange(config.world_size), step=step, **extra))
+        if kind == "sigterm":
+            position = step + 1  # every rank saves after this step; the next launch resumes there
+            launches.append([])
+        elif kind == "slow":
+            position = step + 1
+        else:
+            position = (step // config.save_every) * config.save_every
+    return [faults for faults in launches if faults] or [[]]
+
+
+def _fault_text(faults: Sequence[Fault]) -> tuple[str, int]:
+    """The job's FAULT argument (restarting faults on successive attempts) and ``--max-restarts``."""
+    items, attempt = [], 0
+    for fault in faults:
+        items.append(f"{fault}@{attempt}")
+        attempt += fault.kind in RESTARTING
+    return ",".join(items) or "none", attempt
+
+
+def run_job(job: ChaosJob, outdir: Path, config: ChaosConfig, launches: list[list[Fault]]) -> tuple[bool, int]:
+    """Launch until the job is done (requeueing after each exit); returns (finished, launches used)."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    used = 0
+    for planned in [*launches, *[[]] * config.max_launches]:
+        if used >= config.max_launches:
+            break
+        text, restarts = _fault_text(planned)
+        used += 1
+        rc = job.launch(outdir, text, restarts)
+        if rc == 0 and any(e["event"] == "done" for e in job.events(outdir)):
+            return True, used
+    return False, used
+
+
+def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig) -> tuple[int, float]:
+    """Steps and seconds one fault cost, from the job's events (see :class:`FaultRecord`)."""
+    fired = [e for e in events if e["event"] == "fault" and e.get("fault") == str(fault)]
+    if not fired:
+        return 0, 0.0
+    at = fired[0]
+    if fault.kind == "slow":
+        later = [e for e in events if e["time"] > at["time"] and e["event"] in ("save", "preempted", "done")]
+        steps = (later[-1]["step"] if later else fault.step) - fault.step
+        return 0, steps * fault.seconds
+    after = [e for e in events if e["time"] > at["time"] and e["event"] in ("start", "resume")]
+    resumed = next((e for e in after if e["event"] == "resume"), None)
+    resume_step = resumed["step"] if resumed else 0
+    commits = [e for e in events if e["time"] <= at["time"] and e["event"] in ("save", "preempted")
+               and e["step"] == resume_step]
+    since = commits[-1]["time"] if commits else min(e["time"] for e in events)
+    restarted = resumed or (after[0] if after else at)
+    # Trained and lost: up to the fault's step, or for a full disk up to the save that failed.
+    reached = fault.step
+    if fault.kind == "diskfull":
+        reached = min(-(-(fault.step + 1) // config.save_every) * config.save_every, config.steps)
+    return max(reached - resume_step, 0), max(restarted["time"] - since, 0.0)
+
+
+def run_campaign(config: ChaosConfig, setups: dict[str, ChaosJob], workdir: Path,
+                 reference: Callable[[str], dict[str, Any]],
+                 same: Callable[[dict[str, Any], dict[str, Any]], bool]) -> list[FaultRecord]:
+    """Run jobs under drawn faults until ``config.faults`` have been injected.
+
+    Args:
+        config: the campaign's settings.
+        setups: name -> job; each job draws its setup from these (round robin from a seeded start).
+        workdir: a fresh directory per job is made under it.
+        reference: setup name -> the uninterrupted run's final weights (cached by the caller).
+        same: whether two weight dicts are bitwise equal.
+
+    Returns:
+        One record per injected fault, in order.
+    """
+    rng = random.Random(config.seed)
+    names = sorted(setups)
+    offset = rng.randrange(len(names))
+    records: list[FaultRecord] = []
+    index = 0
+    while len(records) < config.faults:
+        name = names[(offset + index) % len(names)]
+        launches = plan_faults(config, rng)
+        faults = [f for planned in launches for f in planned][:config.faults - len(records)]
+        launches = [[f for f in planned if f in faults] for planned in launches]
+        outdir = workdir / f"job{index:03d}-{name}"
+        finished, _ = run_job(setups[name], outdir, config, launches)
+        equal = finished and same(setups[name].weights(outdir), reference(name))
+        events = setups[name].events(outdir)
+        for fault in faults:
+            steps, seconds = _costs(events, fault, config)
+            records.append(FaultRecord(name, fault.kind, fault.rank, fault.step, equal, steps, seconds))
+        index += 1
+    return records
+
+
+def summarize(records: Sequence[FaultRecord]) -> dict[str, Any]:
+    """The campaign's figures: faults injected and recovered, work lost per fault (median, worst)."""
+    steps = [r.steps_lost for r in records] or [0]
+    seconds = [r.seconds_lost for r in records] or [0.0]
+    return {"faults": len(records), "recovered": sum(r.recovered for r in records),
+            "kinds": {k: sum(r.kind == k for r in records) for k in sorted({r.kind for r in records})},
+            "setups": sorted({r.setup for r in records}),
+            "steps_lost_median": statistics.median(steps), "steps_lost_worst": max(steps),
+            "seconds_lost_median": round(statistics.median(seconds), 2), "seconds_lost_worst": round(max(seconds), 2)}
