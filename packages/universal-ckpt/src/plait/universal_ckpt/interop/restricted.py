@@ -40,18 +40,21 @@ def _safe_names() -> dict[str, Any]:
     return names
 
 
-def pickle_module(stand_in_packages: tuple[str, ...], file: Path) -> Any:
+def pickle_module(stand_in_packages: tuple[str, ...], file: Path, extra: tuple[type, ...] = ()) -> Any:
     """A ``pickle_module`` for ``torch.load`` that resolves only safe globals.
 
     Args:
         stand_in_packages: top-level packages whose classes become :class:`StandIn` subclasses
             (e.g. ``("deepspeed",)``), so the package need not be installed and none of its code runs.
         file: the file being read, named in the error.
+        extra: further classes to resolve as themselves (plain data classes of the format, e.g.
+            DCP's metadata dataclasses), named by ``module.qualname``.
 
     Returns:
         An object with ``Unpickler`` and ``load``, as ``torch.load(pickle_module=...)`` expects.
     """
     safe = _safe_names()
+    safe.update({f"{cls.__module__}.{cls.__qualname__}": cls for cls in extra})
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -62,7 +65,7 @@ def pickle_module(stand_in_packages: tuple[str, ...], file: Path) -> Any:
                 raise UnsafeObjectError(
                     f"{file} names the global {module}.{name}, which plait does not load from a foreign "
                     "checkpoint (only tensors, containers, numbers, strings and inert stand-ins for "
-                    f"{', '.join(stand_in_packages)} classes); refusing the file, nothing was run.",
+                    f"{', '.join(stand_in_packages) or 'no foreign'} classes); refusing the file, nothing was run.",
                     key_path=str(file), type_name=f"{module}.{name}")
             return found
 
