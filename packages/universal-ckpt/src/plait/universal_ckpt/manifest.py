@@ -294,9 +294,16 @@ def _to_plain(manifest: Manifest) -> dict:
     }
 
 
+def _int(value: Any) -> int:
+    """A JSON integer as is: a string or a float is refused, never coerced (``int(1.5)`` would be 1)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
 def _from_plain(body: dict) -> Manifest:
     def piece(p: dict) -> Piece:
-        return Piece(file=p["file"], offset=int(p["offset"]), nbytes=int(p["nbytes"]),
+        return Piece(file=p["file"], offset=_int(p["offset"]), nbytes=_int(p["nbytes"]),
                      flat_range=tuple(p["flat_range"]) if p["flat_range"] is not None else None,
                      slices=tuple(tuple(s) for s in p["slices"]) if p["slices"] is not None else None,
                      hashes=tuple(p["hashes"]),
@@ -304,15 +311,15 @@ def _from_plain(body: dict) -> Manifest:
 
     tensors = {
         full: TensorEntry(key=e["key"], name=e["name"], kind=e["kind"], global_shape=tuple(e["global_shape"]),
-                          dtype=e["dtype"], nbytes=int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]),
+                          dtype=e["dtype"], nbytes=_int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]),
                           pattern=e.get("pattern"))
         for full, e in body["tensors"].items()
     }
-    objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=int(o["nbytes"]), hash=o["hash"],
+    objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=_int(o["nbytes"]), hash=o["hash"],
                                      keys=tuple(o["keys"]))
                for rank, o in body["objects"].items()}
     return Manifest(step=int(body["step"]), layout=Layout(**body["layout"]), tensors=tensors, objects=objects,
-                    files={k: int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),
+                    files={k: _int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),
                     hash_algorithm=body["hash_algorithm"], checksum_algorithm=body.get("checksum_algorithm"),
                     format_version=int(body["format_version"]),
                     created_unix=float(body["created_unix"]), user_meta=body.get("user_meta", {}),
