@@ -4,7 +4,8 @@ A plait strategy's checkpoint path is a directory (``ModelCheckpoint``'s ``epoch
 becomes one): a universal checkpoint whose ``model`` key holds the sharded model *and* its
 optimizer moments (ZeRO's sharded-state view, so it loads at any world size and stage) and whose
 ``lightning`` key holds everything else Lightning or the user saved (loops, callbacks, LR
-schedulers, optimizer options, hyper-parameters) as a small pickled object per rank.
+schedulers, optimizer options, hyper-parameters) as a small object file per rank, read back
+with a restricted unpickler (plait.universal_ckpt's safe-type allowlist).
 
 Getting weights out, with no GPU and no process group::
 
@@ -135,7 +136,7 @@ class ShardedModelView:
 
 
 def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int,
-                   aliases: dict[str, str] | None = None) -> Path:
+                   aliases: dict[str, str] | None = None, allow_pickle: bool = False) -> Path:
     """Save ``state`` as the universal checkpoint directory ``path``, replacing what is there as a
     file save would, but only once the new checkpoint has committed. Collective: every rank calls it.
 
@@ -146,27 +147,34 @@ def save_directory(path: str | os.PathLike, state: dict[str, Any], *, step: int,
     swapping the two directories once it has committed.
 
     Args:
-        path: the checkpoint directory.
-        state: what to save (``MODEL_KEY`` holds the sharded model's view).
-        step: the training step.
+        path: the checkpoint path Lightning gave.
+        state: the checkpoint dict (tensors, and non-tensor state of plait's safe-type allowlist;
+            ``MODEL_KEY`` holds the sharded model's view).
+        step: the global step.
         aliases: the model's tied names, ``{alias: canonical}`` in the checkpoint's naming
             (:func:`plait.kernels.state_names.tied_aliases`); recorded in the manifest so that
             :func:`consolidated_state_dict` and :func:`export_weights` give every name back.
+        allow_pickle: store non-tensor values outside the allowlist anyway; loading the result
+            then needs ``trust_pickled_objects=True`` (see plait.universal_ckpt.save).
 
     Returns:
         The committed step directory.
+
+    Raises:
+        plait.universal_ckpt.UnsafeObjectError: a value outside the allowlist (names its key path).
     """
     root = Path(path)
     meta: dict[str, Any] = {"producer": PRODUCER}
     if aliases:
         meta[TIED_ALIASES] = {MODEL_KEY: dict(aliases)}
     if not _rank_zero_sees(root):
-        return universal_ckpt.save(state, root, step=int(step), user_meta=meta).wait()
+        return universal_ckpt.save(state, root, step=int(step), user_meta=meta, allow_pickle=allow_pickle).wait()
     staging = root.with_name(f".{root.name}.saving")
     if _rank_zero():
         _remove(staging)  # what a save killed part-way left
     _barrier("checkpoint staging directory cleared")
-    committed = universal_ckpt.save(state, staging, step=int(step), user_meta=meta).wait()
+    committed = universal_ckpt.save(state, staging, step=int(step), user_meta=meta,
+                                    allow_pickle=allow_pickle).wait()
     if _rank_zero():
         _swap_in(staging, root)
     _barrier("checkpoint swapped in")
@@ -226,13 +234,22 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def load_directory(path: str | os.PathLike, state: dict[str, Any], *, verify: bool = True,
-                   strict: bool = True) -> universal_ckpt.Manifest:
+                   strict: bool = True, trust_pickled_objects: bool = False) -> universal_ckpt.Manifest:
     """Load a universal checkpoint into ``state`` in place (resharding to this world size).
+
+    Args:
+        path: the checkpoint directory.
+        state: the targets, filled in place.
+        verify: check every hash read.
+        strict: every key must be in the checkpoint.
+        trust_pickled_objects: allow a checkpoint saved with ``allow_pickle=True`` (its objects
+            are then unpickled without restriction: only for checkpoints you trust).
 
     Raises:
         plait.universal_ckpt.CheckpointError: missing, damaged or incompatible checkpoint.
     """
-    return universal_ckpt.load(state, path, verify=verify, strict=strict)
+    return universal_ckpt.load(state, path, verify=verify, strict=strict,
+                               trust_pickled_objects=trust_pickled_objects)
 
 
 def _strip(name: str, strip: str) -> str:

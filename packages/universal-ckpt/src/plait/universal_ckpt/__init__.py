@@ -19,7 +19,8 @@ _EXPORTS = {
     "RNGState": "adapters",
     **dict.fromkeys(("CheckpointConfig", "CheckpointManager", "latest", "load", "save", "wait_pending"), "api"),
     **dict.fromkeys(("CheckpointError", "CheckpointExistsError", "CheckpointFormatError", "CheckpointIntegrityError",
-                     "CheckpointLayoutError", "CheckpointNotFoundError", "CheckpointWriteError", "SaveInFlightError"),
+                     "CheckpointLayoutError", "CheckpointNotFoundError", "CheckpointWriteError", "PathEscapeError",
+                     "SaveInFlightError", "UnsafeObjectError"),
                     "errors"),
     "TensorLayout": "layouts",
     **dict.fromkeys(("FORMAT_VERSION", "Layout", "Manifest", "TensorEntry"), "manifest"),
@@ -27,6 +28,7 @@ _EXPORTS = {
                      "model_parallel"), "parallel_layout"),
     **dict.fromkeys(("read_full", "read_manifest", "verify_checkpoint"), "reader"),
     "SaveHandle": "saver",
+    **dict.fromkeys(("allowed_globals", "register_safe_types"), "safe_objects"),
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
@@ -40,7 +42,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         CheckpointLayoutError,
         CheckpointNotFoundError,
         CheckpointWriteError,
+        PathEscapeError,
         SaveInFlightError,
+        UnsafeObjectError,
     )
     from plait.universal_ckpt.layouts import TensorLayout
     from plait.universal_ckpt.manifest import FORMAT_VERSION, Layout, Manifest, TensorEntry
@@ -52,6 +56,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         model_parallel,
     )
     from plait.universal_ckpt.reader import read_full, read_manifest, verify_checkpoint
+    from plait.universal_ckpt.safe_objects import allowed_globals, register_safe_types
     from plait.universal_ckpt.saver import SaveHandle
 
 
@@ -73,5 +78,6 @@ __all__ = [
     "CheckpointWriteError", "Layout", "Manifest", "ModelParallelConfig", "ModelParallelState", "RNGState",
     "SaveHandle", "SaveInFlightError", "TensorEntry", "TensorLayout", "global_identity_config", "latest",
     "layer_offset", "load",
-    "model_parallel", "read_full", "read_manifest", "save", "verify_checkpoint", "wait_pending",
+    "model_parallel", "PathEscapeError", "UnsafeObjectError", "allowed_globals", "register_safe_types",
+    "read_full", "read_manifest", "save", "verify_checkpoint", "wait_pending",
 ]

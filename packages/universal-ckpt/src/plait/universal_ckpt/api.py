@@ -35,7 +35,7 @@ def wait_pending() -> Path | None:
 def save(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_last: int | None = None,
          async_: bool = False, if_busy: str = "wait", group: Any | None = None,
          layout: Layout | dict | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-         user_meta: dict | None = None) -> saver.SaveHandle:
+         user_meta: dict | None = None, allow_pickle: bool = False) -> saver.SaveHandle:
     """Save ``state`` as checkpoint ``step`` under the root ``path``; every rank of ``group`` calls it.
 
     Args:
@@ -54,6 +54,10 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_last
             merged from values offering ``checkpoint_layout() -> dict``.
         chunk_bytes: hash chunk size (smaller lets resharded loads read less extra).
         user_meta: JSON-able dict stored in the manifest.
+        allow_pickle: store non-tensor values outside the safe-type allowlist anyway (pickled).
+            The manifest records it, and loading such a checkpoint needs
+            ``load(..., trust_pickled_objects=True)``. Off by default: a value the restricted
+            reader could not read back is refused before anything is written.
 
     Returns:
         A :class:`SaveHandle`; for a blocking save it is already committed.
@@ -62,6 +66,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_last
         CheckpointWriteError: any rank failed to write or commit (disk full, I/O error).
         CheckpointExistsError: ``step`` is already committed in ``path``.
         SaveInFlightError: ``if_busy="raise"`` and an async save is running.
+        UnsafeObjectError: a non-tensor value is outside the safe-type allowlist (names its key
+            path and type) and ``allow_pickle`` is False; nothing was written.
         ValueError: bad arguments (refused before anything is written).
     """
     global _in_flight
@@ -73,7 +79,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_last
                                     "wait for it (handle.wait()) or pass if_busy='wait'.")
         wait_pending()
     plan = saver._prepare(state, path, step=step, keep_last=keep_last, group=group, layout=layout,
-                          chunk_bytes=chunk_bytes, user_meta=user_meta, snapshot=async_)
+                          chunk_bytes=chunk_bytes, user_meta=user_meta, snapshot=async_,
+                          allow_pickle=allow_pickle)
     if async_:
         plan.group = saver.async_group(plan.group)
         _in_flight = saver.start(plan, background=True)
@@ -87,7 +94,7 @@ def latest(path: str | os.PathLike) -> Path | None:
 
 
 def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True, group: Any | None = None,
-         strict: bool = True) -> Manifest:
+         strict: bool = True, trust_pickled_objects: bool = False) -> Manifest:
     """Load a checkpoint into ``state`` in place, resharding to the current layout.
 
     Each rank reads only the byte ranges its own pieces need (widened to hash chunks when
@@ -105,6 +112,10 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
             ``other``, e.g. plait ZeRO's loss scaler) the checkpoint lacks, as they are: a torch
             tensor- or pipeline-parallel checkpoint has no loss scaler to give a ZeRO run. Missing
             parameters and optimizer state are refused either way.
+        trust_pickled_objects: read the object files with an unrestricted unpickler. Needed only
+            for a checkpoint saved with ``allow_pickle=True``; it can run code from the file, so
+            pass it only for checkpoints you trust. By default object files are read with a
+            restricted unpickler limited to plain values, tensors and the safe-type allowlist.
 
     Returns:
         The checkpoint's manifest (step, layout, user_meta).
@@ -114,6 +125,7 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
         CheckpointFormatError: foreign, damaged or newer-format manifest.
         CheckpointIntegrityError: a file's hash or size differs (names file, expected, actual).
         CheckpointLayoutError: the target state cannot hold the checkpoint.
+        UnsafeObjectError: an object file needs ``trust_pickled_objects=True``.
     """
     ckpt = directory.resolve(path)
     manifest = read_manifest(ckpt)
@@ -147,7 +159,7 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
                                     + (f"; and {len(problems) - 20} more" if len(problems) > 20 else ""))
     staged, objects, error = {}, {}, None
     try:
-        objects = read_objects(ckpt, manifest, g.rank, verify=verify)
+        objects = read_objects(ckpt, manifest, g.rank, verify=verify, trusted=trust_pickled_objects)
         jobs = {(adapter.key, name): (manifest.tensors[f"{adapter.key}/{target.spec.name}"], target.spec)
                 for adapter, targets in plans for name, target in targets.items()}
         # File reads and hashlib both release the GIL, so two threads overlap reading and hashing.

@@ -8,13 +8,14 @@ that contain a manifest are ever returned as checkpoints, so a partial save is n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 
 from plait.universal_ckpt.errors import CheckpointNotFoundError
-from plait.universal_ckpt.manifest import MANIFEST_NAME
+from plait.universal_ckpt.manifest import MAGIC, MANIFEST_NAME
 from plait.universal_ckpt.storage import fsync_dir, replace_durable
 
 LATEST_NAME = "latest"
@@ -31,14 +32,30 @@ def tmp_dir_name(step: int) -> str:
     return f".tmp-{step_dir_name(step)}"
 
 
+def is_plait_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint directory plait committed (what pruning may delete).
+
+    A real directory (not a symlink) holding a regular-file manifest (not a symlink) whose JSON
+    carries plait's magic. A directory a user put in the root, or a link to one, is not.
+    """
+    manifest = path / MANIFEST_NAME
+    if path.is_symlink() or not path.is_dir() or manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        body = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(body, dict) and body.get("magic") == MAGIC
+
+
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoints under ``root`` as ``(step, path)``, oldest first."""
+    """Committed checkpoints under ``root`` as ``(step, path)``, oldest first (see :func:`is_plait_checkpoint`)."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _STEP_RE.match(child.name)
-        if match and (child / MANIFEST_NAME).is_file():
+        if match and is_plait_checkpoint(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -59,7 +76,7 @@ def latest(root: str | os.PathLike) -> Path | None:
     pointer = root / LATEST_NAME
     if pointer.is_file():
         name = pointer.read_text().strip()
-        if _STEP_RE.match(name) and (root / name / MANIFEST_NAME).is_file():
+        if _STEP_RE.match(name) and is_plait_checkpoint(root / name):
             return root / name
     found = committed(root)
     return found[-1][1] if found else None
@@ -101,7 +118,9 @@ def clean_leftovers(root: Path) -> list[Path]:
         return removed
     for child in root.iterdir():
         if child.name.startswith((".tmp-", ".trash-")):
-            if child.is_dir():
+            if child.is_symlink():  # the link only: never what it points to
+                child.unlink(missing_ok=True)
+            elif child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
             else:
                 child.unlink(missing_ok=True)

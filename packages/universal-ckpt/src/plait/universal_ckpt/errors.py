@@ -50,3 +50,29 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class SaveInFlightError(CheckpointError):
     """An async save is still running and the caller asked not to wait for it."""
+
+
+class UnsafeObjectError(CheckpointError, TypeError):
+    """Non-tensor state outside plait's allowlist: refused at save, or refused at load untrusted.
+
+    Attributes:
+        key_path: where the value is (``key['field'][0]``) at save time, or the file at load time.
+        type_name: the refused type or global, as ``module.qualname``.
+    """
+
+    def __init__(self, message: str, *, key_path: str, type_name: str) -> None:
+        super().__init__(message)
+        self.key_path = key_path
+        self.type_name = type_name
+
+
+class PathEscapeError(CheckpointFormatError):
+    """A path in a manifest (or the ``latest`` pointer) would resolve outside the checkpoint directory.
+
+    Attributes:
+        field: the manifest field that holds the path.
+    """
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field

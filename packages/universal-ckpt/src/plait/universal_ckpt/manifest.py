@@ -184,6 +184,8 @@ class Manifest:
         format_version: on-disk format version.
         created_unix: seconds since the epoch when rank 0 committed.
         user_meta: free-form JSON from the caller.
+        pickled_objects: the object files may hold values outside the safe-type allowlist (saved
+            with ``allow_pickle=True``); a load then needs ``trust_pickled_objects=True``.
     """
 
     step: int
@@ -197,6 +199,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     created_unix: float = 0.0
     user_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pickled_objects: bool = False
 
     def entries_for(self, key: str) -> dict[str, TensorEntry]:
         """Entries of one top-level key, by name within the key."""
@@ -242,10 +245,14 @@ class Manifest:
         if stored != actual:
             raise CheckpointFormatError(
                 f"{source} is damaged: manifest_hash expected {stored}, actual {actual}.")
+        from plait.universal_ckpt.manifest_checks import check_manifest
+
         try:
-            return _from_plain(body)
-        except (KeyError, TypeError, ValueError) as exc:
+            manifest = _from_plain(body)
+            check_manifest(manifest)  # the hash catches damage, not an edited and re-signed manifest
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CheckpointFormatError(f"{source} is missing or has malformed fields: {exc!r}.") from exc
+        return manifest
 
 
 def _body_hash(body: dict) -> str:
@@ -282,12 +289,21 @@ def _to_plain(manifest: Manifest) -> dict:
                     for rank, o in sorted(manifest.objects.items())},
         "tensors": {full: entry(e) for full, e in sorted(manifest.tensors.items())},
         "user_meta": manifest.user_meta,
+        # written only when set: manifests of safe checkpoints hash as before
+        **({"pickled_objects": True} if manifest.pickled_objects else {}),
     }
+
+
+def _int(value: Any) -> int:
+    """A JSON integer as is: a string or a float is refused, never coerced (``int(1.5)`` would be 1)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
 
 
 def _from_plain(body: dict) -> Manifest:
     def piece(p: dict) -> Piece:
-        return Piece(file=p["file"], offset=int(p["offset"]), nbytes=int(p["nbytes"]),
+        return Piece(file=p["file"], offset=_int(p["offset"]), nbytes=_int(p["nbytes"]),
                      flat_range=tuple(p["flat_range"]) if p["flat_range"] is not None else None,
                      slices=tuple(tuple(s) for s in p["slices"]) if p["slices"] is not None else None,
                      hashes=tuple(p["hashes"]),
@@ -295,15 +311,16 @@ def _from_plain(body: dict) -> Manifest:
 
     tensors = {
         full: TensorEntry(key=e["key"], name=e["name"], kind=e["kind"], global_shape=tuple(e["global_shape"]),
-                          dtype=e["dtype"], nbytes=int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]),
+                          dtype=e["dtype"], nbytes=_int(e["nbytes"]), pieces=tuple(piece(p) for p in e["pieces"]),
                           pattern=e.get("pattern"))
         for full, e in body["tensors"].items()
     }
-    objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=int(o["nbytes"]), hash=o["hash"],
+    objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=_int(o["nbytes"]), hash=o["hash"],
                                      keys=tuple(o["keys"]))
                for rank, o in body["objects"].items()}
     return Manifest(step=int(body["step"]), layout=Layout(**body["layout"]), tensors=tensors, objects=objects,
-                    files={k: int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),
+                    files={k: _int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),
                     hash_algorithm=body["hash_algorithm"], checksum_algorithm=body.get("checksum_algorithm"),
                     format_version=int(body["format_version"]),
-                    created_unix=float(body["created_unix"]), user_meta=body.get("user_meta", {}))
+                    created_unix=float(body["created_unix"]), user_meta=body.get("user_meta", {}),
+                    pickled_objects=body.get("pickled_objects", False) is True)

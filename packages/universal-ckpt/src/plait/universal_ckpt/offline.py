@@ -8,7 +8,6 @@ something that looks like a checkpoint. Memory stays at one tensor when the inpu
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import time
@@ -32,6 +31,7 @@ from plait.universal_ckpt.manifest import (
     TensorEntry,
     dtype_name,
 )
+from plait.universal_ckpt.safe_objects import dump_objects
 from plait.universal_ckpt.storage import (
     CHECKSUM_ALGORITHM,
     chunk_digests,
@@ -47,7 +47,7 @@ DATA_FILE = "data/rank-00000.bin"
 def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple[str, str, str, torch.Tensor]],
                   objects: dict[int, dict[str, Any]] | None = None, layout: Layout | None = None,
                   user_meta: dict | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  progress: Callable[[int], None] | None = None) -> Path:
+                  progress: Callable[[int], None] | None = None, allow_pickle: bool = False) -> Path:
     """Write and commit a checkpoint from whole tensors.
 
     Args:
@@ -55,23 +55,30 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
         step: its step.
         tensors: ``(key, name, kind, tensor)`` tuples, consumed one at a time; a fifth item, when
             present, is the tensor's model-parallel pattern (:class:`TensorLayout` JSON) or None.
-        objects: rank -> {key: picklable object} (non-tensor state per rank).
+        objects: rank -> {key: object} (non-tensor state per rank): plain values, tensors and the
+            safe-type allowlist of :mod:`plait.universal_ckpt.safe_objects`.
         layout: the layout to record (default: world size 1).
         user_meta: JSON-able dict for the manifest.
         chunk_bytes: hash chunk size.
         progress: called with the bytes of each tensor written.
+        allow_pickle: store objects outside the allowlist anyway (recorded in the manifest; a
+            load then needs ``trust_pickled_objects=True``).
 
     Returns:
         The committed checkpoint directory.
 
     Raises:
         CheckpointExistsError: ``step`` is already committed under ``root``.
+        UnsafeObjectError: an object outside the allowlist without ``allow_pickle`` (nothing written).
         OSError: the write failed (the ``.tmp`` directory is removed, nothing is committed).
     """
     root = Path(root)
     if (root / directory.step_dir_name(step)).exists():
         raise CheckpointExistsError(f"checkpoint step {step} already exists in {root}; choose another step.")
     root.mkdir(parents=True, exist_ok=True)
+    # refused before anything is written
+    serialised = {rank: (state, dump_objects(state, allow_pickle=allow_pickle))
+                  for rank, state in (objects or {}).items()}
     directory.clean_leftovers(root)
     tmp = root / directory.tmp_dir_name(step)
     try:
@@ -79,18 +86,16 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
         (tmp / "objects").mkdir()
         entries, size = _write_tensors(tmp, tensors, chunk_bytes, progress)
         records = {}
-        for rank, state in sorted((objects or {}).items()):
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
+        for rank, (state, data) in sorted(serialised.items()):
             rel = f"objects/rank-{rank:05d}.pt"
-            write_durable(tmp / rel, buffer.getvalue())
-            records[rank] = ObjectFile(rank=rank, file=rel, nbytes=len(buffer.getvalue()),
+            write_durable(tmp / rel, data)
+            records[rank] = ObjectFile(rank=rank, file=rel, nbytes=len(data),
                                        hash=file_digest(tmp / rel), keys=tuple(sorted(state)))
         manifest = Manifest(step=step, layout=layout or Layout(), tensors=entries, objects=records,
                             files={DATA_FILE: size} if entries else {}, chunk_bytes=chunk_bytes,
                             checksum_algorithm=CHECKSUM_ALGORITHM if any(
                                 p.checksums is not None for e in entries.values() for p in e.pieces) else None,
-                            created_unix=time.time(), user_meta=user_meta or {})
+                            created_unix=time.time(), user_meta=user_meta or {}, pickled_objects=allow_pickle)
         fsync_dir(tmp / "data")
         fsync_dir(tmp / "objects")
         write_durable(tmp / MANIFEST_NAME, manifest.to_json().encode())

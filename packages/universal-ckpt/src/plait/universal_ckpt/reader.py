@@ -11,7 +11,7 @@ piece that hold wanted elements (a column block of a row-major box is read row b
 
 from __future__ import annotations
 
-import io
+import hashlib
 import math
 import os
 from pathlib import Path
@@ -20,9 +20,16 @@ from typing import Any
 import torch
 
 from plait.kernels.sharded_state import ShardSpec, flat_overlap
-from plait.universal_ckpt.errors import CheckpointFormatError, CheckpointIntegrityError, CheckpointNotFoundError
-from plait.universal_ckpt.manifest import MANIFEST_NAME, Manifest, Piece, TensorEntry
-from plait.universal_ckpt.storage import CHECKSUM_ALGORITHM, check_chunks, file_digest, pick_digests, read_verified
+from plait.universal_ckpt.errors import (
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    UnsafeObjectError,
+)
+from plait.universal_ckpt.manifest import MANIFEST_NAME, Manifest, ObjectFile, Piece, TensorEntry
+from plait.universal_ckpt.manifest_checks import inside
+from plait.universal_ckpt.safe_objects import load_objects
+from plait.universal_ckpt.storage import CHECKSUM_ALGORITHM, check_chunks, pick_digests, read_verified
 
 
 def read_manifest(ckpt: Path) -> Manifest:
@@ -48,7 +55,7 @@ def check_files(ckpt: Path, manifest: Manifest) -> None:
     sizes.update({obj.file: obj.nbytes for obj in manifest.objects.values()})
     for rel, expected in sorted(sizes.items()):
         try:
-            actual = os.stat(ckpt / rel).st_size
+            actual = os.stat(inside(ckpt, rel, field=f"files[{rel!r}]")).st_size
         except FileNotFoundError as exc:
             raise CheckpointIntegrityError(f"checkpoint file {rel} is missing from {ckpt}.", file=rel,
                                            expected=f"{expected} bytes", actual="missing") from exc
@@ -58,29 +65,46 @@ def check_files(ckpt: Path, manifest: Manifest) -> None:
                 file=rel, expected=f"{expected} bytes", actual=f"{actual} bytes")
 
 
-def read_objects(ckpt: Path, manifest: Manifest, rank: int, *, verify: bool) -> dict[str, Any]:
-    """The pickled non-tensor state saved by ``rank`` (rank 0's when ``rank`` did not save).
+def read_objects(ckpt: Path, manifest: Manifest, rank: int, *, verify: bool, trusted: bool = False) -> dict[str, Any]:
+    """The non-tensor state saved by ``rank`` (rank 0's when ``rank`` did not save).
 
-    Uses ``torch.load(weights_only=False)``: only load checkpoints you trust, as with any pickle.
+    Read with a restricted unpickler (plain values, tensors, the safe-type allowlist) unless
+    ``trusted``; a checkpoint saved with ``allow_pickle=True`` is refused without ``trusted``.
 
     Raises:
         CheckpointIntegrityError: the object file's hash differs from the manifest.
+        UnsafeObjectError: the file needs ``trust_pickled_objects=True`` (names the file or global).
     """
     if not manifest.objects:
         return {}
     record = manifest.objects.get(rank) or manifest.objects[min(manifest.objects)]
-    path = ckpt / record.file
-    data = path.read_bytes() if path.exists() else None
-    if data is None:
+    if manifest.pickled_objects and not trusted:
+        raise UnsafeObjectError(
+            f"checkpoint {ckpt} was saved with allow_pickle=True: its object files may run code when loaded. "
+            "If you trust it, load with trust_pickled_objects=True.", key_path=record.file, type_name="pickle")
+    data = _verified_object_bytes(ckpt, manifest, record, verify=verify)
+    return load_objects(data, file=record.file, trusted=trusted)
+
+
+def _verified_object_bytes(ckpt: Path, manifest: Manifest, record: ObjectFile, *, verify: bool) -> bytes:
+    """An object file's bytes, checked against the manifest's size (and hash when ``verify``)."""
+    path = inside(ckpt, record.file, field=f"objects[{record.rank}].file")
+    if not path.is_file():
         raise CheckpointIntegrityError(f"checkpoint file {record.file} is missing.", file=record.file,
                                        expected=record.hash, actual="missing")
+    actual_size = path.stat().st_size
+    if actual_size != record.nbytes:
+        raise CheckpointIntegrityError(
+            f"checkpoint file {record.file}: size expected {record.nbytes} bytes, actual {actual_size} bytes.",
+            file=record.file, expected=f"{record.nbytes} bytes", actual=f"{actual_size} bytes")
+    data = path.read_bytes()
     if verify:
-        actual = file_digest(path, manifest.hash_algorithm)
+        actual = hashlib.new(manifest.hash_algorithm, data).hexdigest()
         if actual != record.hash:
             raise CheckpointIntegrityError(
                 f"checkpoint file {record.file}: {manifest.hash_algorithm} expected {record.hash}, actual {actual}.",
                 file=record.file, expected=record.hash, actual=actual)
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return data
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -274,6 +298,6 @@ def verify_checkpoint(ckpt: Path, *, progress: Any = None) -> Manifest:
                              chunk_bytes=manifest.chunk_bytes, algorithm=algorithm)
             if progress is not None:
                 progress(piece.nbytes)
-    for rank in manifest.objects:
-        read_objects(ckpt, manifest, rank, verify=True)
+    for record in manifest.objects.values():  # hashed as bytes only: verify never unpickles
+        _verified_object_bytes(ckpt, manifest, record, verify=True)
     return manifest

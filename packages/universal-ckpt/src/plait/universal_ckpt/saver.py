@@ -17,7 +17,6 @@ thread over its own gloo group, so the training loop's collectives never interle
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import threading
@@ -33,7 +32,12 @@ import torch.distributed as dist
 from plait.kernels import collectives
 from plait.universal_ckpt import directory
 from plait.universal_ckpt.adapters import NO_OBJECT, Adapter, adapt
-from plait.universal_ckpt.errors import CheckpointError, CheckpointExistsError, CheckpointWriteError
+from plait.universal_ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWriteError,
+    UnsafeObjectError,
+)
 from plait.universal_ckpt.exchange import Group, agree, all_gather_objects, broadcast_object
 from plait.universal_ckpt.manifest import (
     HASH_ALGORITHM,
@@ -46,6 +50,7 @@ from plait.universal_ckpt.manifest import (
     dtype_name,
 )
 from plait.universal_ckpt.reader import check_coverage
+from plait.universal_ckpt.safe_objects import dump_objects
 from plait.universal_ckpt.storage import (
     CHECKSUM_ALGORITHM,
     file_digest,
@@ -100,10 +105,11 @@ class _Plan:
     keep_last: int | None
     chunk_bytes: int
     user_meta: dict
+    allow_pickle: bool = False
 
 
-def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool) -> tuple[list[_LocalPiece], bytes | None,
-                                                                                  tuple[str, ...]]:
+def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool,
+              allow_pickle: bool) -> tuple[list[_LocalPiece], bytes | None, tuple[str, ...]]:
     pieces = []
     for adapter in adapters:
         gather = partial(all_gather_objects, group=group)
@@ -120,11 +126,19 @@ def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool) -> tuple
             pieces.append(_LocalPiece(f"{adapter.key}/{name}", adapter.key, name, spec.kind, spec.global_shape,
                                       spec.dtype, spec.flat_range, spec.slices, data, spec.pattern))
     objects = {a.key: obj for a in adapters if (obj := a.object_for_save()) is not NO_OBJECT}
-    if not objects:
-        return pieces, None, ()
-    buffer = io.BytesIO()
-    torch.save(objects, buffer)  # serialised now: the snapshot of non-tensor state
-    return pieces, buffer.getvalue(), tuple(sorted(objects))
+    data, refused = None, None
+    try:  # serialised now: the snapshot of non-tensor state
+        data = dump_objects(objects, allow_pickle=allow_pickle) if objects else None
+    except UnsafeObjectError as exc:
+        refused = exc
+    # every rank learns of a refusal before any file is written (one rank alone must not stop)
+    verdicts = all_gather_objects(None if refused is None else str(refused), group)
+    if refused is not None:
+        raise refused
+    for rank, message in enumerate(verdicts):
+        if message is not None:
+            raise UnsafeObjectError(f"rank {rank}: {message}", key_path="<other rank>", type_name="<other rank>")
+    return pieces, data, tuple(sorted(objects))
 
 
 def _rank_file(kind: str, rank: int) -> str:
@@ -205,7 +219,7 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
     has_checksums = any(p.checksums is not None for e in tensors.values() for p in e.pieces)
     return Manifest(step=plan.step, layout=plan.layout, tensors=tensors, objects=objects, files=files,
                     chunk_bytes=plan.chunk_bytes, checksum_algorithm=CHECKSUM_ALGORITHM if has_checksums else None,
-                    created_unix=time.time(), user_meta=plan.user_meta)
+                    created_unix=time.time(), user_meta=plan.user_meta, pickled_objects=plan.allow_pickle)
 
 
 def _raise_agreed(failures: list[tuple[int, str]], what: str, group: Group, own: BaseException | None) -> None:
@@ -260,7 +274,7 @@ def _execute(plan: _Plan) -> Path:
 
 def _prepare(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_last: int | None,
              group: Any, layout: Layout | dict | None, chunk_bytes: int, user_meta: dict | None,
-             snapshot: bool) -> _Plan:
+             snapshot: bool, allow_pickle: bool = False) -> _Plan:
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int.")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -302,9 +316,9 @@ def _prepare(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_
         if error is not None:
             raise error
         raise CheckpointExistsError(message) if "Exists" in message else CheckpointWriteError(message)
-    pieces, objects, keys = _describe(adapt(state, g.ranks), g, snapshot=snapshot)
+    pieces, objects, keys = _describe(adapt(state, g.ranks), g, snapshot=snapshot, allow_pickle=allow_pickle)
     _phase("prepared")
-    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes, user_meta or {})
+    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes, user_meta or {}, allow_pickle)
 
 
 class SaveHandle:

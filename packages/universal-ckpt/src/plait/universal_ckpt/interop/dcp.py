@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,11 @@ from typing import Any
 import torch
 
 from plait.universal_ckpt.directory import resolve
+from plait.universal_ckpt.errors import CheckpointFormatError
+from plait.universal_ckpt.interop import restricted
 from plait.universal_ckpt.offline import write_offline
 from plait.universal_ckpt.reader import read_full, read_manifest, read_objects
+from plait.universal_ckpt.safe_objects import load_objects
 
 META_KEY = "__plait_universal_ckpt__"
 
@@ -30,6 +34,65 @@ def _dcp():
     import torch.distributed.checkpoint as dcp
 
     return dcp
+
+
+def _metadata_classes() -> tuple[type, ...]:
+    """The plain data classes a DCP ``.metadata`` pickle names (constructing them runs no code of the file's)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    return (*(getattr(metadata, n) for n in names if hasattr(metadata, n)), filesystem._StorageInfo,
+            type(Path()))
+
+
+def _safe_reader(src: str | os.PathLike) -> Any:
+    """A DCP ``FileSystemReader`` whose metadata is read through plait's restricted unpickler.
+
+    DCP itself reads ``.metadata`` with ``pickle.load``, which runs whatever a crafted file names.
+    """
+    dcp = _dcp()
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self._get_metadata_path(kwargs.get("rank")))
+            module = restricted.pickle_module((), path, extra=_metadata_classes())
+            with open(path, "rb") as handle:
+                meta = module.load(handle)
+            if getattr(meta, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeReader(str(src))
+
+
+def _safe_planner() -> Any:
+    """A load planner that reads DCP's non-tensor items with the restricted reader, not ``weights_only=False``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            loaded = load_objects(value.read(), file=f"DCP item {fqn}", trusted=False)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return SafePlanner()
+
+
+def _check_sizes(src: Path, declared: int) -> None:
+    """Refuse metadata declaring more tensor bytes than the DCP directory holds, before allocating."""
+    on_disk = sum(f.stat().st_size for f in src.iterdir() if f.is_file() and not f.is_symlink())
+    if declared > on_disk:
+        raise CheckpointFormatError(f"{src}/.metadata declares {declared} tensor bytes but the directory holds only "
+                                    f"{on_disk} bytes; the metadata is damaged or crafted, nothing was allocated.")
 
 
 def export_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, verify: bool = True,
@@ -79,17 +142,21 @@ def import_dcp(src: str | os.PathLike, dst_root: str | os.PathLike, *, step: int
     dcp = _dcp()
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(src)).read_metadata()
+    reader = _safe_reader(src)
+    metadata = reader.read_metadata()
+    infos = metadata.state_dict_metadata.items()
+    _check_sizes(Path(src), sum(math.prod(i.size) * i.properties.dtype.itemsize
+                                for _, i in infos if isinstance(i, TensorStorageMetadata)))
     state: dict[str, Any] = {}
-    for fqn, info in metadata.state_dict_metadata.items():
+    for fqn, info in infos:
         if isinstance(info, TensorStorageMetadata):
             state[fqn] = torch.empty(tuple(info.size), dtype=info.properties.dtype)
         else:
             state[fqn] = None
-    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    dcp.load(state, storage_reader=reader, planner=_safe_planner(), no_dist=True)
     meta: dict[str, Any] = {}
     if isinstance(state.get(META_KEY), bytes):
-        meta = torch.load(io.BytesIO(state.pop(META_KEY)), weights_only=False)
+        meta = load_objects(state.pop(META_KEY), file=f"{src} item {META_KEY}", trusted=False)
     kinds = meta.get("kinds", {})
     objects = meta.get("objects") or {}
     extra = {fqn: value for fqn, value in state.items() if not isinstance(value, torch.Tensor)}

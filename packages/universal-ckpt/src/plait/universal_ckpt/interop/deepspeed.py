@@ -15,7 +15,8 @@ What DeepSpeed writes in ``<dir>/<tag>/`` (``<dir>/latest`` names the tag):
   group is its pieces of each parameter in order.
 
 The files are pickles that name DeepSpeed classes (``ZeroStageEnum``, ``fragment_address``); they
-are read with an unpickler that maps those to plain stand-ins, so DeepSpeed need not be installed.
+are read with a restricted unpickler that maps those to inert stand-ins (DeepSpeed need not be
+installed) and refuses any other global outside torch's ``weights_only`` set, naming it and the file.
 The result uses plait.zero_sharding's names (``model.<p>``, ``optim.exp_avg.<p>``,
 ``optim.exp_avg_sq.<p>``, ``optim.step.<p>``, ``zero.loss_scaler``) under one state-dict key, so a
 DeepSpeed run continues under plait with ``load({"model": zero_model}, dst)``. Tensor- and
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,45 +36,15 @@ from typing import Any
 import torch
 
 from plait.universal_ckpt.errors import CheckpointFormatError, CheckpointNotFoundError
-from plait.universal_ckpt.interop import deepspeed_mp
+from plait.universal_ckpt.interop import deepspeed_mp, restricted
 from plait.universal_ckpt.manifest import Layout
 from plait.universal_ckpt.offline import write_offline
 
 
-class _Stand_in:  # noqa: N801 - named like the pickled classes it replaces
-    """Replaces any DeepSpeed class found in a pickle: keeps its constructor args and state."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs, self.state = args, kwargs, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __int__(self) -> int:
-        return int(self.args[0])
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.split(".")[0] == "deepspeed":
-            return type(name, (_Stand_in,), {})
-        return super().find_class(module, name)
-
-
-class _PickleModule:
-    """What ``torch.load(pickle_module=...)`` needs: an Unpickler and ``load``."""
-
-    Unpickler = _Unpickler
-    __name__ = "plait_ds_pickle"
-
-    @staticmethod
-    def load(file: Any, **kwargs: Any) -> Any:
-        return _Unpickler(file, **kwargs).load()
-
-
 def _load(path: Path) -> dict[str, Any]:
+    # restricted: DeepSpeed classes become inert stand-ins, any other unknown global is refused;
     # mmap: tensors are views of the page cache, copied once, into the tensor that is written
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule, mmap=True)
+    return restricted.load(path, ("deepspeed",))
 
 
 def _tag_dir(src: Path, tag: str | None) -> Path:
