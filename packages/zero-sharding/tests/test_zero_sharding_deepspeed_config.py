@@ -36,6 +36,15 @@ HF_ZERO3 = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainingArguments starts a process group when the environment names a distributed run; an
+    in-process Lightning fit earlier in the same pytest run leaves such variables behind."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _args(tmp_path: pathlib.Path, **overrides):
     transformers = pytest.importorskip("transformers")
     options = {"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
