@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from plait.kernels.cli.registry import plait_distributions
 from plait.kernels.selftest.core import FAIL, Check, Outcome, SelftestContext
 
 GROUP = "plait.selftest"
@@ -50,14 +52,14 @@ def _selftest_packages() -> list[str]:
     ``__init__`` imports Lightning or vLLM, are not imported just to look)."""
     import plait
 
-    names = set()
-    for entry in plait.__path__:
-        folder = Path(entry)
-        if not folder.is_dir():
-            continue
-        for child in folder.iterdir():
-            if (child / "selftest.py").is_file() or (child / "selftest" / "__init__.py").is_file():
-                names.add(child.name)
+    folders = [child for entry in plait.__path__ if Path(entry).is_dir() for child in Path(entry).iterdir()]
+    # An editable install's namespace entries are path hooks, not folders: locate the packages of
+    # the installed plait distributions through their import specs instead.
+    for dist in plait_distributions():
+        spec = importlib.util.find_spec(dist.import_name) if "." in dist.import_name else None
+        folders += [Path(location) for location in (spec.submodule_search_locations or [])] if spec else []
+    names = {folder.name for folder in folders
+             if (folder / "selftest.py").is_file() or (folder / "selftest" / "__init__.py").is_file()}
     # plait-kernels first (its op rows are the base the others build on), then by name
     return sorted(names, key=lambda name: (name != "kernels", name))
 
