@@ -1,11 +1,25 @@
 """PlaitStrategy.from_deepspeed: Lightning's DeepSpeed names and a ds_config switch to plait by one changed argument."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 from plait.lightning import PlaitStrategy  # noqa: E402
 from plait.lightning.deepspeed_config import DEEPSPEED_NAMES  # noqa: E402
+from plait.lightning.pieces import PieceMissingError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """An in-process fit leaves MASTER_PORT and the rank variables in os.environ; later tests'
+    child processes would inherit them and collide on that port."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 CONFIG = {
     "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
@@ -19,8 +33,13 @@ def test_names_match_lightnings_deepspeed_registry() -> None:
     registry = pl.strategies.StrategyRegistry
     names = {name for name in registry if name.startswith("deepspeed")}
     assert names == set(DEEPSPEED_NAMES)
+    has_offload = importlib.util.find_spec("plait.offload_io") is not None
     for name in names:
         params = registry[name]["init_params"]
+        if params.get("offload_optimizer") and not has_offload:  # installed alone: the piece is named
+            with pytest.raises(PieceMissingError, match="pip install plait-offload-io"):
+                PlaitStrategy.from_deepspeed(name)
+            continue
         strategy = PlaitStrategy.from_deepspeed(name)
         assert strategy.plait_config.zero.stage == params.get("stage", 2), name
         offload = params.get("offload_optimizer_device", "cpu") if params.get("offload_optimizer") else None

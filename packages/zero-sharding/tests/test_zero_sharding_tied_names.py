@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytest.importorskip("transformers")  # the tied model is HF's GPT-2
+
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding import ZeroConfig, zero_shard
 
