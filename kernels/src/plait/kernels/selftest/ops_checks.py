@@ -16,6 +16,7 @@ import torch
 
 from plait.kernels import dispatch
 from plait.kernels.ops import (
+    QuantScheme,
     combine_rows,
     combine_rows_reference,
     dequantize_blockwise,
@@ -27,8 +28,11 @@ from plait.kernels.ops import (
     pack_signs,
     permute_tokens,
     permute_tokens_reference,
+    quant_matmul,
+    quant_matmul_reference,
     quantize_blockwise,
     quantize_blockwise_reference,
+    quantize_weight,
     rms_norm,
     rms_norm_reference,
     rotary_cos_sin,
@@ -37,6 +41,7 @@ from plait.kernels.ops import (
     silu_and_mul,
     unpack_signs,
 )
+from plait.kernels.ops.quant_matmul import weight_nbytes
 from plait.kernels.ops.rotary import split_cos_sin
 from plait.kernels.selftest.core import Check, Outcome, SelftestContext, Skip
 from plait.kernels.selftest.measure import accuracy_outcome, bandwidth_outcome, error_ratio
@@ -185,6 +190,37 @@ def check_quantize(ctx: SelftestContext) -> Outcome:
     return accuracy_outcome(ratios, note)
 
 
+_QUANT_SCHEMES = (QuantScheme(kind="int8"), QuantScheme(kind="int4", group_size=64),
+                  QuantScheme(kind="int4", group_size=128, symmetric=False), QuantScheme(kind="fp6"))
+
+
+def _scheme_name(scheme: QuantScheme) -> str:
+    if scheme.kind != "int4":
+        return scheme.kind
+    return f"int4 g{scheme.group_size}{'' if scheme.symmetric else ' asym'}"
+
+
+def check_quant_matmul(ctx: SelftestContext) -> Outcome:
+    """Weight-only int8 / int4 / FP6 matmul (inference only: forward) against the reference, on a
+    decode batch and a prefill-sized one of Llama-8B's MLP shape and an odd output width."""
+    note = _backend_note(ctx)
+    ratios: dict[str, float] = {}
+    shapes = ctx.pick([(1, 14336, 4096), (512, 14336, 4096), (7, 1000, 4096)], [(1, 33, 128), (5, 16, 256)])
+    for dtype in DTYPES:
+        for rows, n, k in shapes:
+            weight = torch.randn(n, k, device=ctx.device, dtype=dtype) / k ** 0.5
+            x = torch.randn(rows, k, device=ctx.device, dtype=dtype)
+            for scheme in _QUANT_SCHEMES:
+                ctx.deadline.check(f"quant_matmul {_scheme_name(scheme)} {_NAMES[dtype]} {rows}x{n}x{k}")
+                codes, scales, zeros = quantize_weight(weight, scheme)
+                with torch.no_grad():
+                    out = quant_matmul(x, codes, scales, zeros, scheme)
+                    ref = quant_matmul_reference(x, codes, scales, zeros, scheme)
+                label = f"{_scheme_name(scheme)} {_NAMES[dtype]} {rows}x{n}x{k}"
+                ratios[label] = error_ratio(out, ref, "quant_matmul_triton", dtype)
+    return accuracy_outcome(ratios, note + "; forward only")
+
+
 def check_sign(ctx: SelftestContext) -> Outcome:
     """1-bit sign pack/unpack: the unpacked signs equal the reference's exactly (odd sizes too)."""
     note = _backend_note(ctx)
@@ -271,6 +307,19 @@ def _bw_quantize(ctx: SelftestContext) -> Outcome:
     return bandwidth_outcome(lambda: quantize_blockwise(x, bits=8), moved, ctx, note=f"fp32 n={numel} int8")
 
 
+def _bw_quant_matmul(ctx: SelftestContext) -> Outcome:
+    """Decode (one row) is bound by reading the int4 weight: its bytes set the traffic."""
+    _backend_note(ctx)
+    n, k = ctx.pick((14336, 4096), (32, 128))
+    scheme = QuantScheme(kind="int4", group_size=64)
+    codes, scales, zeros = quantize_weight(torch.randn(n, k, device=ctx.device, dtype=torch.bfloat16), scheme)
+    x = torch.randn(1, k, device=ctx.device, dtype=torch.bfloat16)
+    moved = weight_nbytes((n, k), scheme) + 2 * (k + n)
+    with torch.no_grad():
+        return bandwidth_outcome(lambda: quant_matmul(x, codes, scales, zeros, scheme), moved, ctx,
+                                 note=f"int4 g64 bf16 decode 1x{n}x{k}")
+
+
 def _bw_sign(ctx: SelftestContext) -> Outcome:
     _backend_note(ctx)
     numel = ctx.pick(256 * 2**20, 4096)
@@ -287,10 +336,12 @@ def checks(ctx: SelftestContext) -> list[Check]:
         Check("kernels/rotary", check_rotary, 60),
         Check("kernels/quantize", check_quantize, 40),
         Check("kernels/sign_pack", check_sign, 20),
+        Check("kernels/quant_matmul", check_quant_matmul, 60),
         Check("kernels/moe_permute", check_moe_permute, 30),
         Check("kernels/grouped_mlp", check_grouped_mlp, 90),
         Check("kernels/bw rms_norm", _bw_rms_norm, 20),
         Check("kernels/bw silu_and_mul", _bw_silu, 20),
         Check("kernels/bw quantize", _bw_quantize, 20),
         Check("kernels/bw sign_pack", _bw_sign, 20),
+        Check("kernels/bw quant_matmul", _bw_quant_matmul, 20),
     ]
