@@ -43,7 +43,7 @@ from plait.kernels import collectives
 
 # Whole-tensor optimizers known by class name (classes from torch, transformers and plait that
 # cannot carry the attribute themselves).
-WHOLE_TENSOR_OPTIMIZERS = {"Muon", "Adafactor", "Lamb"}
+WHOLE_TENSOR_OPTIMIZERS = {"Muon", "Adafactor"}
 
 
 def register_whole_tensor(cls: type) -> type:
