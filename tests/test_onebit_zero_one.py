@@ -98,8 +98,8 @@ def test_zero_one_adam_under_zero_is_plain_zero_one_adam_bitwise(world: int, sta
 
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(reason="on an AVX2 CPU the W=4 run ends 0.01-0.17 apart in loss from the plain one, "
-                          "varying from run to run: local steps divide by a frozen variance near zero (the 0/1 Adam hazard the variance "
-                          "floor removes in data parallel, not yet under ZeRO)", strict=False)
+                          "varying from run to run: local steps divide by a frozen variance near zero (the 0/1 "
+                          "Adam hazard the variance floor removes in data parallel, not yet under ZeRO)", strict=False)
 def test_zero_one_adam_under_zero_matches_plain_at_four_ranks() -> None:
     for _, zero_losses, plain_losses, _, far in run_distributed(_against_plain, 4, 2, timeout=250):
         # The variance steps' averages differ in summation order at W=4 (module docstring); a 1-bit
