@@ -130,9 +130,9 @@ def reference_onebit_adam(world: int) -> list[torch.Tensor]:
                     p.mul_(1 - lr * wd)
                     p.addcdiv_(m[i], (v[i].sqrt() / math.sqrt(1 - b2**step)).add_(eps), value=-lr / (1 - b1**step))
                 continue
-            if step == FREEZE + 1:  # the variance floor: 1% of each tensor's mean, once, as it freezes
+            if step == FREEZE + 1:  # the variance floor: a share of each tensor's mean, once, as it freezes
                 for vi in v:
-                    vi.clamp_(min=vi.mean() * 0.01)
+                    vi.clamp_(min=vi.mean() * OnebitAdamConfig().variance_floor)
             local = [[m[i].mul(b1).add_(grads[r][i], alpha=1 - b1) for i in range(len(params))] for r in range(world)]
             synced = reference_exchange(local, worker_errors, server_errors, padded) if world > 1 else torch.cat(
                 [t.reshape(-1) for t in local[0]])

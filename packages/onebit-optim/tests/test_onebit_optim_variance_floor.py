@@ -70,7 +70,8 @@ def train(kind: str, floor: float) -> list[float]:
 
 def both(kind: str) -> tuple[list[float], list[float]]:
     """The published algorithm (floor off) and the default floor, in one set of processes."""
-    return train(kind, 0.0), train(kind, 0.01)
+    default = (OnebitAdamConfig() if kind.startswith("onebit") else ZeroOneAdamConfig()).variance_floor
+    return train(kind, 0.0), train(kind, default)
 
 
 def tail(losses: list[float]) -> float:

@@ -40,7 +40,7 @@ class OnebitAdamConfig:
     """
 
     freeze_step: int = 100
-    variance_floor: float = 0.01
+    variance_floor: float = 0.001
 
     def __post_init__(self) -> None:
         # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.

@@ -19,8 +19,9 @@ Its update is then ``|m| / eps``, up to ``1e8 |m|``: the loss explodes within a 
 at most about the tensor's RMS momentum ``sqrt(mean(m^2))``, and for Adam's averages
 ``mean(m^2) <= mean(v)`` (``m`` averages the gradient, ``v`` its square; Jensen's inequality per
 element, equal weights up to the betas). So the largest step of a floored element is about
-``lr sqrt(mean(m^2)) / sqrt(ratio mean(v)) <= lr / sqrt(ratio)``: with the default ``ratio=0.01``
-at most 10x Adam's usual per-element step bound of ``lr``, instead of ``1e8``. A floored element
+``lr sqrt(mean(m^2)) / sqrt(ratio mean(v)) <= lr / sqrt(ratio)``: at most about 32x Adam's usual
+per-element step bound of ``lr`` with 1-bit Adam's default ``ratio=0.001``, 10x with 0/1 Adam's
+``0.01``, instead of ``1e8``. A floored element
 is no longer the largest of its tensor by orders of magnitude, so it cannot set the tensor's
 shared 1-bit scale either (0/1 Adam exchanges parameter changes, which the floor bounds the
 same way), and its error feedback stays within a bounded multiple of that scale.
