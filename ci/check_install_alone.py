@@ -26,6 +26,8 @@ from pathlib import Path
 from distributions import ROOT, Distribution, distributions
 
 WORK = Path(os.environ.get("PLAIT_ISOLATION_DIR", ROOT / "build" / "install-alone"))
+# One file per distribution: the node ids of its tests that passed alone (ci/passed_alone.py).
+PASSED = WORK / "passed"
 FORBIDDEN_AT_IMPORT = ("lightning", "transformers", "vllm", "deepspeed")
 # What running a distribution's tests needs besides the distribution: the test runner, at the
 # versions of the calling environment (so both runs behave alike).
@@ -129,8 +131,12 @@ def run_tests(dist: Distribution) -> str | None:
     if not tests.is_dir():
         return None
     start = time.monotonic()
+    # What passes here is recorded, and ci/test.sh's full run does not run it again (ci/passed_alone.py).
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "ci"), "PLAIT_RECORD_PASSED": str(PASSED / f"{dist.name}.txt")}
+    env.pop("PLAIT_SKIP_PASSED", None)
     result = subprocess.run([str(WORK / dist.name / "bin" / "python"), "-m", "pytest", "-q", "-ra",
-                             str(tests.relative_to(ROOT))], capture_output=True, text=True, cwd=ROOT)
+                             "-p", "passed_alone", str(tests.relative_to(ROOT))],
+                            capture_output=True, text=True, cwd=ROOT, env=env)
     summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"install-alone: {dist.name} tests alone: {summary} ({time.monotonic() - start:.0f}s)", flush=True)
     if result.returncode:
@@ -145,6 +151,7 @@ def main() -> int:
     args = parser.parse_args()
     start = time.monotonic()
     WORK.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rm", "-rf", str(PASSED)], check=True)  # never let an older run's record skip a test
     dists = distributions()
     by_name = {d.name: d for d in dists}
     base = base_env()

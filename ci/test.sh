@@ -10,7 +10,16 @@ start=$(date +%s)
 echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
 echo "== install alone"; python ci/check_install_alone.py
-echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
+# With no arguments, the tests that already passed where their distribution was installed alone are
+# not run again here (ci/passed_alone.py): what runs is the cross-package suite and whatever needed
+# an extra the lone install lacked. With arguments, exactly what was asked runs.
+if [ "$#" -eq 0 ]; then
+  echo "== tests (what did not already pass installed alone)"
+  PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
+    python -m pytest -q -ra --durations=15 -p passed_alone
+else
+  echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
+fi
 # plait-vllm's tests, and the training-to-vLLM test, inside the vLLM environment (.venv-vllm, built by
 # ci/setup_vllm.sh); in .venv they skip.
 if [ "$#" -eq 0 ]; then
