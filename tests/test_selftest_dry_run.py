@@ -60,7 +60,8 @@ def test_dry_run_command_passes_every_row(tmp_path):
     rows = payload["rows"]
     names = {row["benchmark"] for row in rows}
     assert {"kernels/rms_norm", "kernels/grouped_mlp", "inference-kernels/paged_decode_attention",
-            "inference-kernels/hf llama", "zero-sharding/zero3", "offload-io/zero3 nvme offload"} <= names
+            "inference-kernels/hf llama", "zero-sharding/zero3", "zero-sharding/zero3-world2",
+            "offload-io/zero3 nvme offload"} <= names
     for row in rows:
         if row["passed"] is None:  # a SKIP must give its reason
             assert row["note"].startswith("SKIP") and len(row["note"]) > len("SKIP, 0.0 s; ") + 10, row
@@ -70,6 +71,10 @@ def test_dry_run_command_passes_every_row(tmp_path):
             assert "not a GPU figure" in row["note"], row
     accuracy = [row for row in rows if row["figure"] == "max err / bound"]
     assert len(accuracy) >= 10 and all(0 <= row["ours"] <= 1 for row in accuracy)
+    # a package README's table: the rows of its own checks only
+    table = subprocess.run([sys.executable, "-m", "plait.kernels.cli.main", "selftest", "--table", str(out),
+                            "--only", "zero-sharding/"], capture_output=True, text=True, timeout=60, env=env).stdout
+    assert "zero-sharding/zero3-world2" in table and "kernels/rms_norm" not in table, table
 
 
 def test_update_results_is_refused_on_a_dry_run(capsys):

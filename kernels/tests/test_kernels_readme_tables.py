@@ -47,6 +47,14 @@ TABLES = [
 ]
 
 
+# (README, check-name prefix): each package README carries the rows of its own selftest checks,
+# `plait selftest --table --only PREFIX` of the committed GPU run (docs/gpu.md).
+SELFTEST = ROOT / "kernels/benchmarks/results/selftest.json"
+SELFTEST_TABLES = [("packages/zero-sharding/README.md", "zero-sharding/"),
+                   ("packages/offload-io/README.md", "offload-io/"),
+                   ("packages/inference-kernels/README.md", "inference-kernels/")]
+
+
 @pytest.mark.parametrize(("readme", "results"), TABLES, ids=[r for _, r in TABLES])
 def test_readme_table_is_the_committed_results_table(readme, results):
     readme_path, results_path = ROOT / readme, ROOT / results
@@ -56,6 +64,25 @@ def test_readme_table_is_the_committed_results_table(readme, results):
     assert expected in readme_path.read_text(), (
         f"{readme} does not carry `plait bench ... --table` of {results} verbatim; regenerate its table "
         f"from that command's output (or update the results with --update-results first)")
+
+
+@pytest.mark.parametrize(("readme", "prefix"), SELFTEST_TABLES, ids=[p for _, p in SELFTEST_TABLES])
+def test_package_readme_carries_its_selftest_rows(readme, prefix):
+    readme_path = ROOT / readme
+    if not readme_path.is_file() or not SELFTEST.is_file():
+        pytest.skip(f"{readme} or {SELFTEST.name} is not in this tree (no GPU run committed yet, or an installed copy)")
+    expected = results_markdown(SELFTEST, keep=lambda name: name.startswith(prefix))
+    assert expected in readme_path.read_text(), (
+        f"{readme} does not carry `plait selftest --table --only {prefix}` verbatim; paste that command's output")
+
+
+def test_results_markdown_keeps_only_the_rows_asked_for(tmp_path):
+    rows = [BenchRow(benchmark="zero-sharding/zero3", figure="f", ours=1.0),
+            BenchRow(benchmark="offload-io/pinned", figure="f", ours=2.0)]
+    path = write_json(rows, tmp_path / "s.json", meta={"date": "d", "machine": "M", "command": "c"})
+    table = results_markdown(path, keep=lambda name: name.startswith("zero-sharding/"))
+    assert "zero-sharding/zero3" in table and "offload-io/pinned" not in table
+    assert "offload-io/pinned" in results_markdown(path)
 
 
 def test_results_markdown_prints_date_machine_load_and_command(tmp_path):

@@ -21,7 +21,7 @@ import datetime
 import json
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -134,17 +134,21 @@ def _print_table(path: Path | None) -> int:
     return 0
 
 
-def results_markdown(path: Path) -> str:
+def results_markdown(path: Path, *, keep: Callable[[str], bool] | None = None) -> str:
     """What ``plait bench NAME --table`` prints for a results file: the markdown table, a blank
     line, then one line with the run's date, machine, CPU count and load average (when recorded),
     command and file name. README benchmark tables are this text pasted verbatim.
 
     Args:
         path: a JSON file ``plait bench`` wrote.
+        keep: given a row's ``benchmark`` name, whether the table shows it (all rows when None;
+            ``plait selftest --table --only`` uses it so each package's README shows its own checks).
     """
     from plait.kernels.bench import format_markdown, read_json
 
     rows, meta = read_json(path)
+    if keep is not None:
+        rows = [row for row in rows if keep(row.benchmark)]
     load = meta.get("load_average")
     cpus = f", {meta['cpus']} CPUs" if meta.get("cpus") else ""
     load_text = (f"{cpus}, 1-min load average {load[0]:.1f} before / {load[1]:.1f} after (other jobs' CPU use; "

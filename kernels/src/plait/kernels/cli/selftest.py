@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--update-results", action="store_true",
                         help=f"write the committed results file ({COMMITTED.name}); refused on a dry run")
     parser.add_argument("--table", nargs="?", const=COMMITTED, type=Path, default=None, metavar="PATH",
-                        help="print the README markdown table of a results file (default: the committed one)")
+                        help="print the README markdown table of a results file (default: the committed one); "
+                             "with --only/--skip, of the matching rows (each package's README shows its own)")
     parser.set_defaults(func=run)
 
 
@@ -128,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"plait selftest: no results file {args.table}; "
                   "a GPU run with --update-results (or --json) writes one.")
             return 2
-        print(results_markdown(args.table))
+        from plait.kernels.selftest.core import matches
+
+        only, skip = _patterns(args.only), _patterns(args.skip)
+        print(results_markdown(args.table, keep=lambda name: (not only or matches(name, only))
+                               and not matches(name, skip)))
         return 0
     import torch
 

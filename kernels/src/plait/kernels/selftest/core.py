@@ -120,6 +120,11 @@ class Row:
     seconds: float
 
 
+def matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether a check's name matches one of ``patterns`` (a shell pattern, or a substring of it)."""
+    return any(fnmatch.fnmatch(name, p) or p in name for p in patterns)
+
+
 def selected(checks: Sequence[Check], only: Sequence[str], skip: Sequence[str]) -> list[Check]:
     """The checks ``--only``/``--skip`` keep.
 
@@ -131,9 +136,6 @@ def selected(checks: Sequence[Check], only: Sequence[str], skip: Sequence[str]) 
     Returns:
         The kept checks, in order.
     """
-    def matches(name: str, patterns: Sequence[str]) -> bool:
-        return any(fnmatch.fnmatch(name, p) or p in name for p in patterns)
-
     return [c for c in checks if (not only or matches(c.name, only)) and not matches(c.name, skip)]
 
 

@@ -1,7 +1,9 @@
 """plait-zero-sharding's checks for ``plait selftest``: ZeRO stages 1/2/3 and ZeRO++ training on the
 device found, at world size 1 (NCCL on a GPU, gloo on the dry run), with losses compared to the
-same model trained by plain torch on the CPU. plait-offload-io's checks reuse
-:func:`world_of_one` and :func:`train_losses` for its placements.
+same model trained by plain torch on the CPU; and ZeRO-3 at world size 2 on the one device, where
+the shards, reduce-scatters and all-gathers are real. NCCL refuses two ranks on one GPU ("Duplicate
+GPU detected"), so that check falls back to gloo, which carries CUDA tensors through the host.
+plait-offload-io's checks reuse :func:`world_of_one` and :func:`train_losses` for its placements.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.kernels.selftest.core import FAIL, PASS, Check, Outcome, SelftestContext
+from plait.kernels.selftest.core import FAIL, PASS, Check, Outcome, SelftestContext, Skip
 from plait.kernels.tolerances import tolerance
 
 STEPS = 5
@@ -162,8 +164,66 @@ def check_zeropp(ctx: SelftestContext) -> Outcome:
                           why="qwZ int8 / qgZ int4: bound 5% of the loss")
 
 
+def two_rank_losses(device_type: str, width: int, layers: int, rows: int) -> list[float]:
+    """One rank of the world-size-2 check (run by ``run_distributed``): ZeRO-3 on its half of each
+    batch, on ``cuda:0`` (both ranks share it) or the CPU; the losses averaged over the ranks."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with exact_fp32():
+        model, optimizer = zero_shard(mlp(width, layers, device=device), torch.optim.AdamW,
+                                      ZeroConfig(stage=3), lr=LR)
+        losses = []
+        for x, y in batches(width, rows, device):
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            report = loss.detach().clone()
+            dist.all_reduce(report)
+            losses.append(report.item() / world)
+    return losses
+
+
+def check_two_ranks(ctx: SelftestContext) -> Outcome:
+    """ZeRO-3 at world size 2 on the one device against the CPU path on the whole batch: NCCL where it
+    accepts two ranks on one GPU, else gloo (on the dry run, gloo on the CPU)."""
+    from plait.kernels.testing import DistributedTestError, run_distributed
+
+    width, layers, rows = shape(ctx)
+    with exact_fp32():
+        want = cpu_reference_losses(ctx)
+    args = (ctx.device.type, width, layers, rows)
+    refused = ""
+    if ctx.device.type == "cuda":
+        try:
+            got = run_distributed(two_rank_losses, 2, *args, backend="nccl", timeout=60)[0]
+            return compare_losses("ZeRO-3 fp32, world 2 on one GPU over nccl", got, want)
+        except DistributedTestError as exc:
+            refused = f"nccl refused two ranks on one GPU ({_last_line(str(exc))}); "
+    ctx.deadline.check("ZeRO-3 world 2 over gloo")
+    try:
+        got = run_distributed(two_rank_losses, 2, *args, backend="gloo", timeout=60)[0]
+    except DistributedTestError as exc:
+        if refused:
+            raise Skip(f"{refused}gloo failed too: {_last_line(str(exc))}") from exc
+        raise
+    return compare_losses(f"ZeRO-3 fp32, world 2 on one {ctx.device.type} device over gloo", got, want,
+                          why=refused.rstrip("; "))
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of an error (the exception itself), shortened for a table note."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else "no message")[:200]
+
+
 def checks(ctx: SelftestContext) -> list[Check]:
     """plait-zero-sharding's checks (entry point ``plait.selftest`` ``zero-sharding``)."""
     del ctx
     return [Check(f"zero-sharding/zero{stage}", _stage(stage), 40) for stage in (1, 2, 3)] + [
-        Check("zero-sharding/zero++", check_zeropp, 40)]
+        Check("zero-sharding/zero++", check_zeropp, 40), Check("zero-sharding/zero3-world2", check_two_ranks, 150)]
