@@ -2,7 +2,8 @@
 with RoPE, top-k routing and fused MoE against their torch references at the tolerance table's
 bound; decode attention's bandwidth as a share of ``copy_``'s; and the HF patching of a random
 Llama (1B-shaped on a GPU) and Qwen3-MoE: greedy tokens equal to unpatched HF, and prefill/decode
-time against it. Liger-Kernel's row is skipped with the reason where it does not import.
+time against it, and against Liger-Kernel where it imports (a GPU run only; a SKIP with the
+reason elsewhere).
 """
 
 from __future__ import annotations
@@ -176,12 +177,45 @@ def _hf_patching(ctx: SelftestContext, family: str) -> Outcome:
     return Outcome(PASS if same else FAIL, "HF prefill time / plait's", prefill["hf"] / prefill["plait"], "", text)
 
 
+def _prefill_decode(model, ids: torch.Tensor, new: int, ctx: SelftestContext) -> tuple[float, float]:
+    """Seconds of one prefill of ``ids``, and per generated token of a greedy ``new``-token decode."""
+    generate = dict(max_new_tokens=new, do_sample=False, min_new_tokens=new, pad_token_id=0)
+    repeats, warmup = ctx.pick((5, 1), (1, 0))
+    prefill = device_seconds(lambda: model(ids), ctx, repeats=repeats, warmup=warmup)
+    whole = device_seconds(lambda: model.generate(ids, **generate), ctx, repeats=repeats, warmup=warmup)
+    return prefill, (whole - prefill) / new
+
+
 def check_liger(ctx: SelftestContext) -> Outcome:
-    """Liger-Kernel as a peer of the HF patching: skipped with the reason where it does not import."""
-    del ctx
+    """Liger-Kernel as a peer of the HF patching on the 1B-shaped Llama in bf16: prefill and decode
+    time of Liger's patched model against plait's. Liger patches ``modeling_llama`` module-wide (its
+    RoPE, RMSNorm and MLP classes), so plait is timed first and the module is restored afterwards."""
     if importlib.util.find_spec("liger_kernel") is None:
-        raise Skip("Liger-Kernel is not installed here (pip install liger-kernel); no peer timing")
-    raise Skip("Liger-Kernel imports, but the selftest does not time it: `plait bench inference-kernels` does")
+        raise Skip("Liger-Kernel is not installed here (carry its wheel, docs/gpu.md); no peer timing")
+    if ctx.dry_run:
+        raise Skip("Liger-Kernel's kernels need a GPU; the peer timing runs on a GPU run only")
+    if importlib.util.find_spec("transformers") is None:
+        raise Skip("transformers is not installed")
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    prompt, new = 512, 32
+    saved = {name: getattr(modeling_llama, name) for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    try:
+        with torch.no_grad():
+            hf, ours, config = _pair(ctx, "llama", torch.bfloat16)
+            ids = torch.randint(0, config.vocab_size, (1, prompt), device=ctx.device)
+            plait = _prefill_decode(ours, ids, new, ctx)
+            del ours
+            ctx.deadline.check("Liger timing")
+            apply_liger_kernel_to_llama(model=hf, fused_linear_cross_entropy=False)
+            liger = _prefill_decode(hf, ids, new, ctx)
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
+    note = (f"Llama-3.2-1B-shaped, bf16, prompt {prompt}: prefill plait {plait[0] * 1e3:.1f} vs Liger "
+            f"{liger[0] * 1e3:.1f} ms, decode plait {plait[1] * 1e3:.2f} vs Liger {liger[1] * 1e3:.2f} ms/token")
+    return Outcome(PASS, "Liger prefill time / plait's", liger[0] / plait[0], "", note)
 
 
 def checks(ctx: SelftestContext) -> list[Check]:
@@ -194,5 +228,5 @@ def checks(ctx: SelftestContext) -> list[Check]:
         Check("inference-kernels/fused_moe", check_fused_moe, 90),
         Check("inference-kernels/hf llama", lambda c: _hf_patching(c, "llama"), 90),
         Check("inference-kernels/hf qwen3-moe", lambda c: _hf_patching(c, "qwen3_moe"), 120),
-        Check("inference-kernels/liger peer", check_liger, 5),
+        Check("inference-kernels/liger peer", check_liger, 60),
     ]
