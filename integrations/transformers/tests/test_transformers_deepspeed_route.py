@@ -1,0 +1,146 @@
+"""A DeepSpeed user's unedited HF Trainer script (``--deepspeed ds.json``) run by
+``plait.transformers.launch`` on 2 gloo ranks: it trains on plait's ZeRO, its loss curve equals
+plait's own Trainer backend bitwise, and its checkpoint resumes bitwise. One 2-rank session runs
+every variant; a slow test runs the same script under DeepSpeed itself as the oracle."""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.kernels.testing import run_distributed
+
+# What a DeepSpeed user writes: HfArgumentParser, TrainingArguments, Trainer; nothing of plait.
+SCRIPT = '''
+import torch
+import transformers
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count=64, seq_len=32):
+        self.ids = torch.randint(0, 256, (count, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main():
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    transformers.set_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if args.process_index == 0:
+        trainer.state.save_to_json(f"{args.output_dir}/final_state.json")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+ARGS = ["--per_device_train_batch_size", "4", "--max_steps", "4", "--learning_rate", "1e-3", "--weight_decay", "0.01",
+        "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true", "--seed", "0",
+        "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--max_grad_norm", "0.3",
+        "--save_strategy", "steps", "--save_steps", "2"]
+# The shape of the HF documentation's ZeRO-2 / ZeRO-3 files, "auto" values filled from TrainingArguments.
+AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+        "steps_per_print": 2000, "wall_clock_breakdown": False}
+ZERO2 = {**AUTO, "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                                       "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
+                                       "contiguous_gradients": True}}
+ZERO3 = {**AUTO,
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                                   "torch_adam": True}},
+         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+         "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                               "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                               "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                               "stage3_max_reuse_distance": 1e9,
+                               "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+def _losses(output_dir: Path) -> list[float]:
+    history = json.loads((output_dir / "final_state.json").read_text())["log_history"]
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def _run(tmp: Path, name: str, route: str, config: dict[str, Any] | None, *extra: str) -> list[float]:
+    """Run the user's script on this rank: through plait's launcher, or plainly (DeepSpeed / plait's own backend)."""
+    from plait.transformers import launch
+    from plait.transformers.demo import quiet
+
+    quiet()
+    out = tmp / name
+    argv = [str(tmp / "train.py"), "--output_dir", str(out), *ARGS, *extra]
+    if config is not None:
+        (tmp / f"{name}.json").write_text(json.dumps(config))
+        argv += ["--deepspeed", str(tmp / f"{name}.json")]
+    old = sys.argv
+    try:
+        if route == "launch":
+            launch.main(argv)
+        else:
+            sys.argv = argv
+            if route == "deepspeed":
+                import deepspeed  # noqa: F401 - DeepSpeed's CPU accelerator, gloo transport (no shm op build)
+
+                sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        sys.argv = old
+    import torch.distributed as dist
+
+    dist.barrier()
+    return _losses(out)
+
+
+def _own_backend(tmp: Path, name: str, stage: int) -> list[float]:
+    """The same script with plait's own config ($PLAIT_CONFIG), the reference for the DeepSpeed route."""
+    import os
+
+    os.environ["PLAIT_CONFIG"] = json.dumps({"zero": {"stage": stage}})
+    try:
+        return _run(tmp, name, "launch", None)
+    finally:
+        del os.environ["PLAIT_CONFIG"]
+
+
+def _plait_session(tmp: str) -> dict[str, Any]:
+    root = Path(tmp)
+    out = {"zero2": _run(root, "zero2", "launch", ZERO2), "own2": _own_backend(root, "own2", 2),
+           "zero3": _run(root, "zero3", "launch", ZERO3)}
+    out["zero3_resumed"] = _run(root, "zero3_resumed", "launch", ZERO3, "--resume_from_checkpoint",
+                                str(root / "zero3" / "checkpoint-2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plait_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("dsroute")
+    (tmp / "train.py").write_text(SCRIPT)
+    return run_distributed(_plait_session, 2, str(tmp), timeout=600)[0]
+
+
+def test_zero2_config_trains_as_plaits_own_backend(plait_runs: dict[str, Any]) -> None:
+    assert len(plait_runs["zero2"]) == 4
+    assert plait_runs["zero2"] == plait_runs["own2"]  # bitwise: the same ZeroConfig, optimizer and schedule
+
+
+def test_zero3_config_with_its_optimizer_and_schedule_resumes_bitwise(plait_runs: dict[str, Any]) -> None:
+    full, resumed = plait_runs["zero3"], plait_runs["zero3_resumed"]
+    assert len(full) == 4 and all(math.isfinite(x) for x in full)
+    assert full != plait_runs["zero2"]  # its own optimizer groups and WarmupDecayLR, not the Trainer's
+    assert resumed[-2:] == full[-2:]  # steps 3 and 4 after resuming from checkpoint-2
