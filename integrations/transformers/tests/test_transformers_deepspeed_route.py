@@ -53,6 +53,8 @@ ARGS = ["--per_device_train_batch_size", "4", "--max_steps", "4", "--learning_ra
         "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true", "--seed", "0",
         "--gradient_accumulation_steps", "2", "--warmup_steps", "1", "--max_grad_norm", "0.3",
         "--save_strategy", "steps", "--save_steps", "2"]
+# fp32 on both sides: only the order of the cross-rank sums and of Adam's arithmetic differs.
+RTOL_DEEPSPEED = 1e-5
 # The shape of the HF documentation's ZeRO-2 / ZeRO-3 files, "auto" values filled from TrainingArguments.
 AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
@@ -144,3 +146,39 @@ def test_zero3_config_with_its_optimizer_and_schedule_resumes_bitwise(plait_runs
     assert len(full) == 4 and all(math.isfinite(x) for x in full)
     assert full != plait_runs["zero2"]  # its own optimizer groups and WarmupDecayLR, not the Trainer's
     assert resumed[-2:] == full[-2:]  # steps 3 and 4 after resuming from checkpoint-2
+
+
+def _deepspeed_session(tmp: str) -> dict[str, Any]:
+    root = Path(tmp)
+    # ZeRO-3 first: DeepSpeed's ZeRO-3 Trainer fails when another Trainer ran earlier in the process.
+    return {name: _run(root, f"ds_{name}", "deepspeed", config)
+            for name, config in (("zero3", ZERO3), ("zero2", ZERO2))}
+
+
+def _plait_after_deepspeed(tmp: str) -> dict[str, Any]:
+    root = Path(tmp)
+    out = {name: _run(root, f"plait_{name}", "launch", config) for name, config in (("zero2", ZERO2), ("zero3", ZERO3))}
+    # checkpoint-2 written by the Trainer under DeepSpeed, continued on plait.
+    out["from_ds_zero3"] = _run(root, "plait_from_ds_zero3", "launch", ZERO3, "--resume_from_checkpoint",
+                                str(root / "ds_zero3" / "checkpoint-2"))
+    return out
+
+
+@pytest.mark.slow
+def test_the_same_script_under_deepspeed_gives_the_same_losses(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    (tmp_path / "train.py").write_text(SCRIPT)
+    # Two sessions: a Trainer built after a DeepSpeed one in the same process inherits Accelerate's
+    # DeepSpeed state, which no real script meets.
+    ds = run_distributed(_deepspeed_session, 2, str(tmp_path), timeout=900)[0]
+    ours = run_distributed(_plait_after_deepspeed, 2, str(tmp_path), timeout=900)[0]
+    print(json.dumps({"deepspeed": ds, "plait": ours}))
+    for name in ("zero2", "zero3"):
+        assert len(ds[name]) == len(ours[name]) == 4
+        assert max(abs(a - b) / abs(b) for a, b in zip(ours[name], ds[name], strict=True)) <= RTOL_DEEPSPEED, name
+    # The log history of steps 1-2 comes from DeepSpeed's checkpoint; steps 3-4 ran on plait from its
+    # weights, fp32 masters and Adam moments (a fresh start would give other losses).
+    resumed = ours["from_ds_zero3"]
+    assert resumed[:2] == ds["zero3"][:2]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed[2:], ds["zero3"][2:], strict=True)) <= RTOL_DEEPSPEED
+    assert (tmp_path / "ds_zero3" / "checkpoint-2" / "plait-universal").is_dir()

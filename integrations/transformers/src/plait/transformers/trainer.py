@@ -401,13 +401,16 @@ class PlaitTrainerMixin:
         return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if ckpt.has_training_state(resume_from_checkpoint):
+        if ckpt.has_training_state(resume_from_checkpoint) or ckpt.deepspeed_tag(resume_from_checkpoint):
             return None  # loaded after sharding, in _load_optimizer_and_scheduler
         return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not isinstance(self.model, ZeroModule):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        tag = ckpt.deepspeed_tag(checkpoint) if not ckpt.has_training_state(checkpoint) else None
+        if tag is not None:
+            return self._plait_load_deepspeed(checkpoint, tag)
         if not ckpt.has_training_state(checkpoint):
             raise ValueError(f"{checkpoint} has no plait checkpoint ({ckpt.STATE_DIR}/); its weights were loaded, "
                              "but its optimizer state cannot be split into ZeRO shards. Resume from a checkpoint "
@@ -417,6 +420,16 @@ class PlaitTrainerMixin:
         if os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
         return None
+
+    def _plait_load_deepspeed(self, checkpoint: str, tag: Any) -> None:
+        """Resume a checkpoint the Trainer wrote under DeepSpeed: shards from its tag directory, the
+        schedule from ``scheduler.pt`` (the Trainer's own) or from DeepSpeed's state (a config block)."""
+        saved = ckpt.load_deepspeed_state(tag, self.model, self.plait_optimizer)
+        path = os.path.join(checkpoint, ckpt.SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        elif saved.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def with_plait(trainer_cls: type, config: PlaitConfig | str | os.PathLike | dict | None = None) -> type:
