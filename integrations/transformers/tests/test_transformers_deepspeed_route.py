@@ -182,3 +182,48 @@ def test_the_same_script_under_deepspeed_gives_the_same_losses(tmp_path: Path) -
     assert resumed[:2] == ds["zero3"][:2]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed[2:], ds["zero3"][2:], strict=True)) <= RTOL_DEEPSPEED
     assert (tmp_path / "ds_zero3" / "checkpoint-2" / "plait-universal").is_dir()
+
+
+def _intercepted_trainer(tmp_path: Path, config: dict[str, Any], **args: Any) -> Any:
+    """Build (not train) the Trainer as the launcher does, on one process."""
+    import transformers
+
+    from plait.transformers.demo import TokenDataset, tiny_llama_model, training_args
+    from plait.transformers.ds_route import deepspeed_intercepted
+    from plait.transformers.launch import plait_trainer_patched
+
+    with plait_trainer_patched(), deepspeed_intercepted():
+        targs = training_args(str(tmp_path / "out"), deepspeed=config, **args)
+        assert targs.deepspeed is None and targs.deepspeed_plugin is None  # DeepSpeed's route never entered
+        return transformers.Trainer(model=tiny_llama_model(), args=targs, train_dataset=TokenDataset(8))
+
+
+def test_a_key_plait_does_not_run_is_refused_by_name_before_training(tmp_path: Path) -> None:
+    config = {**ZERO3, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(ValueError, match=r"zero_optimization\.offload_param\.device"):
+        _intercepted_trainer(tmp_path, config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_value_contradicting_training_arguments_is_refused_as_hf_refuses_it(tmp_path: Path) -> None:
+    config = {**ZERO2, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 vs .*\n.*optimizer\.params\.lr=0\.0003"):
+        _intercepted_trainer(tmp_path, config, gradient_accumulation_steps=2)
+
+
+def test_clipping_follows_the_configs_gradient_clipping_as_under_deepspeed(tmp_path: Path) -> None:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    no_clip = {k: v for k, v in ZERO3.items() if k != "gradient_clipping"}
+    trainer = _intercepted_trainer(tmp_path, no_clip, max_grad_norm=1.0)
+    assert trainer.args.max_grad_norm == 0.0  # DeepSpeed clips only when the config says so
+    assert trainer.plait_config.zero.stage == 3 and not is_deepspeed_zero3_enabled()
+    assert _intercepted_trainer(tmp_path, ZERO3, max_grad_norm=0.5).args.max_grad_norm == 0.5
+
+
+def test_a_one_bit_optimizer_block_becomes_plaits_one_bit_config(tmp_path: Path) -> None:
+    pytest.importorskip("plait.onebit_optim")
+    block = {"type": "OneBitAdam", "params": {"freeze_step": 2, "lr": "auto", "cuda_aware": False}}
+    trainer = _intercepted_trainer(tmp_path, {**ZERO2, "optimizer": block}, max_grad_norm=0.0)
+    assert type(trainer.plait_config.onebit).__name__ == "OnebitAdamConfig"
+    assert trainer.plait_config.onebit.freeze_step == 2
