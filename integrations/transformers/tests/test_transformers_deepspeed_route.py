@@ -1,12 +1,14 @@
 """A DeepSpeed user's unedited HF Trainer script (``--deepspeed ds.json``) run by
 ``plait.transformers.launch`` on 2 gloo ranks: it trains on plait's ZeRO, its loss curve equals
 plait's own Trainer backend bitwise, and its checkpoint resumes bitwise. One 2-rank session runs
-every variant; a slow test runs the same script under DeepSpeed itself as the oracle."""
+every variant; an opt-in test (``PLAIT_DEEPSPEED_ORACLE=1``) runs the same script under DeepSpeed
+itself as the oracle and continues DeepSpeed's checkpoint on plait."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -111,8 +113,6 @@ def _run(tmp: Path, name: str, route: str, config: dict[str, Any] | None, *extra
 
 def _own_backend(tmp: Path, name: str, stage: int) -> list[float]:
     """The same script with plait's own config ($PLAIT_CONFIG), the reference for the DeepSpeed route."""
-    import os
-
     os.environ["PLAIT_CONFIG"] = json.dumps({"zero": {"stage": stage}})
     try:
         return _run(tmp, name, "launch", None)
@@ -155,30 +155,30 @@ def _deepspeed_session(tmp: str) -> dict[str, Any]:
             for name, config in (("zero3", ZERO3), ("zero2", ZERO2))}
 
 
-def _plait_after_deepspeed(tmp: str) -> dict[str, Any]:
+def _plait_from_deepspeed(tmp: str) -> list[float]:
     root = Path(tmp)
-    out = {name: _run(root, f"plait_{name}", "launch", config) for name, config in (("zero2", ZERO2), ("zero3", ZERO3))}
     # checkpoint-2 written by the Trainer under DeepSpeed, continued on plait.
-    out["from_ds_zero3"] = _run(root, "plait_from_ds_zero3", "launch", ZERO3, "--resume_from_checkpoint",
-                                str(root / "ds_zero3" / "checkpoint-2"))
-    return out
+    return _run(root, "plait_from_ds_zero3", "launch", ZERO3, "--resume_from_checkpoint",
+                str(root / "ds_zero3" / "checkpoint-2"))
 
 
 @pytest.mark.slow
-def test_the_same_script_under_deepspeed_gives_the_same_losses(tmp_path: Path) -> None:
+@pytest.mark.skipif(os.environ.get("PLAIT_DEEPSPEED_ORACLE") != "1",
+                    reason="DeepSpeed itself as the oracle: two more 2-rank sessions (about 30 s on 2 idle cores, "
+                           "over the CI budget); set PLAIT_DEEPSPEED_ORACLE=1 to run it")
+def test_the_same_script_under_deepspeed_gives_the_same_losses(tmp_path: Path, plait_runs: dict[str, Any]) -> None:
     pytest.importorskip("deepspeed")
     (tmp_path / "train.py").write_text(SCRIPT)
-    # Two sessions: a Trainer built after a DeepSpeed one in the same process inherits Accelerate's
-    # DeepSpeed state, which no real script meets.
+    # Separate sessions: a Trainer built after a DeepSpeed one in the same process inherits
+    # Accelerate's DeepSpeed state, which no real script meets.
     ds = run_distributed(_deepspeed_session, 2, str(tmp_path), timeout=900)[0]
-    ours = run_distributed(_plait_after_deepspeed, 2, str(tmp_path), timeout=900)[0]
-    print(json.dumps({"deepspeed": ds, "plait": ours}))
-    for name in ("zero2", "zero3"):
-        assert len(ds[name]) == len(ours[name]) == 4
-        assert max(abs(a - b) / abs(b) for a, b in zip(ours[name], ds[name], strict=True)) <= RTOL_DEEPSPEED, name
+    resumed = run_distributed(_plait_from_deepspeed, 2, str(tmp_path), timeout=900)[0]
+    print(json.dumps({"deepspeed": ds, "plait": plait_runs, "plait_from_deepspeed": resumed}))
+    for name in ("zero2", "zero3"):  # plait_runs ran the same script, arguments and configs
+        assert len(ds[name]) == len(plait_runs[name]) == 4
+        assert max(abs(a - b) / abs(b) for a, b in zip(plait_runs[name], ds[name], strict=True)) <= RTOL_DEEPSPEED
     # The log history of steps 1-2 comes from DeepSpeed's checkpoint; steps 3-4 ran on plait from its
     # weights, fp32 masters and Adam moments (a fresh start would give other losses).
-    resumed = ours["from_ds_zero3"]
     assert resumed[:2] == ds["zero3"][:2]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed[2:], ds["zero3"][2:], strict=True)) <= RTOL_DEEPSPEED
     assert (tmp_path / "ds_zero3" / "checkpoint-2" / "plait-universal").is_dir()
