@@ -102,6 +102,30 @@ def load_training_state(checkpoint: str | os.PathLike, model: ZeroModule, optimi
     return universal_ckpt.load(_state(model, optimizer), Path(checkpoint, STATE_DIR), verify=verify)
 
 
+def deepspeed_tag(checkpoint: str | os.PathLike) -> Path | None:
+    """The DeepSpeed tag directory inside a ``checkpoint-N/`` written by the Trainer under DeepSpeed
+    (its ``latest`` file names it), or ``None``."""
+    from plait.zero_sharding.deepspeed.ds_resume import deepspeed_tag_dir
+
+    return deepspeed_tag_dir(checkpoint, None)
+
+
+def load_deepspeed_state(tag_dir: Path, model: ZeroModule, optimizer: Any) -> dict[str, Any]:
+    """Continue a DeepSpeed run: its checkpoint's weights, fp32 masters and Adam moments into the
+    shards (converted once by plait-universal-ckpt's DeepSpeed importer), its step count into the
+    optimizer. Collective.
+
+    Returns:
+        DeepSpeed's saved counters and scheduler state (see
+        :func:`plait.zero_sharding.deepspeed.ds_resume.load_into_module`).
+    """
+    from plait.zero_sharding.deepspeed.ds_resume import load_into_module
+
+    saved = load_into_module(model, tag_dir)
+    optimizer.steps_taken = int(saved.get("global_steps") or 0)
+    return saved
+
+
 def base_class(model: ZeroModule) -> type:
     """The model's own class (``LlamaForCausalLM``), not the dynamic ZeRO subclass it became."""
     return model.zero_base_class

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.transformers import checkpoint as ckpt
-from plait.transformers import loading, onebit, parallel, settings
+from plait.transformers import ds_route, loading, onebit, parallel, settings
 from plait.transformers.config import (
     PlaitConfig,
     check_features,
@@ -125,6 +125,8 @@ class PlaitTrainerMixin:
     """The overrides (see the module docstring). Use :func:`with_plait` rather than this directly."""
 
     plait_default: PlaitConfig | None = None
+    # Set by plait.transformers.launch: a run with neither $PLAIT_CONFIG nor a DeepSpeed config is refused.
+    plait_require_source: bool = False
 
     # ---- configuration ---------------------------------------------------------------------------
     def _plait_resolve(self) -> PlaitConfig:
@@ -133,12 +135,22 @@ class PlaitTrainerMixin:
         Raises:
             ValueError: more than one of them is given.
         """
+        deepspeed = getattr(self.args, ds_route.ATTRIBUTE, None)
         given = {"with_plait(config=...)": self.plait_default,
                  "TrainingArguments.plait_config": getattr(self.args, "plait_config", None),
-                 "$PLAIT_CONFIG": settings.config_source()}
+                 "$PLAIT_CONFIG": settings.config_source(),
+                 "TrainingArguments.deepspeed (run by plait.transformers.launch)": deepspeed}
         present = {name: value for name, value in given.items() if value is not None}
         if len(present) > 1:
             raise ValueError(f"a plait config is given by {' and '.join(present)}; give it in one place only.")
+        if not present and self.plait_require_source:
+            raise ValueError("plait.transformers.launch found no config: set $PLAIT_CONFIG to a plait JSON file, or "
+                             "give the script's TrainingArguments a DeepSpeed config (--deepspeed ds_config.json).")
+        self._plait_ds_plan = None
+        if deepspeed is not None:
+            config, self._plait_ds_plan = ds_route.plan_for(deepspeed, self.args, world_size=self.args.world_size,
+                                                            model=self.model)
+            return config
         return load_config(next(iter(present.values()), PlaitConfig()))
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -194,6 +206,7 @@ class PlaitTrainerMixin:
                              "directly with the extension's groups.")
         if self.plait_config.offload is not None:
             kwargs["placement"] = self.plait_config.placement()
+        self._plait_deepspeed_optimizer(given)
         original = super().create_optimizer(model)  # type: ignore[misc]
         # Weights come from the files right after sharding: skip initialising what they overwrite.
         init = (lambda module: None) if weights is not None else None
@@ -208,6 +221,40 @@ class PlaitTrainerMixin:
         self._plait_skips_seen = 0
         sharded.register_step_post_hook(self._plait_report_skip)
         return sharded
+
+    def _plait_deepspeed_optimizer(self, given: bool) -> None:
+        """The DeepSpeed config's ``optimizer`` block as the Trainer's optimizer (DeepSpeed route only).
+
+        Raises:
+            ValueError: the block and an optimizer given to the Trainer (``optimizers=`` or
+                ``optimizer_cls_and_kwargs=``).
+        """
+        plan = getattr(self, "_plait_ds_plan", None)
+        if plan is None or plan.optimizer is None:
+            return
+        if given or self.optimizer_cls_and_kwargs is not None:
+            raise ValueError("the DeepSpeed config has an optimizer block and the Trainer was also given an optimizer "
+                             "(optimizers= or optimizer_cls_and_kwargs=); remove one of them.")
+        self.optimizer = ds_route.optimizer_for(plan, self.model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """DeepSpeed's schedule when the DeepSpeed config has a ``scheduler`` block (its ``"auto"``
+        step counts from ``num_training_steps``, as HF fills them); otherwise the Trainer's own.
+
+        Raises:
+            ValueError: a scheduler key contradicting ``TrainingArguments`` (named).
+        """
+        plan = getattr(self, "_plait_ds_plan", None)
+        if plan is None or plan.scheduler is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
+        from plait.zero_sharding.deepspeed.schedules import build_schedule
+
+        _, final = ds_route.plan_for(getattr(self.args, ds_route.ATTRIBUTE), self.args,
+                                     world_size=self.args.world_size, model=self.model,
+                                     num_training_steps=num_training_steps)
+        self.lr_scheduler = build_schedule(optimizer or self.optimizer, final.scheduler)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _plait_parallel(self) -> tuple[list[Any], Any]:
         """The config's extensions plus sequence/expert parallelism on their mesh (collective), and
@@ -354,13 +401,16 @@ class PlaitTrainerMixin:
         return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if ckpt.has_training_state(resume_from_checkpoint):
+        if ckpt.has_training_state(resume_from_checkpoint) or ckpt.deepspeed_tag(resume_from_checkpoint):
             return None  # loaded after sharding, in _load_optimizer_and_scheduler
         return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not isinstance(self.model, ZeroModule):
             return super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        tag = ckpt.deepspeed_tag(checkpoint) if not ckpt.has_training_state(checkpoint) else None
+        if tag is not None:
+            return self._plait_load_deepspeed(checkpoint, tag)
         if not ckpt.has_training_state(checkpoint):
             raise ValueError(f"{checkpoint} has no plait checkpoint ({ckpt.STATE_DIR}/); its weights were loaded, "
                              "but its optimizer state cannot be split into ZeRO shards. Resume from a checkpoint "
@@ -370,6 +420,16 @@ class PlaitTrainerMixin:
         if os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
         return None
+
+    def _plait_load_deepspeed(self, checkpoint: str, tag: Any) -> None:
+        """Resume a checkpoint the Trainer wrote under DeepSpeed: shards from its tag directory, the
+        schedule from ``scheduler.pt`` (the Trainer's own) or from DeepSpeed's state (a config block)."""
+        saved = ckpt.load_deepspeed_state(tag, self.model, self.plait_optimizer)
+        path = os.path.join(checkpoint, ckpt.SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        elif saved.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
 
 
 def with_plait(trainer_cls: type, config: PlaitConfig | str | os.PathLike | dict | None = None) -> type:

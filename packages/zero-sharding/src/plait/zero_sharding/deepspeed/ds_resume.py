@@ -78,6 +78,30 @@ def _client_state(tag_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in _load(model_file).items() if k not in _DEEPSPEED_KEYS}
 
 
+def load_into_module(module: Any, tag_dir: Path) -> dict[str, Any]:
+    """Load DeepSpeed's checkpoint ``tag_dir`` into a sharded model (collective: every rank calls it).
+
+    The parameters, fp32 masters and optimizer moments go into ``module`` (a ``ZeroModule`` at any
+    world size or ZeRO stage); what DeepSpeed keeps beside them is returned.
+
+    Args:
+        module: the sharded model.
+        tag_dir: DeepSpeed's tag directory (``global_stepN``).
+
+    Returns:
+        DeepSpeed's counters and states: ``global_steps``, ``global_samples``, ``skipped_steps``,
+        ``lr_scheduler`` (those present).
+
+    Raises:
+        plait.universal_ckpt.CheckpointError: a layout the importer does not read (named by it).
+    """
+    from plait.universal_ckpt import load
+
+    extras = _Extras()
+    load({"model": module, "deepspeed": extras}, _converted(tag_dir), strict=False)
+    return extras.value
+
+
 def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, *, load_lr_scheduler_states: bool) -> tuple[str, dict]:
     """Load DeepSpeed's checkpoint ``tag_dir`` into ``engine`` (collective: every rank calls it).
 
@@ -92,11 +116,7 @@ def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, *, load_lr_scheduler_s
     Raises:
         plait.universal_ckpt.CheckpointError: a layout the importer does not read (named by it).
     """
-    from plait.universal_ckpt import load
-
-    extras = _Extras()
-    load({"model": engine.module, "deepspeed": extras}, _converted(tag_dir), strict=False)
-    saved = extras.value
+    saved = load_into_module(engine.module, tag_dir)
     engine.global_steps = int(saved.get("global_steps") or 0)
     engine.global_samples = int(saved.get("global_samples") or engine.global_steps * engine.train_batch_size())
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
