@@ -40,6 +40,7 @@ from plait.universal_ckpt.errors import (
     UnsafeObjectError,
 )
 from plait.universal_ckpt.exchange import Group, agree, all_gather_objects, broadcast_object
+from plait.universal_ckpt.interop.hf import TIED_ALIASES
 from plait.universal_ckpt.manifest import (
     HASH_ALGORITHM,
     MANIFEST_NAME,
@@ -322,9 +323,27 @@ def _prepare(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_
         if error is not None:
             raise error
         raise CheckpointExistsError(message) if "Exists" in message else CheckpointWriteError(message)
-    pieces, objects, keys = _describe(adapt(state, g.ranks), g, snapshot=snapshot, allow_pickle=allow_pickle)
+    adapters = adapt(state, g.ranks)
+    pieces, objects, keys = _describe(adapters, g, snapshot=snapshot, allow_pickle=allow_pickle)
     _phase("prepared")
-    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes, user_meta or {}, allow_pickle)
+    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes,
+                 _with_tied_aliases(user_meta or {}, adapters), allow_pickle)
+
+
+def _with_tied_aliases(user_meta: dict, adapters: list[Adapter]) -> dict:
+    """``user_meta`` plus the tied names of every producer that reports them (``checkpoint_aliases()``:
+    a sharded model holds a tied tensor once), so consolidated exports give every name back."""
+    found = {}
+    for adapter in adapters:
+        report = getattr(getattr(adapter, "producer", None), "checkpoint_aliases", None)
+        aliases = report() if callable(report) else None
+        if aliases:
+            found[adapter.key] = dict(aliases)
+    if not found:
+        return user_meta
+    recorded = user_meta.get(TIED_ALIASES, {})
+    merged = {key: {**found.get(key, {}), **recorded.get(key, {})} for key in {*found, *recorded}}
+    return {**user_meta, TIED_ALIASES: merged}
 
 
 class SaveHandle:
