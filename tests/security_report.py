@@ -28,6 +28,13 @@ ATTACKS = {
         "against `plait ckpt verify`, `plait ckpt inspect --hash` and `uc.load`",
         "verify/inspect hash the bytes and never unpickle (OK, nothing runs); load refuses with "
         "`UnsafeObjectError` naming the file and `posix.system`; the marker never appears"),
+    "test_json_objects_run_no_unpickler": (
+        "loading plain non-tensor state (optimizer param groups, LR schedulers, `GradScaler`, RNG); a "
+        "crafted JSON objects file (pickle bytes under an unknown `$plait` kind, a tensor declaring 2**40 "
+        "elements) with a re-signed manifest",
+        "objects file holds JSON; no unpickler runs for plain values (the load passes with `torch.load` and "
+        "`pickle` disabled); the crafted files are refused with `CheckpointFormatError` naming the file and "
+        "key path, before any tensor is allocated; the marker never appears"),
     "test_unsafe_value_refused_at_save_naming_the_key_path": (
         "saving a value outside the allowlist (a function in `extra`)",
         "refused before anything is written: `UnsafeObjectError` names the key path and type and the "

@@ -104,11 +104,11 @@ def test_truncated_deleted_swapped(pristine, tmp_path):
     b.write_bytes(a_bytes)
     assert _refuse(ckpt, uc.CheckpointIntegrityError).file in ("data/rank-00000.bin", "data/rank-00001.bin")
     ckpt = _copy(pristine, tmp_path / "d")
-    obj = ckpt / "objects/rank-00000.pt"
+    obj = ckpt / "objects/rank-00000.json"
     data = bytearray(obj.read_bytes())
     data[-10] ^= 1
     obj.write_bytes(data)
-    assert _refuse(ckpt, uc.CheckpointIntegrityError).file == "objects/rank-00000.pt"
+    assert _refuse(ckpt, uc.CheckpointIntegrityError).file == "objects/rank-00000.json"
 
 
 def _rewrite_manifest(ckpt: Path, edit) -> None:

@@ -8,9 +8,12 @@ appear. The attacks are listed in ``ATTACKS`` and written into the security resu
 from __future__ import annotations
 
 import argparse
+import base64
 import enum
+import hashlib
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -64,15 +67,17 @@ def _resign(ckpt: Path, edit) -> None:
 
 
 def _plant_objects(ckpt: Path, payload: object) -> None:
-    """Replace rank 0's object file with ``payload`` and re-sign the manifest to match."""
-    import hashlib
-
+    """Replace rank 0's object file with a pickle of ``payload`` (the older format) and re-sign
+    the manifest to match, as an attacker can."""
+    for old in (ckpt / "objects").iterdir():
+        old.unlink()
     data_path = ckpt / "objects/rank-00000.pt"
     torch.save(payload, data_path)
     data = data_path.read_bytes()
 
     def edit(body: dict) -> None:
-        body["objects"]["0"].update(nbytes=len(data), hash=hashlib.sha256(data).hexdigest())
+        body["objects"]["0"].update(file="objects/rank-00000.pt", nbytes=len(data),
+                                    hash=hashlib.sha256(data).hexdigest(), encoding="pickle")
 
     _resign(ckpt, edit)
 
@@ -139,6 +144,34 @@ def test_crafted_objects_never_run(ckpt, tmp_path, capsys):
     with pytest.raises(uc.UnsafeObjectError, match="posix.system|os.system") as info:
         uc.load(_state(1), ckpt)
     assert info.value.key_path == "objects/rank-00000.pt"
+    assert not marker.exists()
+
+
+def test_json_objects_run_no_unpickler(ckpt, tmp_path, monkeypatch):
+    # the fixture's state (optimizer, SequentialLR over LambdaLR, GradScaler, RNG) is all plain: JSON
+    record = uc.read_manifest(ckpt).objects[0]
+    assert (record.encoding, record.file) == ("json", "objects/rank-00000.json")
+
+    def no_unpickler(*args, **kwargs):
+        raise AssertionError("an unpickler ran")
+
+    with monkeypatch.context() as patch:
+        for owner, name in ((torch, "load"), (pickle, "loads"), (pickle, "Unpickler")):
+            patch.setattr(owner, name, no_unpickler)
+        uc.load(_state(1), ckpt)
+    # a forger's JSON: pickle bytes under an unknown kind, and a tensor declaring 2**40 elements
+    marker = tmp_path / "pwned"
+    payload = base64.b64encode(pickle.dumps(_Marker(marker))).decode()
+    for value, match in (({"$plait": "pickle", "base64": payload}, "unknown kind 'pickle'"),
+                         ({"$plait": "tensor", "dtype": "float32", "shape": [1 << 40], "base64": ""},
+                          "data bytes for shape")):
+        data = json.dumps({"format": "plait-objects", "version": 1, "objects": {"sched": value}}).encode()
+        (ckpt / record.file).write_bytes(data)
+        fields = {"nbytes": len(data), "hash": hashlib.sha256(data).hexdigest()}
+        _resign(ckpt, lambda body, fields=fields: body["objects"]["0"].update(fields))
+        with pytest.raises(uc.CheckpointFormatError, match=match) as info:
+            uc.load(_state(1), ckpt)
+        assert "objects/rank-00000.json" in str(info.value) and "['sched']" in str(info.value)
     assert not marker.exists()
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from plait import universal_ckpt
 from plait.kernels import collectives
-from plait.kernels.state_names import with_aliases
+from plait.kernels.state_names import tied_aliases, with_aliases
 from plait.universal_ckpt.directory import resolve
 from plait.universal_ckpt.interop.hf import TIED_ALIASES, export_hf
 
@@ -129,6 +129,10 @@ class ShardedModelView:
                 piece = dataclasses.replace(piece, spec=dataclasses.replace(spec, replica_ranks=ranks))
             out[name] = piece
         return out
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """The module's tied names in the pieces' naming (recorded by plait.universal_ckpt.save)."""
+        return tied_aliases(self.module, prefix=PIECE_PREFIX)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Hand the filled pieces to the module."""

@@ -150,7 +150,7 @@ class TensorEntry:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObjectFile:
-    """One rank's pickled non-tensor state (RNG, scheduler, scaler, data position, extra).
+    """One rank's non-tensor state (RNG, scheduler, scaler, data position, extra).
 
     Attributes:
         rank: the rank that wrote it.
@@ -158,6 +158,8 @@ class ObjectFile:
         nbytes: file size.
         hash: hex digest of the whole file.
         keys: the state-dict keys stored in it.
+        encoding: ``"json"`` (read without any unpickler) or ``"pickle"`` (read with the
+            restricted unpickler); manifests without the field are ``"pickle"``.
     """
 
     rank: int
@@ -165,6 +167,7 @@ class ObjectFile:
     nbytes: int
     hash: str
     keys: tuple[str, ...]
+    encoding: str = "pickle"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -285,7 +288,8 @@ def _to_plain(manifest: Manifest) -> dict:
         **({"checksum_algorithm": manifest.checksum_algorithm} if manifest.checksum_algorithm is not None else {}),
         "layout": dataclasses.asdict(manifest.layout),
         "files": dict(sorted(manifest.files.items())),
-        "objects": {str(rank): {"file": o.file, "nbytes": o.nbytes, "hash": o.hash, "keys": list(o.keys)}
+        "objects": {str(rank): {"file": o.file, "nbytes": o.nbytes, "hash": o.hash, "keys": list(o.keys),
+                                "encoding": o.encoding}
                     for rank, o in sorted(manifest.objects.items())},
         "tensors": {full: entry(e) for full, e in sorted(manifest.tensors.items())},
         "user_meta": manifest.user_meta,
@@ -316,7 +320,7 @@ def _from_plain(body: dict) -> Manifest:
         for full, e in body["tensors"].items()
     }
     objects = {int(rank): ObjectFile(rank=int(rank), file=o["file"], nbytes=_int(o["nbytes"]), hash=o["hash"],
-                                     keys=tuple(o["keys"]))
+                                     keys=tuple(o["keys"]), encoding=o.get("encoding", "pickle"))
                for rank, o in body["objects"].items()}
     return Manifest(step=int(body["step"]), layout=Layout(**body["layout"]), tensors=tensors, objects=objects,
                     files={k: _int(v) for k, v in body["files"].items()}, chunk_bytes=int(body["chunk_bytes"]),

@@ -118,6 +118,9 @@ def check_manifest(manifest: Manifest) -> None:
     for rank, record in manifest.objects.items():
         check_relative(record.file, field=f"objects[{rank}].file")
         _non_negative(record.nbytes, field=f"objects[{rank}].nbytes")
+        if record.encoding not in ("json", "pickle"):
+            raise CheckpointFormatError(f"manifest field objects[{rank}].encoding must be \"json\" or \"pickle\", "
+                                        f"got {record.encoding!r}.")
     for full, entry in manifest.tensors.items():
         _check_entry(full, entry, manifest.files)
         problem = check_coverage(entry)

@@ -31,7 +31,7 @@ from plait.universal_ckpt.manifest import (
     TensorEntry,
     dtype_name,
 )
-from plait.universal_ckpt.safe_objects import dump_objects
+from plait.universal_ckpt.safe_objects import encode_objects
 from plait.universal_ckpt.storage import (
     CHECKSUM_ALGORITHM,
     chunk_digests,
@@ -77,7 +77,7 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
         raise CheckpointExistsError(f"checkpoint step {step} already exists in {root}; choose another step.")
     root.mkdir(parents=True, exist_ok=True)
     # refused before anything is written
-    serialised = {rank: (state, dump_objects(state, allow_pickle=allow_pickle))
+    serialised = {rank: (state, *encode_objects(state, allow_pickle=allow_pickle))
                   for rank, state in (objects or {}).items()}
     directory.clean_leftovers(root)
     tmp = root / directory.tmp_dir_name(step)
@@ -86,16 +86,17 @@ def write_offline(root: str | os.PathLike, *, step: int, tensors: Iterable[tuple
         (tmp / "objects").mkdir()
         entries, size = _write_tensors(tmp, tensors, chunk_bytes, progress)
         records = {}
-        for rank, (state, data) in sorted(serialised.items()):
-            rel = f"objects/rank-{rank:05d}.pt"
+        for rank, (state, data, encoding) in sorted(serialised.items()):
+            rel = f"objects/rank-{rank:05d}.{'json' if encoding == 'json' else 'pt'}"
             write_durable(tmp / rel, data)
-            records[rank] = ObjectFile(rank=rank, file=rel, nbytes=len(data),
-                                       hash=file_digest(tmp / rel), keys=tuple(sorted(state)))
+            records[rank] = ObjectFile(rank=rank, file=rel, nbytes=len(data), hash=file_digest(tmp / rel),
+                                       keys=tuple(sorted(state)), encoding=encoding)
         manifest = Manifest(step=step, layout=layout or Layout(), tensors=entries, objects=records,
                             files={DATA_FILE: size} if entries else {}, chunk_bytes=chunk_bytes,
                             checksum_algorithm=CHECKSUM_ALGORITHM if any(
                                 p.checksums is not None for e in entries.values() for p in e.pieces) else None,
-                            created_unix=time.time(), user_meta=user_meta or {}, pickled_objects=allow_pickle)
+                            created_unix=time.time(), user_meta=user_meta or {},
+                            pickled_objects=allow_pickle and any(r.encoding == "pickle" for r in records.values()))
         fsync_dir(tmp / "data")
         fsync_dir(tmp / "objects")
         write_durable(tmp / MANIFEST_NAME, manifest.to_json().encode())

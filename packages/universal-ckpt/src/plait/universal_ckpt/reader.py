@@ -28,7 +28,7 @@ from plait.universal_ckpt.errors import (
 )
 from plait.universal_ckpt.manifest import MANIFEST_NAME, Manifest, ObjectFile, Piece, TensorEntry
 from plait.universal_ckpt.manifest_checks import inside
-from plait.universal_ckpt.safe_objects import load_objects
+from plait.universal_ckpt.safe_objects import decode_objects
 from plait.universal_ckpt.storage import CHECKSUM_ALGORITHM, check_chunks, pick_digests, read_verified
 
 
@@ -68,8 +68,10 @@ def check_files(ckpt: Path, manifest: Manifest) -> None:
 def read_objects(ckpt: Path, manifest: Manifest, rank: int, *, verify: bool, trusted: bool = False) -> dict[str, Any]:
     """The non-tensor state saved by ``rank`` (rank 0's when ``rank`` did not save).
 
-    Read with a restricted unpickler (plain values, tensors, the safe-type allowlist) unless
-    ``trusted``; a checkpoint saved with ``allow_pickle=True`` is refused without ``trusted``.
+    A JSON object file is parsed, never unpickled. A pickled one (a value JSON cannot carry, or a
+    checkpoint in the older format) is read with a restricted unpickler (plain values, tensors,
+    the safe-type allowlist) unless ``trusted``; a checkpoint saved with ``allow_pickle=True``
+    is refused without ``trusted``.
 
     Raises:
         CheckpointIntegrityError: the object file's hash differs from the manifest.
@@ -78,12 +80,12 @@ def read_objects(ckpt: Path, manifest: Manifest, rank: int, *, verify: bool, tru
     if not manifest.objects:
         return {}
     record = manifest.objects.get(rank) or manifest.objects[min(manifest.objects)]
-    if manifest.pickled_objects and not trusted:
+    if manifest.pickled_objects and record.encoding == "pickle" and not trusted:
         raise UnsafeObjectError(
             f"checkpoint {ckpt} was saved with allow_pickle=True: its object files may run code when loaded. "
             "If you trust it, load with trust_pickled_objects=True.", key_path=record.file, type_name="pickle")
     data = _verified_object_bytes(ckpt, manifest, record, verify=verify)
-    return load_objects(data, file=record.file, trusted=trusted)
+    return decode_objects(data, encoding=record.encoding, file=record.file, trusted=trusted)
 
 
 def _verified_object_bytes(ckpt: Path, manifest: Manifest, record: ObjectFile, *, verify: bool) -> bytes:

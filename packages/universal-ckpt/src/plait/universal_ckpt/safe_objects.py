@@ -1,8 +1,11 @@
 """Non-tensor state that cannot run code when it is read back.
 
-A checkpoint's ``objects/rank-*.pt`` files hold the non-tensor state of each rank (optimizer
+A checkpoint's ``objects/rank-*`` files hold the non-tensor state of each rank (optimizer
 param groups, LR scheduler and loss-scaler state, RNG states, data-loader positions, plain
-values). They are written with ``torch.save`` but read with torch's restricted unpickler
+values). A rank whose values are all plain (see :mod:`plait.universal_ckpt.object_json`) is
+written as JSON, ``objects/rank-R.json``, and read without any unpickler. A rank holding a value
+JSON cannot carry (a registered enum or dataclass, a numpy value) is written as
+``objects/rank-R.pt`` with ``torch.save`` and read with torch's restricted unpickler
 (``weights_only=True``) widened only by the types listed here, so a crafted file can build
 containers, numbers, strings, tensors and the listed types, and nothing else: no function is
 called, no other class is constructed.
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from plait.universal_ckpt import object_json
 from plait.universal_ckpt.errors import CheckpointFormatError, UnsafeObjectError
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device, torch.Size)
@@ -147,6 +151,48 @@ def dump_objects(objects: dict[str, Any], *, allow_pickle: bool) -> bytes:
     if not allow_pickle:
         load_objects(data, file="<being saved>", trusted=False)  # what is written must read back restricted
     return data
+
+
+def encode_objects(objects: dict[str, Any], *, allow_pickle: bool) -> tuple[bytes, str]:
+    """Serialise one rank's ``{key: object}``: JSON when every value is plain, else a pickle.
+
+    Args:
+        objects: state key -> non-tensor state.
+        allow_pickle: store values outside the allowlist anyway (the load must then trust them).
+
+    Returns:
+        ``(file bytes, encoding)`` with encoding ``"json"`` or ``"pickle"``.
+
+    Raises:
+        UnsafeObjectError: a value is outside the allowlist and ``allow_pickle`` is False.
+    """
+    try:
+        data = object_json.encode(objects)
+    except object_json.NotEncodable:
+        return dump_objects(objects, allow_pickle=allow_pickle), "pickle"
+    object_json.decode(data, file="<being saved>")  # what is written must read back
+    return data, "json"
+
+
+def decode_objects(data: bytes, *, encoding: str, file: str, trusted: bool) -> Any:
+    """Deserialise an object file written by :func:`encode_objects`.
+
+    Args:
+        data: the file's bytes.
+        encoding: ``"json"`` (parsed, never unpickled, whatever ``trusted`` says) or ``"pickle"``.
+        file: its name, for errors.
+        trusted: for ``"pickle"``, run an unrestricted ``torch.load``.
+
+    Returns:
+        The stored ``{key: object}``.
+
+    Raises:
+        UnsafeObjectError: a pickle names a global outside the allowlist.
+        CheckpointFormatError: the file is not readable in its encoding.
+    """
+    if encoding == "json":
+        return object_json.decode(data, file=file)
+    return load_objects(data, file=file, trusted=trusted)
 
 
 def load_objects(data: bytes, *, file: str, trusted: bool) -> Any:

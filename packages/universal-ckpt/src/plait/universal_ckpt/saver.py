@@ -4,7 +4,8 @@ The sequence (README "Why a save never loses a checkpoint" has the reasoning):
 
 1. every rank describes its state; bad input is refused on every rank before anything is written;
 2. the leader clears leftovers and creates ``.tmp-step-N/``;
-3. every rank writes ``data/rank-R.bin`` (pieces it is the writer of) and ``objects/rank-R.pt``,
+3. every rank writes ``data/rank-R.bin`` (pieces it is the writer of) and ``objects/rank-R.json``
+   (``.pt``: a restricted pickle, when a value has no JSON encoding),
    hashing while writing, and fsyncs; all ranks agree on success before going on, so a rank whose
    disk filled up never leaves the others waiting in a collective;
 4. the leader gathers the piece records, checks they tile every tensor, writes and fsyncs the
@@ -39,6 +40,7 @@ from plait.universal_ckpt.errors import (
     UnsafeObjectError,
 )
 from plait.universal_ckpt.exchange import Group, agree, all_gather_objects, broadcast_object
+from plait.universal_ckpt.interop.hf import TIED_ALIASES
 from plait.universal_ckpt.manifest import (
     HASH_ALGORITHM,
     MANIFEST_NAME,
@@ -50,7 +52,7 @@ from plait.universal_ckpt.manifest import (
     dtype_name,
 )
 from plait.universal_ckpt.reader import check_coverage
-from plait.universal_ckpt.safe_objects import dump_objects
+from plait.universal_ckpt.safe_objects import encode_objects
 from plait.universal_ckpt.storage import (
     CHECKSUM_ALGORITHM,
     file_digest,
@@ -99,7 +101,7 @@ class _Plan:
     step: int
     group: Group
     pieces: list[_LocalPiece]
-    objects: bytes | None
+    objects: tuple[bytes, str] | None  # (file bytes, encoding)
     object_keys: tuple[str, ...]
     layout: Layout
     keep_last: int | None
@@ -109,7 +111,7 @@ class _Plan:
 
 
 def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool,
-              allow_pickle: bool) -> tuple[list[_LocalPiece], bytes | None, tuple[str, ...]]:
+              allow_pickle: bool) -> tuple[list[_LocalPiece], tuple[bytes, str] | None, tuple[str, ...]]:
     pieces = []
     for adapter in adapters:
         gather = partial(all_gather_objects, group=group)
@@ -128,7 +130,7 @@ def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool,
     objects = {a.key: obj for a in adapters if (obj := a.object_for_save()) is not NO_OBJECT}
     data, refused = None, None
     try:  # serialised now: the snapshot of non-tensor state
-        data = dump_objects(objects, allow_pickle=allow_pickle) if objects else None
+        data = encode_objects(objects, allow_pickle=allow_pickle) if objects else None
     except UnsafeObjectError as exc:
         refused = exc
     # every rank learns of a refusal before any file is written (one rank alone must not stop)
@@ -141,8 +143,9 @@ def _describe(adapters: list[Adapter], group: Group, *, snapshot: bool,
     return pieces, data, tuple(sorted(objects))
 
 
-def _rank_file(kind: str, rank: int) -> str:
-    return f"{kind}/rank-{rank:05d}.{'bin' if kind == 'data' else 'pt'}"
+def _rank_file(kind: str, rank: int, encoding: str = "pickle") -> str:
+    suffix = "bin" if kind == "data" else "json" if encoding == "json" else "pt"
+    return f"{kind}/rank-{rank:05d}.{suffix}"
 
 
 def _write_rank(plan: _Plan, tmp: Path) -> dict:
@@ -161,10 +164,12 @@ def _write_rank(plan: _Plan, tmp: Path) -> dict:
                                      piece.pattern))
         record["files"][rel] = sum(n for _, n, _, _ in written)
     if plan.objects is not None:
-        rel = _rank_file("objects", rank)
-        write_durable(tmp / rel, plan.objects)
-        record["object"] = ObjectFile(rank=rank, file=rel, nbytes=len(plan.objects),
-                                      hash=file_digest(tmp / rel, HASH_ALGORITHM), keys=plan.object_keys)
+        data, encoding = plan.objects
+        rel = _rank_file("objects", rank, encoding)
+        write_durable(tmp / rel, data)
+        record["object"] = ObjectFile(rank=rank, file=rel, nbytes=len(data),
+                                      hash=file_digest(tmp / rel, HASH_ALGORITHM), keys=plan.object_keys,
+                                      encoding=encoding)
     return record
 
 
@@ -219,7 +224,9 @@ def _build_manifest(plan: _Plan, records: list[dict]) -> Manifest:
     has_checksums = any(p.checksums is not None for e in tensors.values() for p in e.pieces)
     return Manifest(step=plan.step, layout=plan.layout, tensors=tensors, objects=objects, files=files,
                     chunk_bytes=plan.chunk_bytes, checksum_algorithm=CHECKSUM_ALGORITHM if has_checksums else None,
-                    created_unix=time.time(), user_meta=plan.user_meta, pickled_objects=plan.allow_pickle)
+                    created_unix=time.time(), user_meta=plan.user_meta,
+                    # a JSON file holds no pickle, whatever allow_pickle said
+                    pickled_objects=plan.allow_pickle and any(o.encoding == "pickle" for o in objects.values()))
 
 
 def _raise_agreed(failures: list[tuple[int, str]], what: str, group: Group, own: BaseException | None) -> None:
@@ -316,9 +323,27 @@ def _prepare(state: dict[str, Any], path: str | os.PathLike, *, step: int, keep_
         if error is not None:
             raise error
         raise CheckpointExistsError(message) if "Exists" in message else CheckpointWriteError(message)
-    pieces, objects, keys = _describe(adapt(state, g.ranks), g, snapshot=snapshot, allow_pickle=allow_pickle)
+    adapters = adapt(state, g.ranks)
+    pieces, objects, keys = _describe(adapters, g, snapshot=snapshot, allow_pickle=allow_pickle)
     _phase("prepared")
-    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes, user_meta or {}, allow_pickle)
+    return _Plan(root, step, g, pieces, objects, keys, layout, keep_last, chunk_bytes,
+                 _with_tied_aliases(user_meta or {}, adapters), allow_pickle)
+
+
+def _with_tied_aliases(user_meta: dict, adapters: list[Adapter]) -> dict:
+    """``user_meta`` plus the tied names of every producer that reports them (``checkpoint_aliases()``:
+    a sharded model holds a tied tensor once), so consolidated exports give every name back."""
+    found = {}
+    for adapter in adapters:
+        report = getattr(getattr(adapter, "producer", None), "checkpoint_aliases", None)
+        aliases = report() if callable(report) else None
+        if aliases:
+            found[adapter.key] = dict(aliases)
+    if not found:
+        return user_meta
+    recorded = user_meta.get(TIED_ALIASES, {})
+    merged = {key: {**found.get(key, {}), **recorded.get(key, {})} for key in {*found, *recorded}}
+    return {**user_meta, TIED_ALIASES: merged}
 
 
 class SaveHandle:

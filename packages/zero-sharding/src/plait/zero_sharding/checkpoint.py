@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
+from plait.kernels.state_names import tied_aliases
 from plait.zero_sharding.composition import extension_objects
 from plait.zero_sharding.units import FlatUnit
 
@@ -415,6 +416,13 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
     entries += [(name, out_dtype, shape) for name, shape in shapes.items() if math.prod(shape)]
     buffers = {name: b for name, b in model.named_buffers() if name in model.persistent_buffer_names() and b.numel()}
     entries += [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
+    # A tied tensor (a head sharing the embedding's weight) is written under every name the model's
+    # state_dict has, as separate bytes (safetensors refuses shared storage); rank 0 keeps the
+    # canonical tensor's written copy until the end of the stream to write it again.
+    known = {name: (dt, shape) for name, dt, shape in entries}
+    aliases = {a: c for a, c in tied_aliases(model).items() if c in known and a not in known}
+    entries += [(alias, *known[canonical]) for alias, canonical in aliases.items()]
+    kept: dict[str, torch.Tensor] = {}
     path = Path(path)
     handle = open(path, "wb") if rank == 0 else None  # noqa: SIM115 - closed below, after streaming
     try:
@@ -424,7 +432,8 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
             flat = gather_unit_masters(engine, unit)
             for slot in unit.slots:
                 if handle is not None and slot.numel:
-                    _write(handle, flat[slot.offset:slot.offset + slot.numel].to(out_dtype))
+                    _write(handle, _keep(kept, slot.name, aliases, flat[slot.offset:slot.offset + slot.numel]
+                                         .to(out_dtype)))
         for name, shape in shapes.items():
             whole = torch.empty(math.prod(shape)) if rank == 0 else None
             for _name, _shape, offset, numel, src in (p for p in pieces if p[0] == name):
@@ -437,14 +446,23 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
                 elif part is not None:
                     collectives.send(part, dst=0)
             if handle is not None and whole is not None and whole.numel():
-                _write(handle, whole.to(out_dtype))
+                _write(handle, _keep(kept, name, aliases, whole.to(out_dtype)))
         if handle is not None:
-            for tensor in buffers.values():
-                _write(handle, tensor.detach())
+            for name, tensor in buffers.items():
+                _write(handle, _keep(kept, name, aliases, tensor.detach()))
+            for canonical in aliases.values():
+                _write(handle, kept[canonical])
     finally:
         if handle is not None:
             handle.close()
     return path if rank == 0 else None
+
+
+def _keep(kept: dict[str, torch.Tensor], name: str, aliases: dict[str, str], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, also remembered under ``name`` when a tied alias will repeat it."""
+    if name in aliases.values():
+        kept[name] = tensor.clone()
+    return tensor
 
 
 def _write(handle: Any, tensor: torch.Tensor) -> None:

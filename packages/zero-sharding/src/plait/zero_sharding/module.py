@@ -135,6 +135,17 @@ class ZeroModule:
         """The :class:`~plait.kernels.sharded_state.ShardedStateful` view (see :mod:`.checkpoint`)."""
         return checkpoint.sharded_state_dict(self.zero_engine, self.zero_optimizer)
 
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Tied names in :meth:`sharded_state_dict`'s naming, ``{"model.<alias>": "model.<name>"}``.
+
+        The sharded view holds a tied tensor once; a checkpoint writer records these pairs
+        (plait.universal_ckpt does) so that consolidated exports carry every name.
+
+        Returns:
+            ``{alias: canonical}``; empty for a model without tied tensors.
+        """
+        return tied_aliases(self, prefix="model.")  # type: ignore[arg-type]
+
     def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
         """Accept pieces filled in place (refreshes parameters from masters)."""
         checkpoint.load_sharded_state_dict(self.zero_engine, self.zero_optimizer, state)
