@@ -328,3 +328,22 @@ def test_an_optimizer_given_to_the_trainer_too_is_refused(tmp_path: Path) -> Non
         args=training_args(str(tmp_path), max_grad_norm=0.0, max_steps=1))
     with pytest.raises(ValueError, match=r"PlaitConfig\.onebit is set and the Trainer was also given an optimizer"):
         trainer.train()
+
+
+def test_a_deepspeed_one_bit_optimizer_block_becomes_plaits_one_bit_config(tmp_path: Path) -> None:
+    """Through ``plait.transformers.launch``, a DeepSpeed config's OneBitAdam block (``--deepspeed``)
+    becomes plait's 1-bit config when the Trainer is built."""
+    import transformers
+
+    from plait.transformers.demo import TokenDataset, tiny_llama_model, training_args
+    from plait.transformers.ds_route import deepspeed_intercepted
+    from plait.transformers.launch import plait_trainer_patched
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 2, "lr": "auto", "cuda_aware": False}}}
+    with plait_trainer_patched(), deepspeed_intercepted():
+        args = training_args(str(tmp_path / "out"), deepspeed=config, max_grad_norm=0.0)
+        trainer = transformers.Trainer(model=tiny_llama_model(), args=args, train_dataset=TokenDataset(8))
+    assert type(trainer.plait_config.onebit).__name__ == "OnebitAdamConfig"
+    assert trainer.plait_config.onebit.freeze_step == 2

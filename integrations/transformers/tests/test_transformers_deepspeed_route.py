@@ -219,11 +219,3 @@ def test_clipping_follows_the_configs_gradient_clipping_as_under_deepspeed(tmp_p
     assert trainer.args.max_grad_norm == 0.0  # DeepSpeed clips only when the config says so
     assert trainer.plait_config.zero.stage == 3 and not is_deepspeed_zero3_enabled()
     assert _intercepted_trainer(tmp_path, ZERO3, max_grad_norm=0.5).args.max_grad_norm == 0.5
-
-
-def test_a_one_bit_optimizer_block_becomes_plaits_one_bit_config(tmp_path: Path) -> None:
-    pytest.importorskip("plait.onebit_optim")
-    block = {"type": "OneBitAdam", "params": {"freeze_step": 2, "lr": "auto", "cuda_aware": False}}
-    trainer = _intercepted_trainer(tmp_path, {**ZERO2, "optimizer": block}, max_grad_norm=0.0)
-    assert type(trainer.plait_config.onebit).__name__ == "OnebitAdamConfig"
-    assert trainer.plait_config.onebit.freeze_step == 2
