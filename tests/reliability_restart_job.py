@@ -109,7 +109,7 @@ def shard(variant: str, outdir: Path) -> tuple[torch.nn.Module, torch.optim.Opti
 def restore_newest_good(manager: uc.CheckpointManager, state: dict, journal: Journal) -> int:
     """Load the newest checkpoint that passes its checks; returns its step (0: none, a fresh start).
 
-    A checkpoint refused on load (hashes, format) is renamed ``damaged-<name>-attempt<k>`` by rank 0
+    A checkpoint refused on load (hashes, format) is renamed ``damaged-<name>-<n>`` by rank 0
     (kept for a person to look at, no longer committed) and the next older one is tried. A refused
     load leaves ``state`` untouched, so trying the next one is safe.
     """
@@ -120,8 +120,10 @@ def restore_newest_good(manager: uc.CheckpointManager, state: dict, journal: Jou
             if isinstance(exc, uc.CheckpointNotFoundError):
                 raise
             journal.event("fallback", 0, damaged=newest.name, error=str(exc)[:300])
-            if dist.get_rank() == 0:
-                newest.rename(newest.with_name(f"damaged-{newest.name}-attempt{journal.attempt}"))
+            if dist.get_rank() == 0:  # a fresh name: a requeued job restarts its attempt count
+                aside = next(newest.with_name(f"damaged-{newest.name}-{i}") for i in range(1, 1 << 20)
+                             if not newest.with_name(f"damaged-{newest.name}-{i}").exists())
+                newest.rename(aside)
             dist.barrier()
     return 0
 
