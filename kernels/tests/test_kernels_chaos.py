@@ -118,6 +118,12 @@ def test_costs_from_events() -> None:
               {"event": "resume", "attempt": 1, "step": 3, "time": 11.0}]
     assert _costs(events, damaged, config) == (4, 8.0)  # steps 3-6 again, from the save at 3
     assert _fell_back(events, damaged) and not _fell_back(events[:5], damaged)
+    # drawn again after the fallback: the second firing is costed from its own events
+    events += [{"event": "save", "attempt": 1, "step": 6, "time": 12.0},
+               {"event": "fault", "attempt": 1, "step": 7, "time": 13.0, "fault": str(damaged)},
+               {"event": "start", "attempt": 2, "step": 0, "time": 15.0},
+               {"event": "resume", "attempt": 2, "step": 3, "time": 17.0}]
+    assert _costs(events, damaged, config, 1) == (4, 14.0) and not _fell_back(events, damaged, 1)
 
 
 @pytest.mark.parametrize("bad", [dict(kinds=("melt",)), dict(kinds=()), dict(faults=0), dict(steps=3),

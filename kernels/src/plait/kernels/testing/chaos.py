@@ -205,12 +205,18 @@ def run_job(job: ChaosJob, outdir: Path, config: ChaosConfig, launches: list[lis
     return False, used
 
 
-def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig) -> tuple[int, float]:
-    """Steps and seconds one fault cost, from the job's events (see :class:`FaultRecord`)."""
-    fired = [e for e in events if e["event"] == "fault" and e.get("fault") == str(fault)]
-    if not fired:
+def _fired(events: list[dict[str, Any]], fault: Fault, nth: int) -> dict[str, Any] | None:
+    """The event of the ``nth`` time ``fault`` fired (a job may draw the same fault again after it
+    resumed before it), or None."""
+    fired = [e for e in events if e["event"] == "fault" and e.get("fault") == str(fault) and e["step"] == fault.step]
+    return fired[nth] if nth < len(fired) else None
+
+
+def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig, nth: int = 0) -> tuple[int, float]:
+    """Steps and seconds the ``nth`` drawing of one fault cost, from the job's events (see :class:`FaultRecord`)."""
+    at = _fired(events, fault, nth)
+    if at is None:
         return 0, 0.0
-    at = fired[0]
     if fault.kind == "slow":
         later = [e for e in events if e["time"] > at["time"] and e["event"] in ("save", "preempted", "done")]
         steps = (later[-1]["step"] if later else fault.step) - fault.step
@@ -229,11 +235,11 @@ def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig) -> t
     return max(reached - resume_step, 0), max(restarted["time"] - since, 0.0)
 
 
-def _fell_back(events: list[dict[str, Any]], fault: Fault) -> bool:
+def _fell_back(events: list[dict[str, Any]], fault: Fault, nth: int = 0) -> bool:
     """Whether a ``damaged`` fault's restart refused the damaged checkpoint (a ``fallback`` event after it)."""
-    fired = [e["time"] for e in events if e["event"] == "fault" and e.get("fault") == str(fault)]
-    return fault.kind == "damaged" and bool(fired) and any(
-        e["event"] == "fallback" and e["time"] > fired[0] for e in events)
+    at = _fired(events, fault, nth)
+    return fault.kind == "damaged" and at is not None and any(
+        e["event"] == "fallback" and e["time"] > at["time"] for e in events)
 
 
 def _plan_campaign(config: ChaosConfig, names: list[str]) -> list[tuple[str, list[list[Fault]]]]:
@@ -279,10 +285,12 @@ def run_campaign(config: ChaosConfig, setups: dict[str, ChaosJob], workdir: Path
         equal = finished and same(setups[name].weights(outdir), wanted[name])
         events = setups[name].events(outdir)
         records = []
-        for fault in (f for planned in launches for f in planned):
-            steps, seconds = _costs(events, fault, config)
+        drawn = [f for planned in launches for f in planned]
+        for index, fault in enumerate(drawn):
+            nth = drawn[:index].count(fault)  # the same fault drawn again fires again, later
+            steps, seconds = _costs(events, fault, config, nth)
             records.append(FaultRecord(name, fault.kind, fault.rank, fault.step, equal, steps, seconds,
-                                       _fell_back(events, fault)))
+                                       _fell_back(events, fault, nth)))
         return records
 
     with ThreadPoolExecutor(config.jobs_at_once) as pool:  # each job is its own torchrun session
