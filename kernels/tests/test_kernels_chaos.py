@@ -12,6 +12,7 @@ from plait.kernels.testing.chaos import (
     _costs,
     _fault_text,
     _fell_back,
+    _plan_campaign,
     plan_faults,
     resume_point,
     summarize,
@@ -142,3 +143,12 @@ def test_summarize_median_and_worst() -> None:
     assert (summary["faults"], summary["recovered"], summary["steps_lost_median"], summary["steps_lost_worst"]) \
         == (3, 3, 1, 2)
     assert (summary["seconds_lost_median"], summary["seconds_lost_worst"]) == (2.0, 9.0)
+
+
+@pytest.mark.parametrize("faults", [1, 7, 20, 100])
+def test_a_campaign_plans_exactly_its_faults_even_when_a_job_draws_one_fault_twice(faults: int) -> None:
+    # One rank and two kinds: the same fault is often drawn twice in a job, also where the last job is cut.
+    for seed in range(50):
+        config = ChaosConfig(seed=seed, faults=faults, faults_per_job=5, kinds=("damaged", "kill"), world_size=1)
+        jobs = _plan_campaign(config, ["a", "b"])
+        assert sum(len(planned) for _, launches in jobs for planned in launches) == faults

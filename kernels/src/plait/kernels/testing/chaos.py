@@ -250,10 +250,11 @@ def _plan_campaign(config: ChaosConfig, names: list[str]) -> list[tuple[str, lis
     drawn = 0
     while drawn < config.faults:
         name = names[(offset + len(jobs)) % len(names)]
-        launches = plan_faults(config, rng)
-        faults = [f for planned in launches for f in planned][:config.faults - drawn]
-        jobs.append((name, [[f for f in planned if f in faults] for planned in launches]))
-        drawn += len(faults)
+        kept = []
+        for planned in plan_faults(config, rng):  # the last job keeps only the faults still wanted
+            kept.append(planned[:config.faults - drawn])
+            drawn += len(kept[-1])
+        jobs.append((name, kept))
     return jobs
 
 
