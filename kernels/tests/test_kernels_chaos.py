@@ -152,3 +152,19 @@ def test_a_campaign_plans_exactly_its_faults_even_when_a_job_draws_one_fault_twi
         config = ChaosConfig(seed=seed, faults=faults, faults_per_job=5, kinds=("damaged", "kill"), world_size=1)
         jobs = _plan_campaign(config, ["a", "b"])
         assert sum(len(planned) for _, launches in jobs for planned in launches) == faults
+
+
+def test_a_fault_followed_by_a_fresh_start_is_costed_from_that_start() -> None:
+    config = ChaosConfig(kinds=ALL, steps=9, save_every=3)
+    first = Fault(kind="damaged", rank=0, step=0)  # nothing saved yet: the restart starts from 0
+    second = Fault(kind="damaged", rank=0, step=4)
+    events = [{"event": "start", "attempt": 0, "step": 0, "time": 0.0},
+              {"event": "fault", "attempt": 0, "step": 0, "time": 1.0, "fault": str(first)},
+              {"event": "start", "attempt": 1, "step": 0, "time": 5.0},
+              {"event": "save", "attempt": 1, "step": 3, "time": 8.0},
+              {"event": "fault", "attempt": 1, "step": 4, "time": 9.0, "fault": str(second)},
+              {"event": "start", "attempt": 2, "step": 0, "time": 12.0},
+              {"event": "fallback", "attempt": 2, "step": 0, "time": 13.0, "damaged": "step-0000000003"},
+              {"event": "done", "attempt": 2, "step": 9, "time": 20.0}]
+    assert _costs(events, first, config) == (0, 5.0) and not _fell_back(events, first)
+    assert _costs(events, second, config) == (4, 12.0) and _fell_back(events, second)

@@ -212,6 +212,20 @@ def _fired(events: list[dict[str, Any]], fault: Fault, nth: int) -> dict[str, An
     return fired[nth] if nth < len(fired) else None
 
 
+def _next_attempt(events: list[dict[str, Any]], at: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of the attempt that started after the event ``at`` (empty if none did)."""
+    later = [e for e in events if e["time"] > at["time"]]
+    start = next((e for e in later if e["event"] == "start"), None)
+    if start is None:
+        return []
+    window = []
+    for event in later[later.index(start):]:
+        if event["attempt"] != start["attempt"]:
+            break
+        window.append(event)
+    return window
+
+
 def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig, nth: int = 0) -> tuple[int, float]:
     """Steps and seconds the ``nth`` drawing of one fault cost, from the job's events (see :class:`FaultRecord`)."""
     at = _fired(events, fault, nth)
@@ -221,8 +235,8 @@ def _costs(events: list[dict[str, Any]], fault: Fault, config: ChaosConfig, nth:
         later = [e for e in events if e["time"] > at["time"] and e["event"] in ("save", "preempted", "done")]
         steps = (later[-1]["step"] if later else fault.step) - fault.step
         return 0, steps * fault.seconds
-    after = [e for e in events if e["time"] > at["time"] and e["event"] in ("start", "resume")]
-    resumed = next((e for e in after if e["event"] == "resume"), None)
+    after = [e for e in _next_attempt(events, at) if e["event"] in ("start", "resume")]
+    resumed = next((e for e in after if e["event"] == "resume"), None)  # none: a fresh start
     resume_step = resumed["step"] if resumed else 0
     commits = [e for e in events if e["time"] <= at["time"] and e["event"] in ("save", "preempted")
                and e["step"] == resume_step]
@@ -239,7 +253,7 @@ def _fell_back(events: list[dict[str, Any]], fault: Fault, nth: int = 0) -> bool
     """Whether a ``damaged`` fault's restart refused the damaged checkpoint (a ``fallback`` event after it)."""
     at = _fired(events, fault, nth)
     return fault.kind == "damaged" and at is not None and any(
-        e["event"] == "fallback" and e["time"] > at["time"] for e in events)
+        e["event"] == "fallback" for e in _next_attempt(events, at))
 
 
 def _plan_campaign(config: ChaosConfig, names: list[str]) -> list[tuple[str, list[list[Fault]]]]:
