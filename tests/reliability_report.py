@@ -99,7 +99,8 @@ def render_chaos(results: dict) -> str:
             continue
         c = row["chaos"]
         lines.append("| " + " | ".join(_cell(v) for v in (
-            row["package"], row["fault"], f"{c['recovered']} of {c['faults']}",
+            row["package"], row["fault"], f"{c['recovered']} of {c['faults']}" + (
+                f"; {c['damaged_refused']} damaged checkpoints refused on load" if "damaged_refused" in c else ""),
             f"{c['steps_lost_median']:g} / {c['steps_lost_worst']:g}",
             f"{c['seconds_lost_median']:.1f} / {c['seconds_lost_worst']:.1f}", f"{row['date']}, load {row['load']}"))
             + " |")
@@ -134,8 +135,11 @@ def run(tests: list[str]) -> int:
         command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *tests]
         code = subprocess.call(command, env=env, cwd=HERE.parent)
         rows = [json.loads(line) for line in Path(rows_file.name).read_text().splitlines() if line]
+    # The PLAIT_* settings the tests read (the chaos campaign's size, setups, seed) belong to the command.
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith("PLAIT_") and k != "PLAIT_RELIABILITY_RESULTS")
     stamp = {"date": started, "load": f"{before} -> {_load()}",
-             "command": "python tests/reliability_report.py run " + " ".join(tests)}
+             "command": f"{settings} python tests/reliability_report.py run ".lstrip() + " ".join(tests)}
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"machine": "", "rows": []}
     fresh = {(row["package"], row["fault"]) for row in rows}
     kept = [row for row in old["rows"] if (row["package"], row["fault"]) not in fresh]

@@ -4,17 +4,21 @@
 SAVE_EVERY [VARIANT]`` (run by test_reliability_restart.py and test_reliability_exit_zero.py). VARIANT is
 one of :data:`VARIANTS`, the setups behind plait-lightning's strategy names: ``1``, ``2``, ``3`` (the
 ZeRO stage; 3 by default), ``2-cpu``, ``3-cpu``, ``3-nvme`` (offloaded through plait-offload-io, as
-``plait_zero2_offload``/``plait_zero3_offload``/``plait_zero3_offload_nvme``) and ``3-zeropp``:
+``plait_zero2_offload``/``plait_zero3_offload``/``plait_zero3_offload_nvme``) and ``3-zeropp``; or
+one of the routes of ``reliability_routes.ROUTES`` (``1bit``, ``sp2``, ``ep2``):
 
 * ``CheckpointManager.restore`` loads the newest committed universal checkpoint of OUTDIR/ckpt if
   there is one: a restarted worker (torchrun's ``--max-restarts``) or a relaunched job resumes by
   itself, with the data position (the step) and the RNG;
+* a newest checkpoint that fails its hashes on load is moved aside (renamed ``damaged-...``, kept)
+  and the one before it is loaded, down to a fresh start: nothing damaged is loaded;
 * a checkpoint every SAVE_EVERY steps and one at the end;
 * :class:`~plait.kernels.collectives.PreemptionGuard`: SIGTERM on any rank makes every rank save
   after the same step and exit 0;
 * FAULT is ``none`` or comma-separated ``plait.kernels.testing.Fault`` texts, each acting on one
   torchrun attempt (``TORCHELASTIC_RESTART_COUNT``): ``kill:rank=1:step=4`` on the first,
-  ``sigterm:rank=0:step=6@1`` on the first restart (a node failure does not repeat by itself).
+  ``sigterm:rank=0:step=6@1`` on the first restart (a node failure does not repeat by itself);
+  a ``damaged`` fault damages the newest checkpoint before it kills its rank.
 
 Each rank appends ``attempt step loss.hex()`` lines to OUTDIR/losses-rank<r>.txt and JSON events
 (start, resume, save, fault, preempted, done, with wall-clock times) to OUTDIR/events-rank<r>.jsonl.
@@ -28,10 +32,12 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from reliability_routes import ROUTES
 
 import plait.universal_ckpt as uc
 from plait.kernels import collectives
@@ -100,6 +106,36 @@ def shard(variant: str, outdir: Path) -> tuple[torch.nn.Module, torch.optim.Opti
     return zero_shard(small_model(0), torch.optim.AdamW, config, lr=1e-3, **kwargs)
 
 
+def restore_newest_good(manager: uc.CheckpointManager, state: dict, journal: Journal) -> int:
+    """Load the newest checkpoint that passes its checks; returns its step (0: none, a fresh start).
+
+    A checkpoint refused on load (hashes, format) is renamed ``damaged-<name>-<n>`` by rank 0
+    (kept for a person to look at, no longer committed) and the next older one is tried. A refused
+    load leaves ``state`` untouched, so trying the next one is safe.
+    """
+    while (newest := manager.latest()) is not None:
+        try:
+            return manager.restore(state) or 0
+        except uc.CheckpointError as exc:  # integrity or format here, "refused on other ranks" there
+            if isinstance(exc, uc.CheckpointNotFoundError):
+                raise
+            journal.event("fallback", 0, damaged=newest.name, error=str(exc)[:300])
+            if dist.get_rank() == 0:  # a fresh name: a requeued job restarts its attempt count
+                aside = next(newest.with_name(f"damaged-{newest.name}-{i}") for i in range(1, 1 << 20)
+                             if not newest.with_name(f"damaged-{newest.name}-{i}").exists())
+                newest.rename(aside)
+            dist.barrier()
+    return 0
+
+
+def build(variant: str, outdir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    """The model, optimizer and one-step function (step -> loss) of a ZeRO variant or a route."""
+    if variant in ROUTES:
+        return ROUTES[variant]()
+    model, optimizer = shard(variant, outdir)
+    return model, optimizer, partial(train_step, model, optimizer)
+
+
 def main(fault_text: str, outdir: Path, steps: int, save_every: int, variant: str = "3") -> int:
     """Train, resuming from and saving to ``outdir/ckpt``; returns the exit code."""
     # Python stacks of every thread on SIGABRT/SIGSEGV: the one teardown abort left unexplained (docs/reliability.md,
@@ -113,10 +149,10 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, variant: st
     journal = Journal(outdir, rank, attempt)
     (outdir / f"pid{rank}-attempt{attempt}").write_text(str(os.getpid()))
     journal.event("start", 0)
-    model, optimizer = shard(variant, outdir)
+    model, optimizer, one_step = build(variant, outdir)
     state = {"model": model, "rng": uc.RNGState()}
     manager = uc.CheckpointManager(uc.CheckpointConfig(root=outdir / "ckpt", keep_last=2))
-    start = manager.restore(state) or 0
+    start = restore_newest_good(manager, state, journal)
     if start:
         journal.event("resume", start)
     guard = collectives.PreemptionGuard(grace_s=TIMEOUT_S).install()
@@ -125,8 +161,8 @@ def main(fault_text: str, outdir: Path, steps: int, save_every: int, variant: st
         for fault in faults:
             if fault.fires(step, rank):
                 journal.event("fault", step, fault=str(fault))
-                fault.maybe_inject(step, rank)
-        journal.loss(step, train_step(model, optimizer, step))
+                fault.maybe_inject(step, rank, checkpoint=manager.latest() if fault.kind == "damaged" else None)
+        journal.loss(step, one_step(step))
         done = step + 1
         if guard.should_stop():
             began = time.time()

@@ -38,7 +38,9 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups 
 
 JOB = Path(__file__).with_name("reliability_slurm_job.py")
 STEPS, SIGNAL_STEP, JOB_ID = 9, 3, "4242"
-LIMIT_S = 75.0  # one launch of two Lightning tasks: about 15 s at load 4 on two cores
+# One launch of two Lightning tasks: about 15 s at load 4 on two cores, past 75 s with a load generator
+# beside a busy machine. Only a stuck launch meets this bound, so it is generous.
+LIMIT_S = 300.0
 KILL_WAIT_S = 30.0  # SLURM's default KillWait: SIGTERM, then SIGKILL this much later (15.4 s used at load 33)
 FAKE_SCONTROL = """#!/bin/sh
 # scontrol as the test's SLURM: record the command; the test ends the job as slurmctld would.

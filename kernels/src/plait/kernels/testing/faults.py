@@ -1,5 +1,5 @@
-"""Fault injection for failure tests: hang, kill, SIGTERM, raise, slow down or fill the disk of one
-rank at one step.
+"""Fault injection for failure tests: hang, kill, SIGTERM, raise, slow down, fill the disk of one
+rank at one step, or damage the newest checkpoint and kill the rank.
 
 The failure tests (docs/reliability.md, R8 and R9) all need the same thing: at step ``k`` on rank
 ``r``, something goes wrong, and every other rank must end with a clear error. One small helper,
@@ -17,6 +17,10 @@ A full disk is stood in for by a file-size limit (``RLIMIT_FSIZE``, no privilege
 needed): from the fault's step on, this process cannot write any file past ``nbytes`` bytes, and
 such a write fails with ``OSError(EFBIG)`` (SIGXFSZ is ignored, so it is an error, not a kill),
 as a write to a full disk fails with ``ENOSPC``. :func:`lift_disk_full` gives the space back.
+
+A damaged checkpoint (``damaged``) is a bit flipped in the middle of the largest file of the newest
+checkpoint directory (bit rot, a torn copy), after which the rank is killed: the restart must notice
+the damage (the checkpoint's hashes no longer match) and resume from an older checkpoint.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
-KINDS = ("hang", "kill", "sigterm", "raise", "slow", "diskfull")
+KINDS = ("hang", "kill", "sigterm", "raise", "slow", "diskfull", "damaged")
 
 
 class InjectedFaultError(RuntimeError):
@@ -43,7 +48,9 @@ class Fault:
             itself: a dead rank), ``sigterm`` (SIGTERM itself, as a scheduler's preemption does),
             ``raise`` (raise :class:`InjectedFaultError`), ``slow`` (sleep ``seconds`` at this step and
             every later one: a straggler), ``diskfull`` (from this step on, no file of this process
-            can grow past ``nbytes``: writes fail with ``OSError(EFBIG)``; Linux and macOS).
+            can grow past ``nbytes``: writes fail with ``OSError(EFBIG)``; Linux and macOS),
+            ``damaged`` (flip a bit of the newest checkpoint given to :meth:`maybe_inject`, then
+            SIGKILL itself, as ``kill``).
         rank: the global rank that misbehaves.
         step: the first step at which it does.
         seconds: how long a ``hang`` lasts or how much a ``slow`` rank is late each step.
@@ -94,21 +101,25 @@ class Fault:
             return False
         return step >= self.step if self.kind == "slow" else step == self.step
 
-    def maybe_inject(self, step: int, rank: int | None = None) -> None:
+    def maybe_inject(self, step: int, rank: int | None = None, *, checkpoint: Path | None = None) -> None:
         """Call once per step on every rank; acts when this is the fault's rank and step.
 
         Args:
             step: the current step.
             rank: this process's rank (default: ``torch.distributed``'s, or ``RANK``).
+            checkpoint: for ``damaged``, the newest checkpoint directory (None: there is none yet,
+                and the fault is a plain ``kill``).
 
         Raises:
             InjectedFaultError: for a ``raise`` fault.
         """
         if not self.fires(step, _rank() if rank is None else rank):
             return
+        if self.kind == "damaged" and checkpoint is not None:
+            damage_file(largest_file(checkpoint))
         if self.kind in ("hang", "slow"):
             _sleep(self.seconds)
-        elif self.kind == "kill":
+        elif self.kind in ("kill", "damaged"):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
@@ -125,6 +136,38 @@ def fill_disk(nbytes: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then returns EFBIG instead of killing us
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+
+
+def largest_file(directory: Path) -> Path:
+    """The largest regular file under ``directory`` (a checkpoint's: one of its tensor data files).
+
+    Raises:
+        FileNotFoundError: ``directory`` holds no file.
+    """
+    files = [path for path in Path(directory).rglob("*") if path.is_file() and not path.is_symlink()]
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no file to damage; give a checkpoint directory.")
+    return max(files, key=lambda path: (path.stat().st_size, str(path)))
+
+
+def damage_file(path: Path) -> int:
+    """Flip the lowest bit of the byte in the middle of ``path`` in place; returns its offset.
+
+    Raises:
+        ValueError: the file is empty (nothing to damage).
+    """
+    size = Path(path).stat().st_size
+    if size == 0:
+        raise ValueError(f"{path} is empty; damage a file that holds data.")
+    offset = size // 2
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 1]))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return offset
 
 
 def lift_disk_full() -> None:
