@@ -25,6 +25,11 @@ step is one of three kinds, decided by the same schedule as :class:`~plait.onebi
   parameters ``anchor + change``, momentum ``-change (sqrt(v) + eps) / sum(lr)``, bitwise equal on
   every rank with no parameter gather.
 
+Variance floor (``config.variance_floor``, as plain 0/1 Adam's): on variance and 1-bit steps the
+denominator's variance is floored with each tensor's mean summed across the shards (one all-reduce
+of ``8 x tensors`` bytes per unit, :mod:`plait.onebit_optim.zero_variance_floor`); at the first
+local step the gathered whole-unit variance is floored in place, its means taken locally.
+
 Per-rank memory. The variance phase holds what ZeRO + Adam holds (momentum and variance shards)
 plus 1-bit Adam's error feedback (worker error: the whole unit in fp32; server error: the shard).
 The local-step phase cannot be sharded: every rank steps its whole copy with its own momentum and
