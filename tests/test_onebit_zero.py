@@ -94,7 +94,7 @@ def _against_plain_dp(stage: int, steps: int) -> tuple[float, list[float], list[
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in units]
-    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    # variance_floor=0: the published algorithm on both sides (with the floor: test_onebit_zero_variance_floor.py).
     plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
                            config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     plain_losses = train_losses(plain, plain_opt, steps, batch=BATCH, seq=SEQ)
@@ -245,7 +245,7 @@ def _resume_at_two_with_reference(root: str) -> tuple[list[float], list[float]]:
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in engine.units]
-    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    # variance_floor=0: the published algorithm on both sides (with the floor: test_onebit_zero_variance_floor.py).
     plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
                            config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     masters = engine.placement.masters()

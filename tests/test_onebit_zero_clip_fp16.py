@@ -130,7 +130,7 @@ def _clipped_against_plain(stage: int) -> tuple[list[float], list[float], list[f
     plain = _model()
     named = dict(plain.named_parameters())
     groups = [{"params": [named[slot.name] for slot in unit.slots]} for unit in units]
-    # variance_floor=0: ZeRO runs the published algorithm (the floor needs whole tensors).
+    # variance_floor=0: the published algorithm on both sides (with the floor: test_onebit_zero_variance_floor.py).
     plain_opt = OnebitAdam(groups, lr=1e-3, weight_decay=0.01,
                            config=OnebitAdamConfig(freeze_step=FREEZE, variance_floor=0))
     reference = _clipped_by_hand(plain, plain_opt, units, FREEZE + 5)

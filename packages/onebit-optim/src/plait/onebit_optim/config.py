@@ -63,6 +63,11 @@ class OnebitLambConfig:
             coefficient by how far the fresh variance estimate has moved.
         factor_min: lower bound of that factor.
         factor_threshold: the factor may change by at most this fraction per step.
+        variance_floor: when the variance freezes, every element's variance is raised to at
+            least this fraction of its tensor's mean, as 1-bit Adam's (an unseen embedding row
+            would otherwise take most of its tensor's update, whose norm the trust ratio fixes).
+            Where no element is below it, the update is the published algorithm bit for bit.
+            ``0`` turns it off. In ``[0, 1]``.
     """
 
     freeze_step: int = 100
@@ -72,10 +77,12 @@ class OnebitLambConfig:
     factor_max: float = 4.0
     factor_min: float = 0.5
     factor_threshold: float = 0.1
+    variance_floor: float = 0.001
 
     def __post_init__(self) -> None:
         owner = "OnebitLambConfig"
         _check_int(owner, "freeze_step", self.freeze_step, 1)
+        _check_ratio(owner, "variance_floor", self.variance_floor)
         for name in ("max_coeff", "min_coeff", "factor_max", "factor_min", "factor_threshold"):
             _check_positive(owner, name, getattr(self, name))
         if self.min_coeff > self.max_coeff:

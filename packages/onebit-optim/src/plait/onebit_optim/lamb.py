@@ -13,6 +13,13 @@ from the momentum change to keep a *fresh* variance estimate, and scales the fro
 by how far the fresh variance moved: ``factor = max(denominator / fresh denominator)``, mixed
 towards 1 by the share of the update that is weight decay, clamped to
 ``[factor_min, factor_max]`` and to ``+-factor_threshold`` of the previous step's factor.
+
+When the variance freezes it is raised to its floor (``config.variance_floor`` of each tensor's
+mean, :mod:`plait.onebit_optim.variance_floor`), as 1-bit Adam's. The trust ratio bounds the
+norm of each tensor's step, so an element with a frozen variance near 0 cannot explode the
+loss as in 1-bit Adam; it takes most of its tensor's step instead (``m / eps`` dwarfs the rest),
+and the loss drifts up (on an LM with mostly unseen embedding rows, 7.9 to 10-15 within 12
+steps). Where no element is below the floor, this is the published algorithm bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
+from plait.onebit_optim.variance_floor import floor_variance_
 
 
 def _init_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -173,9 +181,18 @@ class OnebitLamb(CompressedOptimizer):
                 for p in self.params_with_grad(group):
                     self._warmup_update(p, group)
         else:
+            if self.step_count == self.config.freeze_step + 1:
+                self._freeze_variance()
             for index, group in enumerate(self.param_groups):
                 self._compressed_step(index, group)
         return loss
+
+    def _freeze_variance(self) -> None:
+        """Raise every frozen variance to its floor (once, at the first compressed step, before the
+        fresh variance is started from it)."""
+        for group in self.param_groups:
+            for p in self.params_with_grad(group):
+                floor_variance_(_init_state(self.state[p], p)["exp_avg_sq"], self.config.variance_floor)
 
     def _warmup_update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         cfg, state = self.config, self.state[p]

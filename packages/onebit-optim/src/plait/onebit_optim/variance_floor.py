@@ -29,8 +29,9 @@ same way), and its error feedback stays within a bounded multiple of that scale.
 Where every element already has ``v >= ratio x mean(v)`` the clamp returns the same values and
 the optimizer is the published algorithm bit for bit. ``ratio=0`` turns the floor off.
 
-The floor is a per-tensor statistic, so it is applied to whole parameters (the data-parallel
-optimizers); under ZeRO the shards are parts of flat units and the published algorithm is used.
+The floor is a per-tensor statistic. Under ZeRO a shard holds pieces of flat units; each
+tensor's mean is then summed across the shards (:mod:`plait.onebit_optim.zero_variance_floor`)
+and the same clamp applies.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def variance_floor(exp_avg_sq: torch.Tensor, ratio: float) -> torch.Tensor:
     Returns:
         The floor.
     """
-    return exp_avg_sq.float().mean().mul_(ratio).to(exp_avg_sq.dtype)
+    # Summed in float64, so that a ZeRO shard's partial sums, all-reduced, give the same floor
+    # after rounding (:mod:`plait.onebit_optim.zero_variance_floor`).
+    mean = exp_avg_sq.sum(dtype=torch.float64) / max(exp_avg_sq.numel(), 1)
+    return mean.mul_(ratio).to(exp_avg_sq.dtype)
 
 
 def floored(exp_avg_sq: torch.Tensor, ratio: float) -> torch.Tensor:

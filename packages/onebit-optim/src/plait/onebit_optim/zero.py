@@ -19,7 +19,9 @@ bucket, padded so rank ``r`` owns ``[r * shard, (r + 1) * shard)``):
   the server signs are all-gathered (``n / 8`` bytes) so every rank keeps the synchronised
   momentum of the whole unit in 1 bit for the next step. The owner's decoded chunk is the
   averaged momentum of its shard; the inner optimizer steps the shard's master with it and the
-  frozen variance; ZeRO's exact post-step parameter all-gather follows unchanged.
+  frozen variance (raised, at the first compressed step, to its floor: each tensor's mean summed
+  across the shards, :mod:`plait.onebit_optim.zero_variance_floor`); ZeRO's exact post-step
+  parameter all-gather follows unchanged.
 
 This is plain-data-parallel 1-bit Adam with one exchange per ZeRO unit (instead of one per
 param group) and the server chunks equal to the ZeRO shards: with the same grouping the results

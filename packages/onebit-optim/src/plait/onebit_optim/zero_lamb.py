@@ -32,6 +32,7 @@ from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 from plait.onebit_optim.base import run_closure
 from plait.onebit_optim.lamb import frozen_lamb_direction, lamb_direction_
 from plait.onebit_optim.zero import ShardedInner
+from plait.onebit_optim.zero_variance_floor import floor_shard_
 
 
 def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -108,6 +109,9 @@ class ShardedOnebitLamb(ShardedInner):
         cfg, unit = self.config, self.exchange.units[key].unit
         self._ensure_coeff(key, len(unit.slots))
         state = _lamb_state(self.state[p], p)
+        if int(self.exchange.steps[0]) == cfg.freeze_step:  # the variance freezes now: floor it, and
+            floor_shard_(unit, state["exp_avg_sq"], cfg.variance_floor, name="OnebitLamb")  # start the
+            state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])  # fresh one from it, as OnebitLamb does
         weight_decay = group["weight_decay"]
         # exp_avg (the last synchronised momentum shard) is consumed and becomes ``momentum``.
         denom, prelim, update = frozen_lamb_direction(p, state, momentum, state["exp_avg"], group)

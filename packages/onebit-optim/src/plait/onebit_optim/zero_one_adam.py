@@ -57,7 +57,8 @@ from plait.onebit_optim.variance_floor import floor_variance_, floored
 
 
 def zero_one_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     group: dict[str, Any], *, variance: bool, variance_floor: float = 0.0) -> None:
+                     group: dict[str, Any], *, variance: bool, variance_floor: float = 0.0,
+                     floor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """One 0/1 Adam update of ``p`` in place: ``m <- beta1 m + (1 - beta1) g``, on variance steps
     ``v <- beta2 v + (1 - beta2) g^2``, then ``p <- p - lr (m / (sqrt(v) + eps) + wd p)``.
 
@@ -65,13 +66,16 @@ def zero_one_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     form (flat shards and units, :mod:`plait.onebit_optim.zero_one_zero`) give the same bits for
     the same elements. With a floor, ``v`` in the denominator is raised to at least
     ``variance_floor x mean(v)`` of the tensor (:mod:`plait.onebit_optim.variance_floor`; the
-    stored ``v`` is unchanged, it is still being averaged).
+    stored ``v`` is unchanged, it is still being averaged). ``floor``, when given, replaces that
+    clamp: it maps ``v`` to the floored variance (the ZeRO form passes one that takes each
+    tensor's mean across the shards, :mod:`plait.onebit_optim.zero_variance_floor`).
     """
     beta1, beta2 = group["betas"]
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     if variance:
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    update = exp_avg / (floored(exp_avg_sq, variance_floor).sqrt() + group["eps"])
+    divisor = floor(exp_avg_sq) if floor is not None else floored(exp_avg_sq, variance_floor)
+    update = exp_avg / (divisor.sqrt() + group["eps"])
     if group["weight_decay"]:
         update.add_(p, alpha=group["weight_decay"])
     p.sub_(update, alpha=group["lr"])

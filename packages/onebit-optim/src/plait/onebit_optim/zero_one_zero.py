@@ -25,6 +25,11 @@ step is one of three kinds, decided by the same schedule as :class:`~plait.onebi
   parameters ``anchor + change``, momentum ``-change (sqrt(v) + eps) / sum(lr)``, bitwise equal on
   every rank with no parameter gather.
 
+Variance floor (``config.variance_floor``, as plain 0/1 Adam's): on variance and 1-bit steps the
+denominator's variance is floored with each tensor's mean summed across the shards (one all-reduce
+of ``8 x tensors`` bytes per unit, :mod:`plait.onebit_optim.zero_variance_floor`); at the first
+local step the gathered whole-unit variance is floored in place, its means taken locally.
+
 Per-rank memory. The variance phase holds what ZeRO + Adam holds (momentum and variance shards)
 plus 1-bit Adam's error feedback (worker error: the whole unit in fp32; server error: the shard).
 The local-step phase cannot be sharded: every rank steps its whole copy with its own momentum and
@@ -57,6 +62,7 @@ from plait.onebit_optim.base import run_closure
 from plait.onebit_optim.config import ZeroOneAdamConfig
 from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner, _UnitState, chunk_of
 from plait.onebit_optim.zero_one_adam import resynchronise_, zero_one_update_
+from plait.onebit_optim.zero_variance_floor import floor_nbytes, floor_unit_, floored_shard
 
 VARIANCE, ONEBIT, LOCAL = "variance", "1-bit", "local"
 
@@ -71,7 +77,8 @@ class _LocalBuffers:
     params: torch.Tensor  # this rank's parameters: the unit's compute buffer itself when it is fp32
 
 
-def zero_one_step_nbytes(units: list[tuple[int, int, int]], world: int, kind: str, synchronise: bool = False) -> int:
+def zero_one_step_nbytes(units: list[tuple[int, int, int]], world: int, kind: str, synchronise: bool = False, *,
+                         variance_floor: bool = False) -> int:
     """Logical bytes one 0/1 Adam step under ZeRO records per rank, from ``(numel, shard_numel,
     tensors)`` per unit.
 
@@ -81,6 +88,10 @@ def zero_one_step_nbytes(units: list[tuple[int, int, int]], world: int, kind: st
       (``W x chunk / 8``) and the worker-scale all-gather (``4 W``), + 16 + the parameter all-gather;
     * local step: 16; a synchronisation adds per unit the RMS all-reduce, sign all-to-all and
       all-gather (``2 x W x chunk / 8``) and both scale all-gathers (``2 x 4 W``).
+
+    With ``variance_floor`` (a non-zero ``ZeroOneAdamConfig.variance_floor``) variance and 1-bit
+    steps add per unit the floor's per-tensor mean all-reduce (``8 x tensors``,
+    :func:`plait.onebit_optim.zero_variance_floor.floor_nbytes`).
 
     (The first local step, and the first after a load, also all-gathers the momentum and variance
     shards, and with bf16 compute the masters, once: ``4 x padded`` each.)
@@ -94,6 +105,8 @@ def zero_one_step_nbytes(units: list[tuple[int, int, int]], world: int, kind: st
             total += 4 * tensors + n // 8 + 4 * world + 4 * padded
         elif synchronise:
             total += 4 * tensors + 2 * (n // 8) + 2 * 4 * world
+        if variance_floor and kind in (VARIANCE, ONEBIT):
+            total += floor_nbytes(tensors)
     return total
 
 
@@ -254,6 +267,8 @@ class ZeroOneZeroExchange(OnebitZeroExchange):
             momentum, variance = self._gathered(unit, inner["exp_avg"]), self._gathered(unit, inner["exp_avg_sq"])
             params = unit.full if unit.full.dtype == torch.float32 else self._gathered(unit, masters[key].detach())
             lo, hi = unit.shard_range
+            if fresh:  # frozen from here on: floored once, in place (the whole unit is here: no all-reduce)
+                floor_unit_(unit, variance, self.config.variance_floor)
             inner["exp_avg"], inner["exp_avg_sq"] = momentum[lo:hi], variance[lo:hi]  # views: no second copy
             self.local[key] = _LocalBuffers(momentum, variance, params.detach().clone(), params)
 
@@ -364,8 +379,18 @@ class ShardedZeroOneAdam(ShardedInner):
                     continue
                 state = self._state(p)
                 state["step"] += 1
-                zero_one_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], group, variance=kind == VARIANCE)
+                unit = exchange.units[keys[id(p)]].unit if exchange.engine else None
+                zero_one_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], group, variance=kind == VARIANCE,
+                                 floor=self._floor(unit))
         return loss
+
+    def _floor(self, unit: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The variance floor of a master shard of ``unit``: each tensor's mean taken across the
+        shards (one small all-reduce per unit and step); the identity without a floor."""
+        ratio = self.config.variance_floor
+        if not ratio or unit is None:
+            return lambda v: v
+        return lambda v: floored_shard(unit, v, ratio, name="ZeroOneAdam")
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]

@@ -5,7 +5,6 @@ for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +14,8 @@ from plait.onebit_optim.adam import adam_state, adamw_step, frozen_variance_upda
 from plait.onebit_optim.base import check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig, ZeroOneAdamConfig
 from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner
+from plait.onebit_optim.zero_variance_floor import floor_shard_
 
-LOG = logging.getLogger(__name__)
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # The optimizers that compose with ZeRO-1/2: their config class.
 COMPOSABLE = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
@@ -65,12 +64,6 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     if param_groups is not None:
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
-    if getattr(config, "variance_floor", 0):
-        # The floor is a statistic of whole tensors; a ZeRO shard holds pieces of flat units. Said at
-        # info level: the floor is on by default, and a warning on every ZeRO run would be noise.
-        LOG.info("%s under ZeRO: variance_floor=%s is not applied (the published algorithm runs); elements "
-                    "whose frozen variance is ~0 (unseen embedding rows) can step by |m| / eps. Use a longer "
-                    "warm-up, or plain data parallel, where the floor works.", name, config.variance_floor)
     from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
     from plait.onebit_optim.zero_one_zero import ShardedZeroOneAdam, ZeroOneZeroExchange
 
@@ -156,5 +149,8 @@ class ShardedOnebitAdam(ShardedInner):
             if momentum is None:
                 continue
             state = self._state(p)
+            if int(self.exchange.steps[0]) == self.config.freeze_step:  # the variance freezes now
+                unit = self.exchange.units[keys[id(p)]].unit
+                floor_shard_(unit, state["exp_avg_sq"], self.config.variance_floor, name="OnebitAdam")
             state["exp_avg"].copy_(momentum)
             frozen_variance_update(p, state, group, self.config.freeze_step)
