@@ -227,6 +227,7 @@ def test_resume_after_the_warm_up_continues_the_same_run(runs: dict[str, Any]) -
 @pytest.mark.timeout(480)
 def test_compressed_steps_move_the_one_bit_exchange_bytes(runs: dict[str, Any]) -> None:
     from plait.onebit_optim.zero import exchange_nbytes
+    from plait.onebit_optim.zero_variance_floor import floor_nbytes
 
     ours, adamw = runs["onebit_json"], runs["adamw"]
     world = 2
@@ -236,7 +237,9 @@ def test_compressed_steps_move_the_one_bit_exchange_bytes(runs: dict[str, Any]) 
     exchange = exchange_nbytes([(shard, tensors) for shard, tensors, _ in units], world)
     assert adamw["bytes"][-1]["total"] == gather + gather + flags  # reduce-scatter + all-gather, fp32
     # the first compressed step also gathers the fp32 momentum once (every rank keeps it in 1 bit after)
-    assert ours["bytes"][FREEZE]["total"] == exchange + gather + gather + flags
+    # and sums each tensor's variance across the shards once, for the variance floor (8 B a tensor)
+    floor = sum(floor_nbytes(tensors) for _, tensors, _ in units)
+    assert ours["bytes"][FREEZE]["total"] == exchange + gather + gather + flags + floor
     for step in ours["bytes"][FREEZE + 1:]:
         assert step["total"] == exchange + gather + flags, (step, exchange, gather)
         assert "reduce_scatter" not in step
