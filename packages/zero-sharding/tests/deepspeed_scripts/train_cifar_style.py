@@ -55,7 +55,9 @@ def main():
             lrs.append(optimizer.param_groups[0]["lr"])
     record = {"losses": losses, "grad_norms": norms, "lrs": lrs, "deepspeed": deepspeed.__name__,
               "engine": type(model_engine).__module__, "global_steps": model_engine.global_steps,
-              "train_batch_size": model_engine.train_batch_size()}
+              "train_batch_size": model_engine.train_batch_size(),
+              # Under plait, where the ZeRO engine keeps the optimizer state (offload configs: plait-offload-io's).
+              "placement": type(getattr(getattr(optimizer, "engine", None), "placement", None)).__name__}
     with open(f"{cmd_args.out}.rank{rank}.json", "w") as handle:
         json.dump(record, handle)
 

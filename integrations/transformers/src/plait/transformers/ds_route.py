@@ -150,13 +150,15 @@ def plan_for(source: Any, args: Any, *, world_size: int, model: Any = None,
     plan = translate(tree, world_size=world_size,
                      auto=hf_values(tree, args, world_size=world_size, model=model,
                                     num_training_steps=num_training_steps))
-    if plan.extensions:
-        raise ValueError(f"the DeepSpeed config's {sorted(plan.extensions)} settings are not run by the HF Trainer "
+    unknown = sorted(set(plan.extensions) - {"offload"})
+    if unknown:
+        raise ValueError(f"the DeepSpeed config's {unknown} settings are not run by the HF Trainer "
                          "route yet; remove them, or use plait's own config (PLAIT_CONFIG) for them.")
     # Precision comes from TrainingArguments (bf16/fp16 matched above); the Trainer clips with
     # args.max_grad_norm, which the interception set to the config's gradient_clipping.
     zero = dataclasses.replace(plan.zero, compute_dtype=torch.float32, max_grad_norm=None)
-    config = PlaitConfig(zero=zero, sp_size=plan.sequence_parallel_size, onebit=onebit)
+    config = PlaitConfig(zero=zero, sp_size=plan.sequence_parallel_size, onebit=onebit,
+                         offload=plan.extensions.get("offload"))
     return config, plan
 
 

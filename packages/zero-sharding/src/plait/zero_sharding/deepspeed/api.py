@@ -115,6 +115,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     init_distributed()
     plan = translate(tree, world_size=dist.get_world_size())
     opt, groups, kwargs = _optimizer_and_groups(model, optimizer, model_parameters, plan)
+    if "offload" in plan.extensions:  # registered (and so installed) by plait-offload-io
+        from plait.offload_io import zero_placement
+
+        kwargs["placement"] = zero_placement(plan.extensions["offload"])
     model, zero_opt = zero_shard(model, opt, plan.zero, param_groups=groups, **kwargs)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         lr_scheduler = lr_scheduler(zero_opt)

@@ -12,6 +12,7 @@ integration does; an ``"auto"`` left unresolved is refused naming its key.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from plait.zero_sharding.config import ZeroConfig
-from plait.zero_sharding.deepspeed.keys import lookup
+from plait.zero_sharding.deepspeed.keys import EXTENSIONS, load_package_keys, lookup
 from plait.zero_sharding.deepspeed.schedules import SCHEDULES
 from plait.zero_sharding.zeropp.config import ZeroPPConfig
 
@@ -77,14 +78,31 @@ class DeepSpeedPlan:
     accepted: tuple[tuple[str, str], ...] = ()
 
 
+def _from_base64(text: str) -> dict[str, Any] | None:
+    """The config of a base64-encoded JSON string (the form HF's ``--deepspeed`` also takes), or
+    ``None`` when ``text`` is not one."""
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii") + b"=" * (-len(text) % 4)).decode("utf-8")
+        loaded = json.loads(decoded)
+    except (ValueError, UnicodeError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
 def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """Return the ``ds_config`` dict (a copy) from a dict or a JSON file path.
+    """Return the ``ds_config`` dict (a copy) from a dict, a JSON file path, or a base64-encoded
+    JSON string (as DeepSpeed's HF integration accepts for ``--deepspeed``).
 
     Raises:
-        ValueError: the file is not JSON or not an object; TypeError: neither dict nor path.
+        ValueError: the file is not JSON or not an object; FileNotFoundError: a string that is
+        neither a file nor base64 JSON; TypeError: neither dict nor string/path.
     """
     if isinstance(config, dict):
         return json.loads(json.dumps(config))
+    if isinstance(config, str) and not os.path.exists(config):
+        decoded = _from_base64(config)
+        if decoded is not None:
+            return decoded
     if isinstance(config, str | os.PathLike):
         with open(config, encoding="utf-8") as handle:
             try:
@@ -94,7 +112,7 @@ def load_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict[str, An
         if not isinstance(loaded, dict):
             raise ValueError(f"DeepSpeed config {os.fspath(config)!r} must hold a JSON object at the top level.")
         return loaded
-    raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}.")
+    raise TypeError(f"config must be a dict, a path to a JSON file or base64 JSON, got {type(config).__name__}.")
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -260,6 +278,7 @@ def translate(config: dict[str, Any] | str | os.PathLike[str], *, world_size: in
             path with what to do, in one message.
     """
     tree = load_config(config)
+    load_package_keys()
     problems = resolve_auto(tree, auto)
     key_problems, accepted = check_keys(tree)
     problems += key_problems
@@ -276,10 +295,12 @@ def translate(config: dict[str, Any] | str | os.PathLike[str], *, world_size: in
         raise ValueError(f"sequence_parallel_size={sp!r} must be a positive integer.")
     gather = zero.get("stage3_gather_16bit_weights_on_model_save",
                       zero.get("stage3_gather_fp16_weights_on_model_save", False))
+    extensions = {name: value for name, build in EXTENSIONS.items() if (value := build(tree)) is not None}
     return DeepSpeedPlan(zero=_zero_config(tree), train_batch_size=total, micro_batch_size=micro,
                          gradient_accumulation_steps=steps, optimizer=_optimizer(tree.get("optimizer")),
                          scheduler=scheduler, sequence_parallel_size=sp,
-                         gather_16bit_weights_on_model_save=bool(gather), accepted=tuple(accepted))
+                         gather_16bit_weights_on_model_save=bool(gather), extensions=extensions,
+                         accepted=tuple(accepted))
 
 
 def hf_auto_values(args: Any, *, world_size: int, hidden_size: int | None = None,

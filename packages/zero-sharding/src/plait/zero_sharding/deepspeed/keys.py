@@ -4,9 +4,10 @@ Each :class:`Key` is one of three actions: ``mapped`` (the value sets a plait se
 ``accepted`` (read and checked, but it changes nothing in plait; the reason says why) or
 ``refused`` (the translator raises before any work, saying what to do). A ``check`` can refuse
 some values of an accepted or mapped key (e.g. ``prescale_gradients: true``). Keys of other
-packages (offload, 1-bit optimizers) are added by those packages through :func:`register_keys`,
-so this module never imports them. The README's key table is generated from this registry
-(:func:`key_table_markdown`) and a test keeps the two in sync.
+packages (plait-offload-io's offload and ``aio`` keys) are added by those packages through the
+``plait.deepspeed_keys`` entry point (:func:`load_package_keys` calls :func:`register_keys` and
+:func:`register_extension` there), so this module never imports them. The README's key table is
+generated from this registry (:func:`key_table_markdown`) and a test keeps the two in sync.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class Key:
 
 
 KEYS: dict[str, Key] = {}
+#: extension name -> builder(whole ds_config) -> value or ``None``; e.g. plait-offload-io's ``"offload"``.
+EXTENSIONS: dict[str, Callable[[dict[str, Any]], Any]] = {}
+#: The entry-point group through which other distributions register their keys (each entry point is
+#: a function of no arguments that calls :func:`register_keys` / :func:`register_extension`).
+ENTRY_POINT_GROUP = "plait.deepspeed_keys"
+_loaded: list[str] = []
 
 
 def register_keys(keys: Iterable[Key]) -> None:
@@ -57,6 +64,32 @@ def register_keys(keys: Iterable[Key]) -> None:
     """
     for key in keys:
         KEYS[key.path] = key
+
+
+def register_extension(name: str, builder: Callable[[dict[str, Any]], Any]) -> None:
+    """Add a builder whose value lands in ``DeepSpeedPlan.extensions[name]`` (``None``: absent).
+
+    Args:
+        name: the extension's name (``"offload"`` is read by every DeepSpeed route).
+        builder: called with the whole ``ds_config`` after its keys are checked; raises
+            ``ValueError`` naming the key for a setting it cannot run.
+    """
+    EXTENSIONS[name] = builder
+
+
+def load_package_keys() -> list[str]:
+    """Call every installed ``plait.deepspeed_keys`` entry point once; return their names.
+
+    A distribution that owns a ``ds_config`` section (plait-offload-io: the offload and ``aio``
+    keys) registers its keys this way, so this package never imports it.
+    """
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name not in _loaded:
+            entry.load()()
+            _loaded.append(entry.name)
+    return list(_loaded)
 
 
 def lookup(path: str) -> Key | None:
@@ -216,10 +249,15 @@ _BUILTIN = [
 register_keys(_BUILTIN)
 
 
-def key_table_markdown() -> str:
-    """Return the README's table of every registered key (sorted by path) and what plait does."""
+def key_table_markdown(keys: Iterable[Key] | None = None) -> str:
+    """Return a README table of keys (sorted by path) and what plait does with each.
+
+    Args:
+        keys: the rows; default: this package's own (what a lone plait-zero-sharding does, the
+            keys of other packages shown as refused with the install to add). A package that
+            registers keys renders its own rows for its README.
+    """
     rows = ["| DeepSpeed key | plait | what it does in plait |", "|---|---|---|"]
-    for path in sorted(KEYS):
-        key = KEYS[path]
-        rows.append(f"| `{path}` | {key.action} | {key.effect} |")
+    for key in sorted(_BUILTIN if keys is None else keys, key=lambda k: k.path):
+        rows.append(f"| `{key.path}` | {key.action} | {key.effect} |")
     return "\n".join(rows) + "\n"
