@@ -1,7 +1,13 @@
-"""engine.load_checkpoint resumes a checkpoint written by DeepSpeed 0.19.8 itself (ZeRO 1/2/3, fp32, W=1 gloo):
-the next losses equal DeepSpeed continuing the same checkpoint, with its step, scheduler and client state."""
+"""engine.load_checkpoint resumes a checkpoint written by DeepSpeed 0.19.8 itself (ZeRO 1/2/3, fp32 and bf16,
+W=1 gloo, and one written at W=2 resumed at W=1): the next losses equal DeepSpeed continuing the same
+checkpoint, with its step, scheduler and client state. (fp16: DeepSpeed refuses fp16 on a CPU, so no
+fp16 checkpoint of its own can be written here.)"""
 
+import json
 import os
+import pathlib
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -79,3 +85,65 @@ def test_resume_deepspeed_checkpoint_continues_as_deepspeed(stage: int, our_stag
     assert sorted(os.listdir(tmp_path / "global_step3")) == files  # DeepSpeed's files are left as they were
     again, _ = ours.load_checkpoint(str(tmp_path))  # the conversion is reused
     assert again == path
+
+
+def _train_in(engine, steps: int, seed: int, dtype: torch.dtype) -> list[float]:
+    generator, losses = torch.Generator().manual_seed(seed), []
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=generator).to(dtype), torch.randint(0, 3, (4,), generator=generator)
+        loss = F.cross_entropy(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_bf16_deepspeed_checkpoint_bitwise(stage: int, tmp_path) -> None:
+    config = {**_config(stage), "bf16": {"enabled": True}}
+    net = _net()
+    theirs, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    _train_in(theirs, 3, 1, torch.bfloat16)
+    theirs.save_checkpoint(str(tmp_path))
+    expected = _train_in(theirs, 4, 2, torch.bfloat16)
+    net = _net()
+    ours, *_ = initialize(model=net, model_parameters=net.parameters(), config=config)
+    ours.load_checkpoint(str(tmp_path))
+    assert ours.global_steps == 3
+    assert _train_in(ours, 4, 2, torch.bfloat16) == expected
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) -> None:
+    """DeepSpeed trains at W=2 (4 samples a rank) and continues; plait resumes its checkpoint at W=1
+    with the same 8 samples a step: each loss is the mean of DeepSpeed's two ranks' losses."""
+    job = pathlib.Path(__file__).resolve().parent / "deepspeed_resume_job.py"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_port()), str(job), str(tmp_path), str(stage), "fp32"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = [json.loads((tmp_path / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
+    sys.path.insert(0, str(job.parent))
+    try:
+        from deepspeed_resume_job import batch, config, net
+    finally:
+        sys.path.remove(str(job.parent))
+    model = net()
+    ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp32", 8))
+    ours.load_checkpoint(str(tmp_path / "ckpt"))
+    assert ours.global_steps == 3
+    for index, step in enumerate(range(3, 7)):
+        (x0, y0), (x1, y1) = batch(step, 0, torch.float32), batch(step, 1, torch.float32)
+        loss = F.cross_entropy(ours(torch.cat([x0, x1])), torch.cat([y0, y1]))
+        ours.backward(loss)
+        ours.step()
+        assert loss.item() == pytest.approx((theirs[0][index] + theirs[1][index]) / 2, rel=1e-5), step
