@@ -1,7 +1,7 @@
 """DeepSpeed's gating reproduced by MoEConfig switches, checked against DeepSpeed's own
-``top1gating`` / ``top2gating`` (``deepspeed.moe.sharded_moe``, run on the CPU) on skewed logits
-where the capacity binds: combine weights and dispatch masks (summed over DeepSpeed's capacity
-slots), the aux loss and the expert counts before drops."""
+``top1gating`` / ``top2gating`` / ``topkgating`` (``deepspeed.moe.sharded_moe``, run on the CPU) on
+skewed logits where the capacity binds: combine weights and dispatch masks (summed over DeepSpeed's
+capacity slots), the aux loss and the expert counts before drops."""
 
 from __future__ import annotations
 
@@ -104,3 +104,51 @@ def test_bad_switches_are_refused_by_name():
         MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, aux_loss_choices="second")
     with pytest.raises(ValueError, match="renormalize_after_drops"):
         MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, renormalize_after_drops=1)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize(("ours", "theirs"), [("token", "position"), ("probability", "probs")])
+def test_topk_matches_deepspeed_topkgating(k, ours, theirs):
+    logits = _skewed_logits(3)
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=k, capacity_factor=0.5,
+                       min_capacity=1, drop_policy=ours, renormalize_after_drops=True)
+    routing, dense, mask = _route(config, logits)
+    l_aux, combine, dispatch, exp_counts = sharded_moe.topkgating(logits.clone(), k, 0.5, 1, drop_policy=theirs)
+    assert int((~routing.kept).sum()) > 0
+    assert torch.equal(mask, dispatch.any(dim=-1))
+    torch.testing.assert_close(dense, combine.sum(dim=-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_aux(config, logits), l_aux, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.bincount(routing.expert_ids.reshape(-1), minlength=E), exp_counts)
+
+
+def test_token_order_differs_from_first_choices_first_where_it_binds():
+    logits = _skewed_logits(3)
+    base = dict(hidden_size=E, num_experts=E, intermediate_size=8, top_k=2, capacity_factor=0.5, min_capacity=1)
+    _, _, by_token = _route(MoEConfig(**base, drop_policy="token"), logits)
+    _, _, by_position = _route(MoEConfig(**base, drop_policy="position"), logits)
+    assert not torch.equal(by_token, by_position)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
+def test_random_token_selection_matches_deepspeed_top1gating_with_rts(capacity_factor):
+    """DeepSpeed's MoE layer defaults to ``use_rts=True``: an over-full expert keeps the tokens with
+    the highest uniform draws. ``drop_policy="random"`` draws the same ``[T, E]`` uniforms, so from the
+    same torch seed the same tokens are kept."""
+    logits = _skewed_logits(4)
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=1, capacity_factor=capacity_factor,
+                       min_capacity=1, renormalize=False, drop_policy="random", aux_loss_choices="first")
+    router = Router(config)  # built first: its initialisation draws from the same generator
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+    torch.manual_seed(7)
+    routing = router(logits.clone())
+    dense = torch.zeros(T, E).scatter_add_(1, routing.expert_ids, routing.weights.detach() * routing.kept)
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter_(1, routing.expert_ids, routing.kept)
+    torch.manual_seed(7)
+    l_aux, combine, dispatch, exp_counts = sharded_moe.top1gating(
+        logits.clone(), capacity_factor, 1, noisy_gate_policy=None, drop_tokens=True, use_rts=True)
+    assert int((~routing.kept).sum()) > 0
+    assert torch.equal(mask, dispatch.any(dim=-1))
+    torch.testing.assert_close(dense, combine.sum(dim=-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_aux(config, logits), l_aux, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.bincount(routing.expert_ids.reshape(-1), minlength=E), exp_counts)

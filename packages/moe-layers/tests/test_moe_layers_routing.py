@@ -44,6 +44,8 @@ def dense_reference(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     capacity = cfg.capacity(tokens, training=layer.training)
     if cfg.drop_policy == "position":
         ranked = sorted(choices, key=lambda c: (c[1], c[0]))
+    elif cfg.drop_policy == "token":
+        ranked = sorted(choices, key=lambda c: (c[0], c[1]))
     else:
         ranked = sorted(choices, key=lambda c: -c[4])
     taken = [0] * E
@@ -64,6 +66,7 @@ CASES = {
     "top1_switch": {"top_k": 1, "renormalize": False},
     "top2_capacity_position": {"capacity_factor": 0.75, "min_capacity": 1},
     "top2_capacity_probability": {"capacity_factor": 0.75, "min_capacity": 1, "drop_policy": "probability"},
+    "top2_capacity_token": {"capacity_factor": 0.75, "min_capacity": 1, "drop_policy": "token"},
     "top1_capacity_probability": {"top_k": 1, "capacity_factor": 1.0, "min_capacity": 0, "drop_policy": "probability"},
     "topk_softmax": {"score_order": "topk_softmax", "top_k": 3},
     "no_renormalize": {"renormalize": False},
@@ -185,7 +188,7 @@ def test_user_expert_modules_and_residual() -> None:
     ("top_k", 5, "top_k=5 exceeds num_experts=4"),
     ("top_k", 0, "top_k=0 must be a positive int"),
     ("num_experts", 0, "num_experts=0"),
-    ("drop_policy", "random", "drop_policy='random' is not supported"),
+    ("drop_policy", "lottery", "drop_policy='lottery' is not supported"),
     ("noise", "rsample", "noise='rsample'"),
     ("noise_eps", -0.1, "noise_eps=-0.1"),
     ("min_capacity", -1, "min_capacity=-1"),

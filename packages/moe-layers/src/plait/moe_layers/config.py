@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 SCORE_ORDERS = ("softmax_topk", "topk_softmax")
-DROP_POLICIES = ("position", "probability")
+DROP_POLICIES = ("position", "probability", "token", "random")
 NOISE_KINDS = ("none", "jitter", "gumbel")
 ROUTER_GRADIENTS = ("straight_through", "grin")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -44,11 +44,13 @@ class MoEConfig:
             Under expert parallelism the tokens are those of the calling rank (as DeepSpeed).
         eval_capacity_factor: the capacity factor in ``eval()`` mode; ``None`` = same as training.
         min_capacity: the smallest capacity an expert gets (keeps tiny batches from dropping all).
-        drop_policy: over capacity, keep assignments in token order, all first choices before any
-            second choice (``"position"``: GShard, and DeepSpeed's ``top1gating`` without
-            ``use_rts`` and ``top2gating``; DeepSpeed's ``topkgating`` for ``k > 2`` keeps each
-            expert's highest probabilities, i.e. ``"probability"``), or keep each expert's highest
-            router probabilities (``"probability"``, Switch's "batch prioritized routing").
+        drop_policy: which assignments an over-full expert keeps: ``"position"``, in token order
+            with all first choices before any second choice (GShard, DeepSpeed's ``top2gating``);
+            ``"token"``, in token order alone (DeepSpeed's ``topkgating(drop_policy="position")``);
+            ``"probability"``, its highest router probabilities (Switch's "batch prioritized
+            routing", DeepSpeed's ``topkgating`` default ``drop_policy="probs"``); ``"random"``, a
+            uniform draw per token and expert (DeepSpeed's ``top1gating(use_rts=True)``, its MoE
+            layer's default: random token selection, the same tokens for the same torch seed).
         renormalize_after_drops: after capacity drops, divide each token's kept weights by their
             sum (a token that lost its second expert gets weight 1 on its first; one that lost
             every expert gets 0), as DeepSpeed's ``top2gating`` does. Use with ``top_k=2``,

@@ -92,19 +92,22 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def capacity_keep(expert_ids: torch.Tensor, priority: torch.Tensor | None, num_experts: int,
-                  capacity: int | None) -> torch.Tensor:
+                  capacity: int | None, *, token_order: bool = False) -> torch.Tensor:
     """Which assignments fit in their expert's capacity.
 
     Assignments are ranked per expert; the first ``capacity`` of each expert are kept. With
     ``priority=None`` the rank is by position with all first choices before any second choice
-    (GShard's order: token 0 slot 0, token 1 slot 0, ..., token 0 slot 1, ...); otherwise by
-    decreasing ``priority`` (ties by that same position order).
+    (GShard's order: token 0 slot 0, token 1 slot 0, ..., token 0 slot 1, ...), or with
+    ``token_order=True`` by token alone (token 0's choices, then token 1's, ...: DeepSpeed's
+    ``topkgating(drop_policy="position")``); otherwise by decreasing ``priority`` (ties by
+    position order).
 
     Args:
         expert_ids: ``[T, k]`` chosen experts.
         priority: ``[T, k]`` scores (higher is kept first) or ``None`` for position order.
         num_experts: ``E``.
         capacity: assignments per expert, or ``None`` to keep everything.
+        token_order: with ``priority=None``, rank by token rather than first choices first.
 
     Returns:
         ``[T, k]`` bool.
@@ -113,6 +116,8 @@ def capacity_keep(expert_ids: torch.Tensor, priority: torch.Tensor | None, num_e
         return torch.ones_like(expert_ids, dtype=torch.bool)
     slot_major = expert_ids.t().reshape(-1)
     order = torch.arange(slot_major.numel(), device=expert_ids.device)
+    if token_order and priority is None:  # slot-major index s*T + t, visited token by token
+        order = order.view(expert_ids.shape[1], expert_ids.shape[0]).t().reshape(-1)
     if priority is not None:
         order = torch.argsort(-priority.detach().t().reshape(-1), stable=True)
     by_expert = order[torch.argsort(slot_major[order], stable=True)]
@@ -179,8 +184,14 @@ class Router(nn.Module):
         """Apply the capacity (drop policy) to a choice of experts."""
         cfg = self.config
         capacity = cfg.capacity(x.shape[0], training=self.training)
-        priority = probs.gather(1, expert_ids) if cfg.drop_policy == "probability" else None
-        kept = capacity_keep(expert_ids, priority, cfg.num_experts, capacity)
+        priority = None
+        if cfg.drop_policy == "probability":
+            priority = probs.gather(1, expert_ids)
+        elif cfg.drop_policy == "random" and capacity is not None:
+            # One uniform draw per (token, expert), as DeepSpeed's top1gating(use_rts=True) draws it,
+            # so the same seed keeps the same tokens.
+            priority = torch.rand(probs.shape, device=probs.device).gather(1, expert_ids)
+        kept = capacity_keep(expert_ids, priority, cfg.num_experts, capacity, token_order=cfg.drop_policy == "token")
         if cfg.renormalize_after_drops:
             weights = renormalize_kept(weights, kept)
         return Routing(logits=logits, probs=probs, expert_ids=expert_ids, weights=weights, kept=kept)
