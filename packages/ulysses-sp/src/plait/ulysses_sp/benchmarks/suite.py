@@ -23,6 +23,7 @@ is quadratic and one core per rank computes it).
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from plait.kernels.bench import BenchRow
 from plait.kernels.cli.bench import plot_path
@@ -54,7 +55,7 @@ def run(quick: bool) -> list[BenchRow]:
     plot = _plot(peaks, quick)
     if plot:
         rows.append(BenchRow(benchmark="peak memory vs sequence length", figure="plot", ours=float(len(peaks)),
-                             note=f"PNG: {plot}"))
+                             note=f"PNG: {Path(plot).name} (beside the results file)"))
     return rows
 
 
