@@ -5,12 +5,14 @@ One spawn of 4 ranks runs every case: an MLP (colwise / rowwise Linears and a pl
 a small transformer (colwise q/k/v, rowwise out and MLP, RMSNorms under SequenceParallel, whose
 weight gradients are ``Partial`` on tp), at stages 1, 2, 3. Each is compared with one process on
 the whole batch and with FSDP2 (``fully_shard(model, mesh=mesh["dp"])``) on the same TP model;
+clipping and gradient accumulation under ``no_sync`` are compared with one process;
 communication is counted per mesh dimension against the formula; bad input is refused before
 any work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -208,9 +210,32 @@ def _sharded_runs() -> dict:
     model = parallelize_module(build("transformer"), mesh["tp"], plan("transformer"))
     model, opt = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh["dp"], **OPT)
     out["clipped"] = _train(model, opt, dp_group, CLIP)
+    out["accumulated"] = _accumulate(mesh, dp_group)
     _bad_input(mesh)
     out["seconds"] = time.perf_counter() - start
     return out
+
+
+def _accumulate(mesh, dp_group: dist.ProcessGroup) -> list[float]:
+    """Stage 3, two micro-batches per step, the first under ``no_sync``: the SequenceParallel
+    norms' ``Partial`` gradients accumulate as DTensors and are reduced over tp once."""
+    model = parallelize_module(build("transformer"), mesh["tp"], plan("transformer"))
+    model, opt = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh["dp"], **OPT)
+    (x, y), half = data(), BATCH // dist.get_world_size(dp_group)
+    losses = []
+    for _ in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(half):
+            row = slice(dist.get_rank(dp_group) * half + micro, dist.get_rank(dp_group) * half + micro + 1)
+            with model.no_sync() if micro < half - 1 else contextlib.nullcontext():
+                loss = F.mse_loss(model(x[row]), y[row]) / half
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total, group=dp_group)
+        losses.append(float(total) / dist.get_world_size(dp_group))
+    return losses
 
 
 def _bad_input(mesh) -> None:
@@ -250,9 +275,9 @@ def _strided():
     return _StridedShard(0, split_factor=2)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)
 def test_zero_over_tensor_parallel_matches_one_process_and_fsdp2():
-    results = run_distributed(_sharded_runs, 4, timeout=220)
+    results = run_distributed(_sharded_runs, 4, timeout=300)
     for kind in ("mlp", "transformer"):
         ref = torch.tensor(reference(kind, None)[0], dtype=torch.float64)
         for rank, out in enumerate(results):
@@ -268,6 +293,9 @@ def test_zero_over_tensor_parallel_matches_one_process_and_fsdp2():
                 state, formula, unit_numel, local_numel = out["state"][kind, stage]
                 assert state == formula and unit_numel == local_numel, msg  # 1/dp of each TP shard
     print(f"ranks' time in the cases: {max(out['seconds'] for out in results):.1f} s, load {os.getloadavg()[0]:.1f}")
+    ref = reference("transformer", None)[0]
+    for out in results:
+        torch.testing.assert_close(torch.tensor(out["accumulated"]), torch.tensor(ref), rtol=1e-5, atol=0)
     ref_losses, ref_norms = reference("transformer", CLIP)
     for out in results:
         losses, norms = out["clipped"]

@@ -5,7 +5,8 @@ a multiple of the group size so every rank owns an equal slice (``shard``). For 
 rank holds:
 
 * ``full``: the whole flat buffer in the compute dtype; the parameters' ``.data`` are views into
-  it. Resident units (stages 1/2, small parameters in stage 3) keep it allocated; sharded units
+  it (for a tensor-parallel DTensor parameter, its local TP shard is: see :mod:`.tensor_parallel`).
+  Resident units (stages 1/2, small parameters in stage 3) keep it allocated; sharded units
   (stage 3) shrink its storage to zero bytes when released and grow it back to gather, so every
   view (and anything autograd saved that aliases it) stays valid.
 * ``shard``: this rank's slice in the compute dtype (the all-gather input). For resident units
