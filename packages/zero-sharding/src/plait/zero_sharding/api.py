@@ -33,6 +33,7 @@ from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.placements import GroupedPlacement
 from plait.zero_sharding.scoped_gather import gathered_parameters  # noqa: F401  (public here too)
+from plait.zero_sharding.tensor_parallel import check_tensor_parallel
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
 from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor, update_cost
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
@@ -291,6 +292,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
     group, replicate = resolve_groups(mesh, config)
+    check_tensor_parallel(model, group, replicate, compute_dtype=config.compute_dtype, zeropp=config.zeropp,
+                          placement=placement, reducer=reducer, gatherer=gatherer,
+                          whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer)
     groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate)
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():

@@ -35,6 +35,7 @@ from plait.zero_sharding.grad_stash import GradStash
 from plait.zero_sharding.ordering import GatherCursor, module_orders, reduce_order, twin_groups
 from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.scoped_gather import register_owner
+from plait.zero_sharding.tensor_parallel import is_dtensor
 from plait.zero_sharding.units import FlatUnit
 
 # Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
@@ -115,6 +116,10 @@ class ZeroEngine:
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
             for slot in unit.slots:
+                if slot.param.requires_grad and unit.full_grad is not None and is_dtensor(slot.param):
+                    # Stage 1: the DTensor gradient goes into the flat buffer first (see FlatUnit._point_grads).
+                    self.handles.append(slot.param.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit, slot=slot: unit.take_dtensor_grad(slot)))
                 if slot.param.requires_grad:
                     self.handles.append(slot.param.register_post_accumulate_grad_hook(
                         lambda p, unit=unit: self._on_grad(unit)))

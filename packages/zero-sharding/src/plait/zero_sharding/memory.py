@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from plait.zero_sharding.tensor_parallel import local_numel
+
 OPTIMIZER_STATE_BYTES = {"Adam": 8, "AdamW": 8, "SGD": 4, "Lion": 4, "Adagrad": 4, "RMSprop": 4}
 
 
@@ -68,7 +70,7 @@ def model_state_bytes(model: Any) -> dict[str, int]:
         for slot in unit.slots:  # unreduced gradients still on the parameters (no_sync, stage 3 in flight)
             grad = slot.param.grad
             if grad is not None and unit.full_grad is None:
-                out["grads"] += grad.numel() * grad.element_size()
+                out["grads"] += local_numel(grad) * grad.element_size()
     for state in optimizer.inner.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):

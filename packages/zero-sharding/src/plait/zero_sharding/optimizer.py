@@ -29,6 +29,7 @@ from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.grad_stash import StashedGrad
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.replicas import check_replicas
+from plait.zero_sharding.tensor_parallel import weighted_sumsq
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -151,6 +152,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sq = torch.linalg.vector_norm(grad).double().square()
             if not torch.isfinite(sq):
                 local[1] = 1.0
+            elif unit.tensor_parallel:  # TP shards are distinct across tp ranks: weighted per parameter
+                local[0] += weighted_sumsq(unit, grad)
             else:
                 local[0] += sq / unit.replicas
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -28,6 +28,7 @@ from torch import nn
 
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.construction import ConstructedParameter, check_consistent, release
+from plait.zero_sharding.tensor_parallel import local_numel, local_shape
 from plait.zero_sharding.units import FlatUnit, ParamSlot
 
 
@@ -125,11 +126,11 @@ def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]
     out: list[list[nn.Parameter]] = []
     size = limit
     for p in params:
-        if size + p.numel() > limit and (not out or out[-1]):
+        if size + local_numel(p) > limit and (not out or out[-1]):
             out.append([])
             size = 0
         out[-1].append(p)
-        size += p.numel()
+        size += local_numel(p)
     return [b for b in out if b]
 
 
@@ -175,8 +176,8 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
             modules = sorted(modules + root_modules(model, modules), key=lambda m: order[id(m)])
         owner = _owners(model, modules)
         for index, og in enumerate(groups):
-            small = [p for p in og.params if p.numel() < config.param_persistence_threshold]
-            big = [p for p in og.params if p.numel() >= config.param_persistence_threshold]
+            small = [p for p in og.params if local_numel(p) < config.param_persistence_threshold]
+            big = [p for p in og.params if local_numel(p) >= config.param_persistence_threshold]
             for module in [None, *modules]:
                 members = [p for p in big if owner.get(id(p)) is module]
                 if members:
@@ -189,8 +190,9 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
     for params, og, index, resident, module in plans:
         slots, offset = [], 0
         for p in params:
-            slots.append(ParamSlot(names[id(p)], p, offset, p.numel(), tuple(p.shape)))
-            offset += p.numel()
+            # A tensor-parallel (DTensor) parameter contributes its local TP shard only.
+            slots.append(ParamSlot(names[id(p)], p, offset, local_numel(p), local_shape(p)))
+            offset += local_numel(p)
         unit = FlatUnit(key=f"u{len(units)}", slots=slots, group=og.group, group_rank=og.group_rank,
                         group_size=og.group_size, resident=resident, compute_dtype=config.compute_dtype,
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,

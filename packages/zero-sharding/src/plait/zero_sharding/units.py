@@ -5,7 +5,8 @@ a multiple of the group size so every rank owns an equal slice (``shard``). For 
 rank holds:
 
 * ``full``: the whole flat buffer in the compute dtype; the parameters' ``.data`` are views into
-  it. Resident units (stages 1/2, small parameters in stage 3) keep it allocated; sharded units
+  it (for a tensor-parallel DTensor parameter, its local TP shard is: see :mod:`.tensor_parallel`).
+  Resident units (stages 1/2, small parameters in stage 3) keep it allocated; sharded units
   (stage 3) shrink its storage to zero bytes when released and grow it back to gather, so every
   view (and anything autograd saved that aliases it) stays valid.
 * ``shard``: this rank's slice in the compute dtype (the all-gather input). For resident units
@@ -33,6 +34,7 @@ from plait.kernels.collectives import named
 from plait.kernels.sharded_state import flat_overlap
 from plait.zero_sharding import profiling
 from plait.zero_sharding.extension import DefaultGatherer, wait
+from plait.zero_sharding.tensor_parallel import is_dtensor, local_grad, local_value, point_local
 
 
 @dataclasses.dataclass
@@ -116,6 +118,7 @@ class FlatUnit:
         self.shard_numel = max(1, math.ceil(self.numel / group_size))
         self.padded_numel = self.shard_numel * group_size
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
+        self.tensor_parallel = any(is_dtensor(s.param) for s in slots)  # holds DTensor (TP) parameters
         self.grad_divisor: float = group_size  # summed gradients / this = the average the optimizer sees
         self.full = torch.zeros(0)
         self.shard = torch.zeros(0)
@@ -171,7 +174,7 @@ class FlatUnit:
         full = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device) if self.resident \
             else torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         for slot in self.slots:
-            value = values[slot.name] if values is not None else slot.param.detach()
+            value = values[slot.name] if values is not None else local_value(slot.param)
             flat = value.reshape(-1)
             if self.resident:
                 full[slot.offset:slot.offset + slot.numel].copy_(flat)
@@ -191,9 +194,7 @@ class FlatUnit:
             self.gathered = False
         if stage == 1:
             self.full_grad = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            for slot in self.slots:
-                if slot.param.requires_grad:
-                    slot.param.grad = self.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self._point_grads()
 
     def _adopt(self, values: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
         """The one value that is exactly this rank's master (one rank, one fp32 parameter, no
@@ -210,7 +211,26 @@ class FlatUnit:
 
     def _point_params(self) -> None:
         for slot in self.slots:
-            slot.param.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            point_local(slot.param, self.full[slot.offset:slot.offset + slot.numel].view(slot.shape))
+
+    def _point_grads(self) -> None:
+        """Stage 1: plain parameters' ``.grad`` are views of ``full_grad``, so autograd accumulates
+        in place. A DTensor parameter's gradient stays ``None`` between backward passes: autograd
+        would replace a DTensor gradient rather than add into it, so :meth:`take_dtensor_grad`
+        adds each new one into the buffer instead."""
+        for slot in self.slots:
+            if slot.param.requires_grad and not is_dtensor(slot.param):
+                slot.param.grad = self.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def take_dtensor_grad(self, slot: ParamSlot) -> None:
+        """Stage 1, a DTensor parameter's gradient just arrived: add its local tensor (reduced over
+        ``tp`` first where it is ``Partial``) into ``full_grad`` and clear ``.grad``."""
+        grad = slot.param.grad
+        if self.full_grad is None or grad is None or not is_dtensor(slot.param):
+            return
+        part = self.full_grad[slot.offset:slot.offset + slot.numel]
+        part.add_(local_grad(slot.param, grad).reshape(-1).to(part.dtype))
+        slot.param.grad = None
 
     # ---- gather / release (stage 3) ----------------------------------------------------------
     def gather(self, gatherer: Any, phase: str, *, block: bool = True) -> None:
@@ -401,7 +421,7 @@ class FlatUnit:
             if grad is None:
                 part.zero_()
             else:
-                part.copy_(grad.reshape(-1))
+                part.copy_(local_grad(slot.param, grad).reshape(-1))
                 slot.param.grad = None
         return flat
 
@@ -418,9 +438,7 @@ class FlatUnit:
         self.grad_shard = None
         if self.full_grad is not None:
             self.full_grad.zero_()
-            for slot in self.slots:
-                if slot.param.requires_grad:
-                    slot.param.grad = self.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self._point_grads()
         else:
             for slot in self.slots:
                 slot.param.grad = None
