@@ -5,8 +5,8 @@ optimizers keep their config (as ``onebit_config``) and masks there, so the free
 survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2
 give the same losses bit for bit.
 
-Lightning's own ``strategy="ddp"`` takes them too: plait-lightning's entry-point callback
-(:mod:`plait.lightning.onebit_ddp`) turns DDP's gradient all-reduce off with a communication hook,
+Lightning's own ``strategy="ddp"`` takes them too, with plait-lightning's callback in the Trainer
+(:mod:`plait.lightning.onebit_ddp`, opt-in): it turns DDP's gradient all-reduce off with a communication hook,
 so the optimizer exchanges alone; the run is bitwise the same optimizer in a plain torch loop
 without DDP, for all three (1-bit Adam's also differs from one under DDP without the hook); a
 checkpoint saved after warm-up carries every rank's error feedback and resumes bit for bit; what
@@ -131,8 +131,11 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _refusal(**trainer_extra: Any) -> str:
     from test_lightning_distributed import _fit
 
+    from plait.lightning.onebit_ddp import OptimizerOwnsExchange
+
     try:
-        _fit(trainer_extra.pop("strategy", "ddp"), devices=2, steps=2, module_cls=OnebitModule, **trainer_extra)
+        _fit(trainer_extra.pop("strategy", "ddp"), devices=2, steps=2, module_cls=OnebitModule,
+             callbacks=(OptimizerOwnsExchange(),), **trainer_extra)
     except ValueError as exc:
         return str(exc)
     return "accepted"
@@ -149,20 +152,26 @@ def ddp_session(root: str) -> dict[str, Any]:
 
     _quiet()
     torch.set_num_threads(1)
-    recorded, module = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule)
+    # The callback is opt-in: a Trainer gets it only when the script lists it.
+    _, without = _fit("ddp", devices=2, steps=1, module_cls=OnebitModule)
+    unasked = [c for c in without.trainer.callbacks if isinstance(c, OptimizerOwnsExchange)]
+    recorded, module = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule,
+                            callbacks=(OptimizerOwnsExchange(),))
     (callback,) = [c for c in module.trainer.callbacks if isinstance(c, OptimizerOwnsExchange)]
     optimizer = module.trainer.optimizers[0]
     others = {}
     for module_cls in (OnebitLambModule, ZeroOneModule):  # the other two, against their plain loops
-        other_losses, other = _fit("ddp", devices=2, steps=STEPS, module_cls=module_cls)
+        other_losses, other = _fit("ddp", devices=2, steps=STEPS, module_cls=module_cls,
+                                   callbacks=(OptimizerOwnsExchange(),))
         others[module_cls.__name__] = ([other_losses[i] for i in range(STEPS)], _weights(other),
                                        _plain_torch_loop(False, module_cls))
     path = f"{root}/step{RESUME_AT}.ckpt"
-    _, first = _fit("ddp", devices=2, steps=RESUME_AT, module_cls=OnebitModule)
+    _, first = _fit("ddp", devices=2, steps=RESUME_AT, module_cls=OnebitModule, callbacks=(OptimizerOwnsExchange(),))
     first.trainer.save_checkpoint(path)
-    resumed, again = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule, ckpt_path=path)
+    resumed, again = _fit("ddp", devices=2, steps=STEPS, module_cls=OnebitModule, ckpt_path=path,
+                          callbacks=(OptimizerOwnsExchange(),))
     return {
-        "others": others,
+        "others": others, "unasked": len(unasked),
         "resumed": (resumed, _weights(again)),
         "lightning": ([recorded[i] for i in range(STEPS)], _weights(module)),
         "hooked": callback.hooked, "past_warmup": optimizer.step_count, "exchanges": sum(
@@ -178,6 +187,7 @@ def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use(tmp_
     for result in run_distributed(ddp_session, 2, str(tmp_path), timeout=540):
         losses, weights = result["lightning"]
         assert result["hooked"] == ("OnebitAdam",) and result["past_warmup"] == STEPS and result["exchanges"] == 1
+        assert result["unasked"] == 0  # installing plait-lightning adds nothing to a Trainer by itself
         plain_losses, plain_weights = result["plain"]
         # DDP communicated nothing in backward: bitwise the optimizer used without DDP, compressed steps included.
         assert losses == plain_losses and all(torch.equal(weights[k], plain_weights[k]) for k in weights)

@@ -1,6 +1,7 @@
-"""The entry-point callback that lets Lightning's ``strategy="ddp"`` take a plait 1-bit optimizer
+"""The opt-in callback that lets Lightning's ``strategy="ddp"`` take a plait 1-bit optimizer
 (:mod:`plait.lightning.onebit_ddp`), without plait-onebit-optim: what it refuses, when it does
-nothing, and that Lightning finds it. The run itself (bitwise the optimizer without DDP) needs
+nothing, and that installing plait-lightning adds no callback to Lightning's Trainers. The run itself
+(bitwise the optimizer without DDP) needs
 both distributions: ``tests/test_onebit_lightning.py``."""
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from plait.kernels.testing import run_distributed
 from plait.lightning.onebit_ddp import (
     CHECKPOINT_KEY,
     OptimizerOwnsExchange,
-    callbacks,
     check_ddp_settings,
     check_replicated,
     local_gradients_hook,
@@ -30,10 +30,9 @@ def _trainer(**overrides: object) -> SimpleNamespace:
     return SimpleNamespace(**settings)
 
 
-def test_lightning_loads_the_callback_from_the_entry_point():
-    (entry,) = [e for e in entry_points(group="lightning.pytorch.callbacks_factory") if e.name == "plait_onebit_ddp"]
-    assert entry.value == "plait.lightning.onebit_ddp:callbacks"
-    assert [type(c) for c in callbacks()] == [OptimizerOwnsExchange]
+def test_no_callback_is_added_to_every_trainer():
+    """The callback is the script's choice: plait-lightning registers no Lightning callback factory."""
+    assert not [e for e in entry_points(group="lightning.pytorch.callbacks_factory") if e.value.startswith("plait.")]
 
 
 def test_accepts_plain_settings():

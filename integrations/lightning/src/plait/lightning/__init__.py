@@ -19,6 +19,7 @@ from plait.lightning.checkpoint import (
 )
 from plait.lightning.config import NAMES, PRECISIONS, PlaitConfig, register_names
 from plait.lightning.fabric import PlaitFabricStrategy
+from plait.lightning.onebit_ddp import OptimizerOwnsExchange
 from plait.lightning.pieces import PieceMissingError, ShardingExtension
 from plait.lightning.precision import PlaitFabricPrecision, PlaitPrecision
 from plait.lightning.preemption import PreemptionCheckpoint
@@ -39,7 +40,8 @@ def register_all() -> None:
 register_all()
 
 __all__ = [
-    "NAMES", "PRECISIONS", "PieceMissingError", "PlaitConfig", "PlaitFabricPrecision", "PlaitFabricStrategy",
-    "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension", "StragglerMonitor", "ZeroConfig",
-    "checkpoint_bytes", "consolidated_state_dict", "export_weights", "is_directory_checkpoint", "register_all",
+    "NAMES", "PRECISIONS", "OptimizerOwnsExchange", "PieceMissingError", "PlaitConfig", "PlaitFabricPrecision",
+    "PlaitFabricStrategy", "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension",
+    "StragglerMonitor", "ZeroConfig", "checkpoint_bytes", "consolidated_state_dict", "export_weights",
+    "is_directory_checkpoint", "register_all",
 ]

@@ -6,14 +6,15 @@ exchange the *momentum* in 1 bit instead of the gradient. Under DDP, DDP all-red
 gradient in backward first, which after warm-up sends the full fp32 gradient the optimizer exists
 to avoid and feeds it averaged gradients where the algorithm compresses each rank's own momentum.
 
-:class:`OptimizerOwnsExchange` closes that gap with no change to the user's code: plait-lightning
-registers it with Lightning's ``lightning.pytorch.callbacks_factory`` entry point, so every Trainer
-has it. At ``on_fit_start`` (after the strategy wrapped the model in DDP and built the optimizers,
-before the first backward) it does nothing unless the model is DDP-wrapped and an optimizer says
-``owns_gradient_exchange``; then it registers :func:`local_gradients_hook` as DDP's communication
-hook, so DDP communicates nothing in backward and every rank keeps its own gradient, exactly as
-the optimizer is used without DDP (the same bits: ``tests/test_onebit_lightning.py``). DDP's
-parameter broadcast at wrap time and its buffer broadcast stay.
+:class:`OptimizerOwnsExchange` closes that gap; the script asks for it in its Trainer
+(``L.Trainer(strategy="ddp", callbacks=[OptimizerOwnsExchange()])``: installing plait-lightning adds
+nothing to a Trainer by itself). At ``on_fit_start`` (after the strategy wrapped the model in DDP
+and built the optimizers, before the first backward) it does nothing unless the model is DDP-wrapped
+and an optimizer says ``owns_gradient_exchange``; then it registers :func:`local_gradients_hook` as
+DDP's communication hook, so DDP communicates nothing in backward and every rank keeps its own
+gradient, exactly as the optimizer is used without DDP (the same bits:
+``tests/test_onebit_lightning.py``). DDP's parameter broadcast at wrap time and its buffer broadcast
+stay.
 
 Checkpoints: Lightning's ``ddp`` writes rank 0's optimizer state only, but a 1-bit optimizer's
 error feedback is each rank's own (its ``state_dict`` refuses another rank's). At
@@ -182,8 +183,3 @@ def check_ddp_settings(trainer: pl.Trainer, names: str, *, others: int) -> None:
             f"precision={trainer.precision_plugin.precision!r} (fp16 loss scaling) with strategy='ddp' and {names}: "
             "each rank's scaler would see only its own overflows and ranks could skip different steps; "
             f"use bf16, or {_USE_INSTEAD} (fp16 loss scaling with skipped steps agreed by every rank).")
-
-
-def callbacks() -> list[Any]:
-    """The ``lightning.pytorch.callbacks_factory`` entry point: Lightning adds these to every Trainer."""
-    return [OptimizerOwnsExchange()]
