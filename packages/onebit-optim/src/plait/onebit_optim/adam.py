@@ -123,9 +123,13 @@ class OnebitAdam(CompressedOptimizer):
             The closure's loss, or ``None``.
         """
         loss = run_closure(closure)
-        self.step_count += 1
-        if not self.freeze_point.frozen_after(self.step_count):
+        warmup = not self.freeze_point.frozen_after(self.step_count + 1)
+        if warmup:
             self.average_gradients_()
+        if not self.grad_control.prepare(self.all_params_with_grad(), averaged=warmup):
+            return loss  # an overflow on some rank: every rank skips, nothing moves
+        self.step_count += 1
+        if warmup:
             for index, group in enumerate(self.param_groups):
                 self._adamw_step(group)
                 self.check_finite(index, self.params_with_grad(group))

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from plait.onebit_optim.grad_control import LossScaling, check_loss_scaling, check_max_grad_norm
 from plait.onebit_optim.settle import SettleConfig, check_freeze_step
 
 
@@ -38,6 +39,16 @@ class OnebitAdamConfig:
             settled logs a WARNING with the measured change. ``"auto"`` is plain data parallel
             only (under ZeRO it is refused: pass the step it chose).
         settle: how "settled" is measured, for ``"auto"`` and for the warning.
+        max_grad_norm: clip the gradient to this global norm before the optimizer uses it
+            (``None``: no clipping). During warm-up the averaged gradient, with
+            ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
+            rank's own, by the RMS over ranks of their norms
+            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
+            ``ZeroConfig.max_grad_norm``).
+        loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
+            call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
+            on any rank is skipped on every rank and the scale backs off. Plain data parallel
+            only (under ZeRO use its fp16 compute dtype).
         variance_floor: when the variance freezes, every element's variance is raised to at
             least this fraction of its tensor's mean, so an element the warm-up never or rarely
             saw (an unseen embedding row) cannot step by ``|m| / eps``
@@ -48,11 +59,15 @@ class OnebitAdamConfig:
     freeze_step: int | str = 100
     variance_floor: float = 0.001
     settle: SettleConfig = SettleConfig()
+    max_grad_norm: float | None = None
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self) -> None:
         # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.
         check_freeze_step("OnebitAdamConfig", self.freeze_step)
         _check_settle("OnebitAdamConfig", self.settle)
+        check_max_grad_norm("OnebitAdamConfig", self.max_grad_norm)
+        check_loss_scaling("OnebitAdamConfig", self.loss_scaling)
         _check_ratio("OnebitAdamConfig", "variance_floor", self.variance_floor)
 
 
@@ -64,6 +79,16 @@ class OnebitLambConfig:
         freeze_step: steps of plain LAMB before the variance and the scaling coefficient freeze
             (at least 1), or ``"auto"`` as :class:`OnebitAdamConfig`'s (plain data parallel only).
         settle: how "settled" is measured, for ``"auto"`` and the early-freeze warning.
+        max_grad_norm: clip the gradient to this global norm before the optimizer uses it
+            (``None``: no clipping). During warm-up the averaged gradient, with
+            ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
+            rank's own, by the RMS over ranks of their norms
+            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
+            ``ZeroConfig.max_grad_norm``).
+        loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
+            call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
+            on any rank is skipped on every rank and the scale backs off. Plain data parallel
+            only (under ZeRO use its fp16 compute dtype).
         max_coeff: upper bound of LAMB's per-tensor trust ratio ``||p|| / ||update||``.
         min_coeff: lower bound of that ratio.
         coeff_beta: the frozen coefficient is an exponential moving average of the warm-up
@@ -88,11 +113,15 @@ class OnebitLambConfig:
     factor_threshold: float = 0.1
     variance_floor: float = 0.001
     settle: SettleConfig = SettleConfig()
+    max_grad_norm: float | None = None
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self) -> None:
         owner = "OnebitLambConfig"
         check_freeze_step(owner, self.freeze_step)
         _check_settle(owner, self.settle)
+        check_max_grad_norm(owner, self.max_grad_norm)
+        check_loss_scaling(owner, self.loss_scaling)
         _check_ratio(owner, "variance_floor", self.variance_floor)
         for name in ("max_coeff", "min_coeff", "factor_max", "factor_min", "factor_threshold"):
             _check_positive(owner, name, getattr(self, name))
@@ -176,6 +205,7 @@ def config_from_dict(kind: str, options: dict[str, Any]) -> Any:
             "(lr, betas, eps and weight_decay are the optimizer's own arguments; the communication "
             "backend is always plait.kernels.collectives)."
         )
-    if isinstance(options.get("settle"), dict):  # a nested block of a JSON/YAML file
-        options = {**options, "settle": SettleConfig(**options["settle"])}
+    for key, nested in (("settle", SettleConfig), ("loss_scaling", LossScaling)):
+        if isinstance(options.get(key), dict):  # a nested block of a JSON/YAML file
+            options = {**options, key: nested(**options[key])}
     return cls(**options)
