@@ -46,7 +46,6 @@ def one_thread(fn):
 
 
 def _warmup_vs_ddp_gradscaler() -> dict:
-    torch.set_num_threads(1)
     rank = dist.get_rank()
     ref = mlp()
     ddp = torch.nn.parallel.DistributedDataParallel(ref)
@@ -74,8 +73,20 @@ def _warmup_vs_ddp_gradscaler() -> dict:
     return {"mismatches": mismatches, "norms": norms, "steps": opt.step_count, "scale": opt.loss_scale}
 
 
-def test_warmup_is_ddp_gradscaler_clip_adamw_bit_for_bit_with_a_skipped_step():
-    for out in run_distributed(_warmup_vs_ddp_gradscaler, 2, timeout=90):
+@one_thread
+def _all_checks() -> dict:
+    """The three W=2 checks in one launch (starting processes is most of their cost)."""
+    return {"warmup": _warmup_vs_ddp_gradscaler(), "skips": _skips_against_runs_without_the_batch(),
+            "clip": _clip_after_freeze_by_hand()}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_all_checks, 2, timeout=180)
+
+
+def test_warmup_is_ddp_gradscaler_clip_adamw_bit_for_bit_with_a_skipped_step(ranks):
+    for out in (r["warmup"] for r in ranks):
         assert out["mismatches"] == []
         assert out["steps"] == 9  # batch 4 (inf on rank 1) skipped on both ranks
         finite = [n for n in out["norms"] if math.isfinite(n)]
@@ -102,7 +113,6 @@ def _skip_run(kind: str, batches: list[int], poison: int | None) -> dict:
             "tensors": len(list(model.parameters()))}
 
 
-@one_thread
 def _skips_against_runs_without_the_batch() -> list[str]:
     # Batch 1 is poisoned in warm-up, batch 7 after the freeze (rank 1 only). Scales are powers of
     # two, so gradients unscale exactly whatever the scale: the runs must be bitwise equal.
@@ -123,12 +133,11 @@ def _skips_against_runs_without_the_batch() -> list[str]:
     return problems
 
 
-def test_a_skipped_step_in_warm_up_or_after_the_freeze_is_the_run_without_that_batch():
-    for problems in run_distributed(_skips_against_runs_without_the_batch, 2, timeout=120):
+def test_a_skipped_step_in_warm_up_or_after_the_freeze_is_the_run_without_that_batch(ranks):
+    for problems in (r["skips"] for r in ranks):
         assert problems == []
 
 
-@one_thread
 def _clip_after_freeze_by_hand() -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, hand = mlp(), mlp()
@@ -160,8 +169,8 @@ def _clip_after_freeze_by_hand() -> list[str]:
     return mismatches + ([] if clipped else ["clipping never active after the freeze"])
 
 
-def test_clipping_after_the_freeze_is_the_rms_norm_rule_written_by_hand():
-    for mismatches in run_distributed(_clip_after_freeze_by_hand, 2, timeout=90):
+def test_clipping_after_the_freeze_is_the_rms_norm_rule_written_by_hand(ranks):
+    for mismatches in (r["clip"] for r in ranks):
         assert mismatches == []
 
 
