@@ -78,10 +78,12 @@ def test_one_rank_equals_plain_onebit_lamb_bitwise(stage: int) -> None:
 def test_two_ranks_match_plain_onebit_lamb(stage: int) -> None:
     for worst, zero_losses, plain_losses in run_distributed(_against_plain_dp, 2, stage, FREEZE + 5, timeout=200):
         # Norms of two pieces summed differ from one whole-tensor norm in the last bit, and the
-        # trust ratio carries that into the update (measured over 3 warm-up + 5 compressed steps:
-        # weights 2.6e-6 apart, losses 9.5e-7, stages 1 and 2 alike, on an AVX-512 CPU; 4.9e-3 apart
-        # on an AVX2 one, whose kernels round differently, so a 1-bit sign near zero flips).
-        assert worst < 2e-2
+        # trust ratio carries that into the update (measured over 3 warm-up + 5 compressed steps,
+        # stages 1 and 2 alike: weights 2.6e-6 apart and losses 9.5e-7 on an AVX-512 CPU, weights
+        # 1.2e-7 and losses 1.9e-6 on an AVX2 one). The 4.9e-3 once measured on AVX2 was from before
+        # the variance floor ran under ZeRO (ZeRO floored nothing, the plain optimizer did); with
+        # each tensor's floor equal to the last bit on both sides, 1e-4 holds with a 40x margin.
+        assert worst < 1e-4
         assert max(abs(a - b) for a, b in zip(zero_losses, plain_losses)) < 1e-5
 
 

@@ -8,10 +8,12 @@ do not wrap the model in DDP). Communication goes through :mod:`plait.kernels.co
 from plait.onebit_optim.adam import OnebitAdam
 from plait.onebit_optim.base import CompressedOptimizer
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig, ZeroOneAdamConfig, config_from_dict
+from plait.onebit_optim.grad_control import LossScaling
 from plait.onebit_optim.lamb import Lamb, OnebitLamb
+from plait.onebit_optim.settle import SettleConfig
 from plait.onebit_optim.zero_one_adam import ZeroOneAdam
 
 __all__ = [
-    "CompressedOptimizer", "Lamb", "OnebitAdam", "OnebitAdamConfig", "OnebitLamb", "OnebitLambConfig",
-    "ZeroOneAdam", "ZeroOneAdamConfig", "config_from_dict",
+    "CompressedOptimizer", "Lamb", "LossScaling", "OnebitAdam", "OnebitAdamConfig", "OnebitLamb", "OnebitLambConfig",
+    "SettleConfig", "ZeroOneAdam", "ZeroOneAdamConfig", "config_from_dict",
 ]

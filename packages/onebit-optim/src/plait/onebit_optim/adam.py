@@ -30,6 +30,7 @@ from torch.optim.adam import adam as torch_adam
 
 from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
+from plait.onebit_optim.settle import FreezePoint, variance_sums
 from plait.onebit_optim.variance_floor import floor_variance_
 
 
@@ -98,11 +99,18 @@ class OnebitAdam(CompressedOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay, config=pick_config(name_of(self), config, onebit_config),
                          process_group=process_group,
                          momentum_masks=momentum_masks)
+        self.freeze_point = FreezePoint(name_of(self), self.config.freeze_step, self.config.settle)
 
     @property
     def frozen(self) -> bool:
-        """Whether the variance is frozen (the last step taken was past ``freeze_step``)."""
-        return self.step_count > self.config.freeze_step
+        """Whether the variance is frozen (the last step taken was past the freeze step)."""
+        return self.freeze_point.frozen_after(self.step_count)
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
+        (``None`` until the variance has settled)."""
+        return self.freeze_point.step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -115,14 +123,19 @@ class OnebitAdam(CompressedOptimizer):
             The closure's loss, or ``None``.
         """
         loss = run_closure(closure)
-        self.step_count += 1
-        if self.step_count <= self.config.freeze_step:
+        warmup = not self.freeze_point.frozen_after(self.step_count + 1)
+        if warmup:
             self.average_gradients_()
+        if not self.grad_control.prepare(self.all_params_with_grad(), averaged=warmup):
+            return loss  # an overflow on some rank: every rank skips, nothing moves
+        self.step_count += 1
+        if warmup:
             for index, group in enumerate(self.param_groups):
                 self._adamw_step(group)
                 self.check_finite(index, self.params_with_grad(group))
+            self.freeze_point.after_warmup_step(self.step_count, self._variance_sums)
         else:
-            if self.step_count == self.config.freeze_step + 1:
+            if self.step_count == self.freeze_point.step + 1:
                 self._freeze_variance()
             for index, group in enumerate(self.param_groups):
                 self._compressed_step(index, group)
@@ -138,6 +151,20 @@ class OnebitAdam(CompressedOptimizer):
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         return adam_state(self.state[p], p)
 
+    def _variance_sums(self) -> list[float]:
+        return variance_sums([(p, self._state(p), group["betas"][1])
+                              for group in self.param_groups for p in self.params_with_grad(group)])
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
+        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
+        super().load_onebit_state(state)
+        if "freeze" in state:
+            self.freeze_point.load_state_dict(state["freeze"])
+
     def _adamw_step(self, group: dict[str, Any]) -> None:
         adamw_step(self.state, self.params_with_grad(group), group)
 
@@ -152,4 +179,4 @@ class OnebitAdam(CompressedOptimizer):
             m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
         self.exchange_momentum_(index, momenta, params)
         for p, state in zip(params, states):
-            frozen_variance_update(p, state, group, self.config.freeze_step)
+            frozen_variance_update(p, state, group, self.freeze_point.step)

@@ -20,6 +20,7 @@ import torch
 
 from plait.kernels import collectives
 from plait.onebit_optim.exchange import CompressedExchange, average_gradients, world_of
+from plait.onebit_optim.grad_control import GradientControl
 
 
 def check_hyperparameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -102,6 +103,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         self.exchanges: list[CompressedExchange | None] = [None] * len(self.param_groups)
         self.masks = self._check_masks(momentum_masks or {})
+        # Clipping and loss scaling (1-bit Adam and LAMB's configs have them; 0/1 Adam's does not).
+        self.grad_control = GradientControl(name, getattr(self.config, "max_grad_norm", None),
+                                            getattr(self.config, "loss_scaling", None), process_group, self.world)
         # Not per-group options (torch copies defaults into groups only in __init__): kept here so
         # that code rebuilding an optimizer from its class and defaults (Lightning's plait
         # strategies, zero_shard) keeps the 1-bit settings and masks.
@@ -135,6 +139,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "give a 0/1 tensor of exactly the parameter's shape.")
             checked[id(param)] = mask.to(device=param.device, dtype=torch.float32)
         return checked
+
+    # -- clipping and loss scaling -----------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss x`` the current loss scale: call ``optimizer.scale_loss(loss).backward()``
+        (``config.loss_scaling``; :mod:`plait.onebit_optim.grad_control`).
+
+        Raises:
+            RuntimeError: the config has no loss scaling.
+        """
+        return self.grad_control.scale_loss(loss)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1 without loss scaling)."""
+        return float(self.grad_control.scale)
+
+    def all_params_with_grad(self) -> list[torch.Tensor]:
+        """Every parameter with a gradient this step, in param-group order."""
+        return [p for group in self.param_groups for p in self.params_with_grad(group)]
 
     # -- the two exchanges ------------------------------------------------------------------
 
@@ -204,11 +228,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def onebit_state(self) -> dict[str, Any]:
         """The counters of the subclass's schedule (overridden to add more)."""
-        return {"step_count": self.step_count}
+        return {"step_count": self.step_count, "grad_control": self.grad_control.state_dict()}
 
     def load_onebit_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`onebit_state` returned."""
         self.step_count = state["step_count"]
+        if "grad_control" in state:  # absent in states saved before clipping and loss scaling existed
+            self.grad_control.load_state_dict(state["grad_control"])
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus ``"onebit"``: counters and every group's error feedback."""

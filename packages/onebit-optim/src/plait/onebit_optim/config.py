@@ -13,6 +13,9 @@ import dataclasses
 import math
 from typing import Any
 
+from plait.onebit_optim.grad_control import LossScaling, check_loss_scaling, check_max_grad_norm
+from plait.onebit_optim.settle import SettleConfig, check_freeze_step
+
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -30,8 +33,22 @@ class OnebitAdamConfig:
 
     Attributes:
         freeze_step: steps of plain (full-precision, all-reduced) Adam before the variance is
-            frozen and the momentum is exchanged in 1 bit. DeepSpeed's papers use 15-25% of
-            the run; too short a warm-up freezes a variance that has not settled yet. At least 1.
+            frozen and the momentum is exchanged in 1 bit (at least 1), or ``"auto"``: freeze
+            once the variance has settled (``settle``; :mod:`plait.onebit_optim.settle`).
+            DeepSpeed's papers use 15-25% of the run; a fixed step before the variance has
+            settled logs a WARNING with the measured change. ``"auto"`` is plain data parallel
+            only (under ZeRO it is refused: pass the step it chose).
+        settle: how "settled" is measured, for ``"auto"`` and for the warning.
+        max_grad_norm: clip the gradient to this global norm before the optimizer uses it
+            (``None``: no clipping). During warm-up the averaged gradient, with
+            ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
+            rank's own, by the RMS over ranks of their norms
+            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
+            ``ZeroConfig.max_grad_norm``).
+        loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
+            call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
+            on any rank is skipped on every rank and the scale backs off. Plain data parallel
+            only (under ZeRO use its fp16 compute dtype).
         variance_floor: when the variance freezes, every element's variance is raised to at
             least this fraction of its tensor's mean, so an element the warm-up never or rarely
             saw (an unseen embedding row) cannot step by ``|m| / eps``
@@ -39,12 +56,18 @@ class OnebitAdamConfig:
             is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
     """
 
-    freeze_step: int = 100
+    freeze_step: int | str = 100
     variance_floor: float = 0.001
+    settle: SettleConfig = SettleConfig()
+    max_grad_norm: float | None = None
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self) -> None:
         # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.
-        _check_int("OnebitAdamConfig", "freeze_step", self.freeze_step, 1)
+        check_freeze_step("OnebitAdamConfig", self.freeze_step)
+        _check_settle("OnebitAdamConfig", self.settle)
+        check_max_grad_norm("OnebitAdamConfig", self.max_grad_norm)
+        check_loss_scaling("OnebitAdamConfig", self.loss_scaling)
         _check_ratio("OnebitAdamConfig", "variance_floor", self.variance_floor)
 
 
@@ -54,7 +77,18 @@ class OnebitLambConfig:
 
     Attributes:
         freeze_step: steps of plain LAMB before the variance and the scaling coefficient freeze
-            (at least 1).
+            (at least 1), or ``"auto"`` as :class:`OnebitAdamConfig`'s (plain data parallel only).
+        settle: how "settled" is measured, for ``"auto"`` and the early-freeze warning.
+        max_grad_norm: clip the gradient to this global norm before the optimizer uses it
+            (``None``: no clipping). During warm-up the averaged gradient, with
+            ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
+            rank's own, by the RMS over ranks of their norms
+            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
+            ``ZeroConfig.max_grad_norm``).
+        loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
+            call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
+            on any rank is skipped on every rank and the scale backs off. Plain data parallel
+            only (under ZeRO use its fp16 compute dtype).
         max_coeff: upper bound of LAMB's per-tensor trust ratio ``||p|| / ||update||``.
         min_coeff: lower bound of that ratio.
         coeff_beta: the frozen coefficient is an exponential moving average of the warm-up
@@ -70,7 +104,7 @@ class OnebitLambConfig:
             ``0`` turns it off. In ``[0, 1]``.
     """
 
-    freeze_step: int = 100
+    freeze_step: int | str = 100
     max_coeff: float = 10.0
     min_coeff: float = 0.01
     coeff_beta: float = 0.9
@@ -78,10 +112,16 @@ class OnebitLambConfig:
     factor_min: float = 0.5
     factor_threshold: float = 0.1
     variance_floor: float = 0.001
+    settle: SettleConfig = SettleConfig()
+    max_grad_norm: float | None = None
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self) -> None:
         owner = "OnebitLambConfig"
-        _check_int(owner, "freeze_step", self.freeze_step, 1)
+        check_freeze_step(owner, self.freeze_step)
+        _check_settle(owner, self.settle)
+        check_max_grad_norm(owner, self.max_grad_norm)
+        check_loss_scaling(owner, self.loss_scaling)
         _check_ratio(owner, "variance_floor", self.variance_floor)
         for name in ("max_coeff", "min_coeff", "factor_max", "factor_min", "factor_threshold"):
             _check_positive(owner, name, getattr(self, name))
@@ -130,6 +170,11 @@ class ZeroOneAdamConfig:
 CONFIGS = {"OnebitAdam": OnebitAdamConfig, "OnebitLamb": OnebitLambConfig, "ZeroOneAdam": ZeroOneAdamConfig}
 
 
+def _check_settle(owner: str, settle: object) -> None:
+    if not isinstance(settle, SettleConfig):
+        raise ValueError(f"{owner}.settle={settle!r} must be a SettleConfig; pass e.g. SettleConfig(threshold=0.02).")
+
+
 def _check_ratio(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"{owner}.{name}={value!r} must be a number in [0, 1]; pass e.g. 0.01 (0 turns it off).")
@@ -160,4 +205,7 @@ def config_from_dict(kind: str, options: dict[str, Any]) -> Any:
             "(lr, betas, eps and weight_decay are the optimizer's own arguments; the communication "
             "backend is always plait.kernels.collectives)."
         )
+    for key, nested in (("settle", SettleConfig), ("loss_scaling", LossScaling)):
+        if isinstance(options.get(key), dict):  # a nested block of a JSON/YAML file
+            options = {**options, key: nested(**options[key])}
     return cls(**options)

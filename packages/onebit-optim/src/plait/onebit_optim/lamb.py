@@ -31,6 +31,7 @@ import torch
 
 from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
+from plait.onebit_optim.settle import FreezePoint, variance_sums
 from plait.onebit_optim.variance_floor import floor_variance_
 
 
@@ -165,6 +166,23 @@ class OnebitLamb(CompressedOptimizer):
         super().__init__(params, lr, betas, eps, weight_decay, config=pick_config(name_of(self), config, onebit_config),
                          process_group=process_group,
                          momentum_masks=momentum_masks)
+        self.freeze_point = FreezePoint(name_of(self), self.config.freeze_step, self.config.settle)
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
+        (``None`` until the variance has settled)."""
+        return self.freeze_point.step
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
+        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
+        super().load_onebit_state(state)
+        if "freeze" in state:
+            self.freeze_point.load_state_dict(state["freeze"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -174,14 +192,21 @@ class OnebitLamb(CompressedOptimizer):
             The closure's loss, or ``None``.
         """
         loss = run_closure(closure)
-        self.step_count += 1
-        if self.step_count <= self.config.freeze_step:
+        warmup = not self.freeze_point.frozen_after(self.step_count + 1)
+        if warmup:
             self.average_gradients_()
+        if not self.grad_control.prepare(self.all_params_with_grad(), averaged=warmup):
+            return loss  # an overflow on some rank: every rank skips, nothing moves
+        self.step_count += 1
+        if warmup:
             for group in self.param_groups:
                 for p in self.params_with_grad(group):
                     self._warmup_update(p, group)
+            self.freeze_point.after_warmup_step(self.step_count, lambda: variance_sums(
+                [(p, self.state[p], group["betas"][1]) for group in self.param_groups
+                 for p in self.params_with_grad(group)]))
         else:
-            if self.step_count == self.config.freeze_step + 1:
+            if self.step_count == self.freeze_point.step + 1:
                 self._freeze_variance()
             for index, group in enumerate(self.param_groups):
                 self._compressed_step(index, group)

@@ -54,6 +54,16 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
     else:
         config, masks, hyper = _class_options(name, kwargs)
+    if getattr(config, "freeze_step", None) == "auto":
+        raise ValueError(
+            f"{name} under ZeRO: {type(config).__name__}.freeze_step='auto' is decided by the plain data-parallel "
+            "optimizer only; pass an integer freeze_step (e.g. the step a plain run with 'auto' chose, its "
+            "optimizer.freeze_step).")
+    for field, fix in (("max_grad_norm", "ZeroConfig.max_grad_norm"),
+                       ("loss_scaling", "ZeroConfig's fp16 compute dtype")):
+        if getattr(config, field, None) is not None:
+            raise ValueError(f"{name} under ZeRO: {type(config).__name__}.{field} is for plain data parallel; ZeRO "
+                             f"clips and scales itself: leave it None and use {fix}.")
     for g in param_groups or []:
         for key in ("zero_reducer", "zero_group"):
             if key in g:
