@@ -94,7 +94,8 @@ def _train_session(root: str) -> dict:
 
     torch.manual_seed(0)
     reference = train(*zero_shard(PlainDecoder(**SMALL), torch.optim.AdamW, ZeroConfig(stage=3), lr=1e-3, fused=True))
-    placement = zero_placement(_config(root))
+    # the memory budget as the only offload setting
+    placement = zero_placement(OffloadConfig(memory_budget="1GiB", path=os.path.join(root, "offload")))
     torch.manual_seed(0)
     with sharded_init(placement=placement):
         model = PlainDecoder(**SMALL)
@@ -103,8 +104,22 @@ def _train_session(root: str) -> dict:
     unit_files = len(os.listdir(placement.shard_storage().directory))
     losses = train(model, opt)
     placement.close()
+    chosen = (placement.config.device, placement.config.param_device, placement.config.grad_device)
+    # a budget the model cannot fit is refused by zero_shard before anything is allocated or written
+    refused = zero_placement(OffloadConfig(memory_budget="300MiB", path=os.path.join(root, "refused")))
+    with sharded_init(init="meta"):
+        big = PlainDecoder(vocab=32000, dim=1024, layers=1, heads=4)
+    try:
+        zero_shard(big, torch.optim.AdamW, ZeroConfig(stage=3), placement=refused, lr=1e-3)
+        message = ""
+    except ValueError as exc:
+        message = str(exc)
+    refused.close()
     return {"reference": reference, "losses": losses, "stored": len(stored), "unit_files": unit_files,
-            "units": len([u for u in model.zero_engine.partition.units if not u.resident])}
+            "units": len([u for u in model.zero_engine.partition.units if not u.resident]), "chosen": chosen,
+            "refused": message, "meta_left": all(p.is_meta for p in big.parameters()),
+            "refused_files": os.listdir(os.path.join(root, "refused")) if os.path.exists(os.path.join(root, "refused"))
+            else []}
 
 
 @pytest.mark.timeout(120)
@@ -113,6 +128,9 @@ def test_training_from_the_store_is_bitwise(tmp_path) -> None:
     assert result["losses"] == result["reference"], result
     assert result["stored"] > 0
     assert result["unit_files"] == result["units"], result  # construction files deleted once taken over
+    assert result["chosen"] == ("nvme", "nvme", "cpu"), result  # a small model's gradients fit in 1 GiB
+    assert "the smallest budget that fits is" in result["refused"], result
+    assert result["meta_left"] and result["refused_files"] == [], result  # refused before any work
 
 
 def _build_peaks(shape: dict, root: str) -> dict:

@@ -291,6 +291,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
     group, replicate = resolve_groups(mesh, config)
+    check_model = getattr(placement, "check_model", None)
+    if callable(check_model):  # optional: a placement that sizes itself for the model (a memory budget)
+        check_model(model, dist.get_world_size(group))
     groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate)
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():
