@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.offload_io import IOConfig, OffloadConfig, zero_placement
+from plait.offload_io import IOConfig, OffloadConfig, OffloadedOptimizer, zero_placement
 from plait.offload_io import budget as budget_module
 from plait.offload_io.budget import (
     RUNTIME_BYTES,
@@ -74,6 +74,9 @@ def test_bad_budgets_are_refused_before_any_work(tmp_path) -> None:
         OffloadConfig(memory_budget="1GiB")
     with pytest.raises(ValueError, match=r"smallest budget is \d+ MiB"):
         OffloadConfig(memory_budget="200MiB", path=str(tmp_path))
+    with pytest.raises(ValueError, match="memory_budget='1GiB' sizes the ZeRO placement"):
+        OffloadedOptimizer([nn.Parameter(torch.zeros(4))],
+                           config=OffloadConfig(memory_budget="1GiB", path=str(tmp_path)))
     smallest = plan_for_budget(264 * MIB)  # just above the smallest fixed part (263 MiB): accepted
     assert smallest.sub_group_size == budget_module.MIN_SUB_GROUP
 

@@ -17,6 +17,11 @@ skip the gather and start from an empty tensor, which consumes the generator exa
 original does), runs it, and keeps the new slice when the operation wrote to it. Views taken from
 such a value (``weight[padding_idx]``) write through to their parameter the same way.
 
+With a construction storage (``sharded_init(placement=...)``, a placement that offloads
+parameters), each slice is written there and dropped as soon as it is stored, at any world size
+including 1; :func:`slice_of` reads it back for the operations above and for ``zero_shard``. On one
+rank the slice is the whole value, so this is what keeps building to one module at a time.
+
 Every rank must build the same model with the same seed (as with DeepSpeed's ``zero.Init``):
 :func:`check_consistent` compares the names, shapes and value fingerprints of every parameter
 across ranks before ``zero_shard`` uses them and names the first that differs.
