@@ -176,3 +176,21 @@ def test_build_peak_is_the_largest_module_not_the_model(tmp_path) -> None:
     bound = 2 * largest + (48 << 20)
     assert straight < bound, (straight, bound, model_bytes)
     assert plain > 0.8 * model_bytes > bound, (plain, model_bytes)
+
+
+def test_an_hf_llama_keeps_its_initialisation(tmp_path) -> None:
+    """HF's ``post_init`` re-initialises every stored weight: each is read back, run and stored."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config)
+    placement = zero_placement(_config(str(tmp_path)))
+    torch.manual_seed(0)
+    with sharded_init(placement=placement):
+        built = transformers.LlamaForCausalLM(config)
+    stored = dict(built.named_parameters())
+    for name, p in plain.named_parameters():
+        assert stored[name]._plait_slice is None, name
+        assert torch.equal(whole_value(stored[name]), p.detach()), name
+    placement.close()
