@@ -8,7 +8,9 @@ accepts such values and fails later with an opaque I/O error).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from typing import Any
 
 MIB = 1 << 20
 # 4 KiB is the logical block size of NVMe and of ext4/xfs on every machine we target; O_DIRECT
@@ -159,6 +161,16 @@ class OffloadConfig:
             under ``path`` as soon as its reduction is done and freed; the norm reads each back
             once, and the step reads each sub-group's range with its state). Costs three more
             passes of 4 bytes per element of disk traffic per step; saves the gradients' memory.
+        memory_budget: the one knob: host memory one rank may use, as bytes (``1 << 30``), a size
+            (``"1GiB"``, ``"768MiB"``) or a fraction of the cgroup's limit or the machine's RAM
+            (``"0.5"``). Needs ``path``. Every knob left at its default is then chosen from the
+            budget (:mod:`plait.offload_io.budget`): ``device``, ``param_device`` -> ``"nvme"``,
+            ``sub_group_size``, ``slots``, ``io`` (block size, queue depth, workers), and, once
+            ``zero_shard`` sees the model, ``grad_device`` (memory when the gradients fit, else
+            disk). A knob set to a non-default value is kept. The choice is logged (logger
+            ``plait.offload_io``, INFO) and kept in :attr:`memory_plan`; a budget that cannot fit is
+            refused with the smallest one that would (here for the runtime alone, in
+            ``zero_shard`` for the model).
     """
 
     device: str = "cpu"
@@ -171,8 +183,13 @@ class OffloadConfig:
     param_device: str = "none"
     overlap_io: bool = True
     grad_device: str = "cpu"
+    memory_budget: int | float | str | None = None
+    memory_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    budget_chooses_grad_device: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:
+            self._apply_budget()
         if self.device not in DEVICES:
             raise ValueError(f"OffloadConfig.device={self.device!r} must be one of {', '.join(DEVICES)}.")
         if self.device == "nvme" and not self.path:
@@ -204,3 +221,29 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.overlap_io={self.overlap_io!r} must be True or False.")
         if not isinstance(self.io, IOConfig):
             raise ValueError(f"OffloadConfig.io must be an IOConfig, got {type(self.io).__name__}.")
+
+    def _apply_budget(self) -> None:
+        """Fill the knobs left at their defaults from ``memory_budget`` (see the field's doc)."""
+        from plait.offload_io.budget import parse_budget, plan_for_budget
+
+        if not self.path:
+            raise ValueError(f"OffloadConfig.memory_budget={self.memory_budget!r} needs path= (a directory on the "
+                             "NVMe drive, e.g. '/local_nvme/offload'): what does not fit the budget goes there.")
+        plan = plan_for_budget(parse_budget(self.memory_budget))
+        defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig) if f.init}
+        chosen = {"device": "nvme", "param_device": "nvme", "sub_group_size": plan.sub_group_size,
+                  "slots": plan.slots}
+        for name, value in chosen.items():
+            if getattr(self, name) == defaults[name]:
+                object.__setattr__(self, name, value)
+        if self.io == IOConfig():
+            object.__setattr__(self, "io", IOConfig(block_size=plan.block_size, queue_depth=plan.queue_depth,
+                                                    workers=plan.workers))
+        # the plan records the knobs in force, explicit ones included: the fit check uses them
+        plan = dataclasses.replace(plan, sub_group_size=self.sub_group_size, slots=self.slots,
+                                   block_size=self.io.block_size, queue_depth=self.io.queue_depth,
+                                   workers=self.io.workers)
+        object.__setattr__(self, "memory_plan", plan)
+        object.__setattr__(self, "budget_chooses_grad_device", self.grad_device == defaults["grad_device"])
+        logging.getLogger("plait.offload_io").info(
+            "%s; device=%s, param_device=%s, io=%s", plan.describe(), self.device, self.param_device, self.io)

@@ -73,6 +73,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if config is not None and config_kwargs:
             raise ValueError(f"OffloadedOptimizer: pass config= or {sorted(config_kwargs)}, not both.")
         self.config = config or OffloadConfig(**config_kwargs)
+        if self.config.memory_budget is not None:
+            raise ValueError(f"OffloadedOptimizer: OffloadConfig.memory_budget={self.config.memory_budget!r} sizes the "
+                             "ZeRO placement (zero_shard(..., placement=zero_placement(config))); for this optimizer "
+                             "set device=, sub_group_size= and slots= yourself and drop memory_budget.")
         if self.config.param_device != "none":
             raise ValueError(f"OffloadedOptimizer: OffloadConfig.param_device={self.config.param_device!r} offloads "
                              "ZeRO stage-3 parameter shards; a single process has no shards to offload. Use "

@@ -17,6 +17,7 @@ after the gather it frees it again, and after each optimizer step it writes the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -60,6 +61,10 @@ class CpuShardStorage:
         out.copy_(self._host[key], non_blocking=out.is_cuda)
         return _CudaCopy() if out.is_cuda else None
 
+    def discard(self, key: str) -> None:
+        """Forget ``key``'s host copy (a construction slice ``zero_shard`` took over)."""
+        self._host.pop(key, None)
+
     def finish_step(self, errors: list[BaseException]) -> None:
         """Host copies do not fail with an I/O error, so no rank can fail alone: no all-reduce
         is needed on this per-step path. Raises a collected error, should one ever exist."""
@@ -96,6 +101,7 @@ class FileShardStorage:
         os.makedirs(self.directory)
         self.engine = engine
         self._files: dict[str, str] = {}
+        self._made = 0
         self._closed = False
 
     def reserve(self, nbytes: int, shards: int) -> None:
@@ -120,7 +126,9 @@ class FileShardStorage:
         """Start writing ``shard`` to the file of ``key``; returns the engine's handle."""
         path = self._files.get(key)
         if path is None:
-            path = self._files[key] = os.path.join(self.directory, f"shard-{len(self._files)}.bin")
+            # a counter, not len(self._files): discarded keys must not hand their names out again
+            path = self._files[key] = os.path.join(self.directory, f"shard-{self._made}.bin")
+            self._made += 1
         return self.engine.write(shard.detach(), path)
 
     def read(self, key: str, out: Tensor, offset: int = 0):
@@ -131,6 +139,14 @@ class FileShardStorage:
     def finish_step(self, errors: list[BaseException]) -> None:
         """Raise this rank's write failure, or another rank's, on every rank together."""
         raise_together(errors, what="parameter shards", path=self.directory)
+
+    def discard(self, key: str) -> None:
+        """Delete ``key``'s file (a construction slice ``zero_shard`` took over); its writes
+        were waited by the caller."""
+        path = self._files.pop(key, None)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def file_of(self, key: str) -> str:
         """The file holding ``key``'s shard."""

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from plait.offload_io import probe
 from plait.offload_io.agreement import raise_together
+from plait.offload_io.budget import fit_model
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
@@ -118,6 +119,17 @@ class ZeroOffloadPlacement:
     def offloads_parameters(self) -> bool:
         """Whether stage-3 parameter shards are offloaded too (``OffloadConfig.param_device``)."""
         return self.config.param_device != "none"
+
+    def check_model(self, model: nn.Module, world_size: int) -> None:
+        """With ``OffloadConfig.memory_budget``: decide where gradients wait for the step and refuse
+        a budget the model cannot fit, before ``zero_shard`` does any work (an optional member of
+        the placement protocol, called with the model and the sharding world size).
+
+        Raises:
+            ValueError: the budget cannot hold the model; names the smallest budget that would.
+        """
+        if self.config.memory_plan is not None:
+            self.config = fit_model(self.config, model, world_size)
 
     # -- the protocol -------------------------------------------------------------------------
     def place_master(self, key: str, master: Tensor) -> Tensor:

@@ -295,6 +295,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     check_tensor_parallel(model, group, replicate, compute_dtype=config.compute_dtype, zeropp=config.zeropp,
                           placement=placement, reducer=reducer, gatherer=gatherer,
                           whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer)
+    check_model = getattr(placement, "check_model", None)
+    if callable(check_model):  # optional: a placement that sizes itself for the model (a memory budget)
+        check_model(model, dist.get_world_size(group))
     groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate)
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():
@@ -348,7 +351,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
 
 
 @contextlib.contextmanager
-def sharded_init(mesh: Any = None, *, init: str = "construct") -> Iterator[None]:
+def sharded_init(mesh: Any = None, *, init: str = "construct", placement: Any = None) -> Iterator[None]:
     """Build a model so that no rank ever holds all of it; ``zero_shard`` then shards it.
 
     ``init="construct"`` (default) runs the modules' own constructors, so the weights are bitwise
@@ -360,22 +363,31 @@ def sharded_init(mesh: Any = None, *, init: str = "construct") -> Iterator[None]
     initialises one module at a time with ``reset_parameters()`` or its ``init_fn``: for models
     whose weights are loaded right after (no initialisation is wasted).
 
+    With ``placement`` (the one later given to ``zero_shard``) whose parameters are offloaded
+    (plait-offload-io's ``OffloadConfig(param_device="nvme")``), each finished slice is written
+    to the placement's shard storage and freed as soon as the next module starts, at any world
+    size including 1 (DeepSpeed's ``zero.Init(remote_device="nvme")``): building then holds one
+    module at a time, not the model.
+
     Using the model before ``zero_shard`` raises an error either way.
 
     Args:
         mesh: the mesh ``zero_shard`` should use when it is not given one; its ranks (the world
             when ``None``) build the model together.
         init: ``"construct"`` or ``"meta"``.
+        placement: optional; a placement with a ``shard_storage()`` (parameter offload) that
+            keeps the slices while the model is built.
 
     Raises:
-        ValueError: ``init`` is neither.
+        ValueError: ``init`` is neither; ``placement`` has no shard storage or ``init="meta"``.
     """
     if init not in ("construct", "meta"):
         raise ValueError(f"sharded_init(init={init!r}): use 'construct' (the model's own initialisation, sliced as "
                          "it is built) or 'meta' (no values until zero_shard's reset_parameters/init_fn).")
+    storage = _construction_storage(placement, init)
     original = nn.Module.register_parameter
     created: list[nn.Module] = []
-    group = ConstructionGroup(_construction_group(mesh)) if init == "construct" else None
+    group = ConstructionGroup(_construction_group(mesh), storage) if init == "construct" else None
     pending: list[nn.Parameter] = []
 
     def slice_pending() -> None:
@@ -406,6 +418,22 @@ def sharded_init(mesh: Any = None, *, init: str = "construct") -> Iterator[None]
         _init_mesh.pop()
         for module in {id(m): m for m in created}.values():
             _before_sharding[module] = module.register_forward_pre_hook(_refuse_unsharded)
+
+
+def _construction_storage(placement: Any, init: str) -> Any:
+    """The shard storage ``sharded_init(placement=...)`` writes slices to (``None`` without one)."""
+    if placement is None:
+        return None
+    if init != "construct":
+        raise ValueError("sharded_init(placement=...) stores constructed values; with init='meta' there are none "
+                         "until zero_shard: drop placement= or use init='construct'.")
+    storage = placement.shard_storage() if callable(getattr(placement, "shard_storage", None)) else None
+    if storage is None:
+        raise ValueError(f"sharded_init(placement=...): {type(placement).__name__} keeps no parameter shards "
+                         "(no shard_storage); give a placement that offloads parameters, e.g. plait-offload-io's "
+                         "zero_placement(OffloadConfig(device='nvme', param_device='nvme', path=...)), or drop "
+                         "placement=.")
+    return storage
 
 
 def _construction_group(mesh: Any) -> Any:

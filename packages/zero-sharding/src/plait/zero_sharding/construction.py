@@ -17,6 +17,11 @@ skip the gather and start from an empty tensor, which consumes the generator exa
 original does), runs it, and keeps the new slice when the operation wrote to it. Views taken from
 such a value (``weight[padding_idx]``) write through to their parameter the same way.
 
+With a construction storage (``sharded_init(placement=...)``, a placement that offloads
+parameters), each slice is written there and dropped as soon as it is stored, at any world size
+including 1; :func:`slice_of` reads it back for the operations above and for ``zero_shard``. On one
+rank the slice is the whole value, so this is what keeps building to one module at a time.
+
 Every rank must build the same model with the same seed (as with DeepSpeed's ``zero.Init``):
 :func:`check_consistent` compares the names, shapes and value fingerprints of every parameter
 across ranks before ``zero_shard`` uses them and names the first that differs.
@@ -56,12 +61,21 @@ _OWN_QUERIES = {torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad._
 
 
 class ConstructionGroup:
-    """The ranks that build the model together and how a parameter is split between them."""
+    """The ranks that build the model together and how a parameter is split between them.
 
-    def __init__(self, group: Any) -> None:
+    Args:
+        group: the process group (``None``: one process, no ``torch.distributed``).
+        storage: where finished slices wait for ``zero_shard`` (a
+            :class:`~plait.zero_sharding.extension.ShardStorage`, e.g. plait-offload-io's files);
+            ``None`` keeps them in memory.
+    """
+
+    def __init__(self, group: Any, storage: Any = None) -> None:
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.storage = storage
+        self.spilled = 0  # keys handed out to the storage (``init-<n>``)
 
     def chunk(self, numel: int) -> int:
         """Elements of a parameter of ``numel`` elements each rank keeps."""
@@ -114,9 +128,39 @@ def _store_slice(param: ConstructedParameter, value: torch.Tensor) -> None:
         piece = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
         lo, hi = min(group.rank * chunk, flat.numel()), min((group.rank + 1) * chunk, flat.numel())
         piece[:hi - lo].copy_(flat[lo:hi])
-    param._plait_slice = piece
-    param._plait_generation += 1
     param._plait_fingerprint = _fingerprint(flat)
+    param._plait_generation += 1
+    param._plait_dtype = piece.dtype
+    if group.storage is None:
+        param._plait_slice = piece
+        return
+    # Straight to the store: the slice (on one rank the constructor's tensor itself) is written
+    # and dropped, so the memory of building the model is one module, not the model.
+    if not hasattr(param, "_plait_key"):
+        param._plait_key = f"init-{group.spilled}"
+        group.spilled += 1
+    piece = piece.contiguous()
+    _wait(group.storage.write(param._plait_key, piece))
+    param._plait_slice = None
+    param._plait_spilled = (piece.numel(), piece.device)
+
+
+def _wait(handle: Any) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def slice_of(param: ConstructedParameter) -> torch.Tensor:
+    """This rank's slice of ``param``: in memory, or read back from the construction storage."""
+    if param._plait_slice is not None:
+        return param._plait_slice
+    numel, device = param._plait_spilled
+    storage = param._plait_group.storage
+    empty = getattr(storage, "empty", None)
+    out = empty(numel, dtype=param._plait_dtype, device=device) if empty is not None else \
+        torch.empty(numel, dtype=param._plait_dtype, device=device)
+    _wait(storage.read(param._plait_key, out))
+    return out
 
 
 def _sole_owner(flat: torch.Tensor, chunk: int) -> bool:
@@ -143,10 +187,12 @@ def whole_value(param: ConstructedParameter, *, gather: bool = True, copy: bool 
     """The whole value of ``param`` as a plain tensor (collective over its construction group
     unless ``gather=False``, which returns uninitialised memory of the right shape). On one rank
     ``copy=False`` returns the slice itself (for a caller that drops the slice right after)."""
-    group, piece = param._plait_group, param._plait_slice
+    group = param._plait_group
     numel = math.prod(param._plait_shape)
     if not gather:
-        return torch.empty(param._plait_shape, dtype=piece.dtype, device=piece.device)
+        device = param._plait_slice.device if param._plait_slice is not None else param._plait_spilled[1]
+        return torch.empty(param._plait_shape, dtype=param._plait_dtype, device=device)
+    piece = slice_of(param)
     if group.world == 1:
         whole = piece[:numel]
         return (whole.clone() if copy else whole).view(param._plait_shape)
@@ -161,14 +207,19 @@ def release(param: ConstructedParameter) -> torch.Tensor:
     value = whole_value(param, copy=False)
     with torch._C.DisableTorchFunctionSubclass():
         param.data = value
-    for attr in ("_plait_shape", "_plait_slice", "_plait_group", "_plait_generation", "_plait_fingerprint"):
-        delattr(param, attr)
+    storage = param._plait_group.storage
+    if storage is not None and hasattr(param, "_plait_key") and hasattr(storage, "discard"):
+        storage.discard(param._plait_key)  # optional member: free the construction file
+    for attr in ("_plait_shape", "_plait_slice", "_plait_group", "_plait_generation", "_plait_fingerprint",
+                 "_plait_dtype", "_plait_key", "_plait_spilled"):
+        if hasattr(param, attr):
+            delattr(param, attr)
     param.__class__ = nn.Parameter
     return value
 
 
 def _meta(param: ConstructedParameter) -> torch.Tensor:
-    return torch.empty(param._plait_shape, dtype=param._plait_slice.dtype, device="meta")
+    return torch.empty(param._plait_shape, dtype=param._plait_dtype, device="meta")
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:

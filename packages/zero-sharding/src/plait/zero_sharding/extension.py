@@ -108,6 +108,9 @@ class StatePlacement(Protocol):
       elements with the scaling applied) instead of a tensor.
     * ``backward_started()``: called when a backward begins (its first gradient hook), e.g. to
       start reading offloaded optimizer state so the read overlaps backward.
+    * ``check_model(model, world_size)``: called by ``zero_shard`` before any unit is built, with
+      the model and the size of the group it is sharded over; may raise ``ValueError`` (a memory
+      budget the model cannot fit) or adjust the placement's own settings.
     """
 
     def place_master(self, key: str, master: Tensor) -> Tensor:
@@ -152,7 +155,9 @@ class ShardStorage(Protocol):
     Optional members (not part of the protocol check): ``reserve(nbytes, shards)`` is called
     before the first write with the shards' total size, to refuse a disk without room before any
     work; ``empty(numel, *, dtype, device)`` allocates a shard's memory when it is loaded (e.g.
-    aligned, so file I/O needs no bounce copy); the default is ``torch.empty``.
+    aligned, so file I/O needs no bounce copy); the default is ``torch.empty``;
+    ``discard(key)`` forgets a key (``sharded_init(placement=...)`` stores constructed slices
+    under ``init-<n>`` keys and discards each once ``zero_shard`` took it over).
     """
 
     def write(self, key: str, shard: Tensor) -> Any:

@@ -1,0 +1,181 @@
+"""An ordinary torch decoder, nobody's plait model, and the peak memory of each training phase.
+
+``PlainDecoder`` is what a user writes without plait in mind: ``nn.Embedding``, an
+``nn.ModuleList`` of pre-norm blocks (``nn.LayerNorm``, a fused QKV ``nn.Linear`` with
+``F.scaled_dot_product_attention``, a GELU MLP), a final norm and an untied ``nn.Linear`` head.
+At vocab 32000, width 1024 and 12 layers it has 217M parameters.
+
+:func:`phase_peaks` builds it under ``sharded_init`` (optionally with the placement, so the
+construction goes straight to the store), shards it with ZeRO-3 and ZeRO-Infinity at world size 1
+and trains a few steps, resetting the process's resident-set high-water mark (``VmHWM``) before
+each phase, so each phase's own peak is measured, not the run's. Memory is load-independent;
+``python -m plait.offload_io.benchmarks.plain_decoder --out FILE`` writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.kernels.bench import reset_peak_rss, rss_bytes
+
+FULL = dict(vocab=32000, dim=1024, layers=12, heads=16)
+PHASES = ("build", "shard", "forward", "backward", "step")
+
+
+class Block(nn.Module):
+    """A pre-norm decoder block: causal self-attention and a 4x GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (batch, seq, dim). Returns: the same shape."""
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class PlainDecoder(nn.Module):
+    """Embedding, ``nn.ModuleList`` of :class:`Block`, final norm, untied head.
+
+    Args:
+        vocab, dim, layers, heads: the shape (``FULL`` is the 217M one).
+    """
+
+    def __init__(self, *, vocab: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Args: tokens (batch, seq) int64. Returns: the next-token cross-entropy loss."""
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def largest_module_bytes(model: nn.Module) -> int:
+    """Bytes of the module owning the most parameter bytes directly or through its children that
+    are not ``nn.ModuleList`` entries (a block, the embedding, the head)."""
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters())
+             for m in model.modules() if not isinstance(m, nn.ModuleList) and m is not model]
+    return max(sizes, default=0)
+
+
+def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, steps: int = 2, batch: int = 2,
+                seq: int = 64, straight_to_store: bool = True) -> dict[str, Any]:
+    """Build, shard and train :class:`PlainDecoder` at world size 1, the peak of each phase.
+
+    Args:
+        shape: the decoder's keyword arguments.
+        root: directory for the offload files.
+        placement_config: the ``OffloadConfig`` (its ``path`` is replaced by ``root``).
+        steps: training steps (forward, backward, step each; each phase's largest peak over
+            the steps is kept).
+        batch, seq: tokens per step.
+        straight_to_store: pass the placement to ``sharded_init`` (construction straight to the
+            store) or build under a plain ``sharded_init()``.
+
+    Returns:
+        ``{"peak_bytes": {phase: bytes over the level at the phase's start}, "model_bytes",
+        "largest_module_bytes", "losses", "baseline_bytes"}``; needs ``torch.distributed``
+        initialised (one process) and plait-zero-sharding.
+    """
+    import dataclasses
+
+    from plait.offload_io import zero_placement
+    from plait.zero_sharding import ZeroConfig, sharded_init, zero_shard
+
+    placement = zero_placement(dataclasses.replace(placement_config, path=root))
+    peaks: dict[str, int] = {}
+    baseline = rss_bytes()[0]
+    start = reset_peak_rss()
+    torch.manual_seed(0)
+    with sharded_init(placement=placement if straight_to_store else None):
+        model = PlainDecoder(**shape)
+    peaks["build"] = rss_bytes()[1] - start
+    numel = sum(p.numel() for p in model.parameters())  # constructed parameters answer with the whole shape
+    start = reset_peak_rss()
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=1e-3)
+    peaks["shard"] = rss_bytes()[1] - start
+    tokens = torch.randint(0, shape["vocab"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        start = reset_peak_rss()
+        loss = model(tokens)
+        _record(peaks, "forward", start)
+        losses.append(loss.item())
+        start = reset_peak_rss()
+        loss.backward()
+        _record(peaks, "backward", start)
+        start = reset_peak_rss()
+        optimizer.step()
+        optimizer.zero_grad()
+        _record(peaks, "step", start)
+    placement.close()
+    return {"peak_bytes": peaks, "model_bytes": numel * 4, "losses": losses, "baseline_bytes": baseline,
+            "largest_module_bytes": _largest_from_shape(shape)}
+
+
+def _record(peaks: dict[str, int], phase: str, start: int) -> None:
+    """Keep the largest rise of ``phase``'s peak over its start, across steps."""
+    peaks[phase] = max(peaks.get(phase, 0), rss_bytes()[1] - start)
+
+
+def _largest_from_shape(shape: dict[str, int]) -> int:
+    """fp32 bytes of the largest module of a :class:`PlainDecoder` of ``shape`` (meta build)."""
+    with torch.device("meta"):
+        return largest_module_bytes(PlainDecoder(**shape))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m plait.offload_io.benchmarks.plain_decoder [--layers N] [--plain-init] --out FILE``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=FULL["layers"])
+    parser.add_argument("--plain-init", action="store_true", help="sharded_init() without the placement")
+    parser.add_argument("--path", default=None, help="offload directory (default: a temporary one)")
+    parser.add_argument("--out", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    from plait.offload_io import IOConfig, OffloadConfig
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    config = OffloadConfig(device="nvme", param_device="nvme", grad_device="nvme", path=".",
+                           sub_group_size=1 << 20, io=IOConfig(block_size=1 << 20, queue_depth=4, workers=2))
+    with tempfile.TemporaryDirectory(dir=args.path) as root:
+        result = phase_peaks({**FULL, "layers": args.layers}, root, placement_config=config,
+                             straight_to_store=not args.plain_init)
+    result.update(shape={**FULL, "layers": args.layers}, straight_to_store=not args.plain_init,
+                  command="python -m plait.offload_io.benchmarks.plain_decoder " + " ".join(argv),
+                  load_average=os.getloadavg())
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["peak_bytes"]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
