@@ -52,7 +52,9 @@ def permute_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch
         raise ValueError(f"num_experts={num_experts} must be >= 1.")
     ids = expert_ids.to(torch.int64)
     order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=num_experts)
+    # index_add_ instead of bincount: bincount sizes its output from the data (a data-dependent
+    # shape under torch.compile, a host sync on CUDA).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
     return order, counts
 
 
