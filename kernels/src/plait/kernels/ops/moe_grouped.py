@@ -84,6 +84,13 @@ def gate_product(gate_up: torch.Tensor, activation: str = "silu", precision: str
     return _activate(gate, activation) * up
 
 
+def _activation_backward(grad: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """torch's own backward of :func:`_activate` (what autograd runs for it)."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation: str = "silu",
                           precision: str = "input") -> tuple[torch.Tensor, torch.Tensor]:
     """The activation's backward: ``(act, d_gate_up)`` for ``act = gate_product(gate_up)``.
@@ -93,7 +100,7 @@ def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation
     written straight into its half of one ``[N, 2I]`` gradient: autograd's slice backward would
     allocate and zero-fill two ``[N, 2I]`` tensors and add them, the largest non-GEMM cost of the
     CPU backward at hundreds of rows per expert. ``act`` (needed by the down weight's gradient)
-    reuses ``act(gate)``. The ``"fp32"`` precision on a lower dtype takes autograd of the formula.
+    reuses ``act(gate)``. The ``"fp32"`` precision on a lower dtype runs the same steps in fp32.
 
     Args:
         gate_up: ``[N, 2I]`` the first GEMM's output (gate columns first).
@@ -103,16 +110,18 @@ def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation
     Returns:
         ``act`` ``[N, I]`` and ``d_gate_up`` ``[N, 2I]``, both in ``gate_up``'s dtype.
     """
-    if precision == "fp32" and gate_up.dtype != torch.float32:
-        with torch.enable_grad():
-            leaf = gate_up.detach().requires_grad_()
-            act = gate_product(leaf, activation, precision)
-        (d_gate_up,) = torch.autograd.grad(act, leaf, d_act)
-        return act.detach(), d_gate_up
     inter = d_act.shape[-1]
+    d_gate_up = torch.empty_like(gate_up)
+    if precision == "fp32" and gate_up.dtype != torch.float32:
+        # autograd's steps of the fp32 formula, in fp32, each half rounded once into d_gate_up (no
+        # autograd here: this also runs inside the custom op's backward, where autograd is off).
+        gate, up, d_act = gate_up[..., :inter].float(), gate_up[..., inter:].float(), d_act.float()
+        activated = _activate(gate, activation)
+        d_gate_up[..., inter:] = d_act * activated
+        d_gate_up[..., :inter] = _activation_backward(d_act * up, gate, activation)
+        return (activated * up).to(gate_up.dtype), d_gate_up
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     activated = _activate(gate, activation)
-    d_gate_up = torch.empty_like(gate_up)
     torch.mul(d_act, activated, out=d_gate_up[..., inter:])
     d_activated = d_act * up
     if activation == "silu":
@@ -378,13 +387,10 @@ def grouped_gated_mlp_torch(x: torch.Tensor, counts: torch.Tensor, w_gate_up: to
     return out.index_select(0, rows)
 
 
-# The custom ops: opaque to torch.compile (the CPU path reads the counts on the host, which dynamo
-# cannot trace), with shape-only fakes and a registered backward.
-
-
 @torch.library.custom_op("plait::grouped_gated_mlp", mutates_args=())
 def _grouped_op(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 activation: str, precision: str, use_triton: bool) -> torch.Tensor:
+    # A custom op, opaque to torch.compile: the CPU path reads the counts on the host.
     check_counts_sum(counts, x.shape[0])
     if use_triton:
         from plait.kernels.ops.moe_grouped_triton import grouped_forward_triton
@@ -440,9 +446,8 @@ def run_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, 
                 activation: str, precision: str, *, use_triton: bool) -> torch.Tensor:
     """Run validated inputs through ``plait::grouped_gated_mlp``, or in eager training its autograd Function.
 
-    Eager with gradients keeps the autograd Functions (:class:`_SegmentGatedMLP` keeps each
-    segment's ``gate_up`` for the backward, one GEMM fewer than the op's recompute); the backward
-    bits are the same either way. Under ``torch.compile`` and without gradients the op runs.
+    Eager with gradients keeps the autograd Functions (:class:`_SegmentGatedMLP` keeps each segment's
+    ``gate_up``: one GEMM fewer than the op's recompute, same bits). Otherwise the op runs.
 
     Args:
         x, counts, w_gate_up, w_down, activation, precision: as :func:`grouped_gated_mlp`
