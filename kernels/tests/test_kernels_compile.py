@@ -1,6 +1,6 @@
-"""plait's MoE grouped-GEMM op as a ``torch.library`` custom op: ``opcheck`` on small shapes, and
-under ``torch.compile(fullgraph=True)`` (inductor on CPU) eager's outputs and gradients, bitwise;
-the whole routed MoE step (permute, grouped GEMMs, combine) compiles into one graph."""
+"""plait's MoE ops (grouped gated MLP, token permutation, combine) as ``torch.library`` custom ops:
+``opcheck`` on small shapes, their registered backwards equal to eager autograd bit for bit, and a
+routed MoE step under ``torch.compile(fullgraph=True)`` (inductor on CPU) equal to eager."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def _moe_inputs(rows=12, experts=4, hidden=16, inter=8, *, empty_expert=True):
     w_gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.3
     w_down = torch.randn(experts, hidden, inter, generator=gen) * 0.3
     return x, counts, w_gate_up, w_down
+
+
+def _routing(rows=10):
+    token = torch.tensor([3, 0, 7, 1, 1, 9, 4, 0, 2, 8, 5, 6, 3][:rows])
+    return token, torch.rand(token.shape[0], generator=torch.Generator().manual_seed(2))
 
 
 def _grads_of(fn, *tensors):
@@ -48,15 +53,6 @@ def test_grouped_gated_mlp_opcheck(activation):
     torch.library.opcheck(torch.ops.plait.grouped_gated_mlp.default, args, test_utils=OPCHECK_TESTS)
 
 
-def test_grouped_gated_mlp_compiled_equals_eager_bitwise():
-    x, counts, w_gate_up, w_down = _moe_inputs()
-
-    def fn(x, w_gate_up, w_down):
-        return grouped_gated_mlp(x, counts, w_gate_up, w_down, activation="silu")
-
-    _assert_compiled_equals_eager(fn, x, w_gate_up, w_down)
-
-
 def test_grouped_gated_mlp_op_backward_equals_eager_autograd_bitwise():
     """The op's registered backward (gate_up recomputed) gives the autograd Function's bits."""
     x, counts, w_gate_up, w_down = _moe_inputs(rows=40, hidden=32, inter=16)
@@ -78,10 +74,8 @@ def test_grouped_gated_mlp_op_refuses_counts_that_miss_rows():
 
 
 def test_moe_permutation_and_grouped_mlp_compile_into_one_graph():
-    """Routing ids to the combined output (permute, grouped GEMMs, combine): one graph, no break.
-
-    aot_eager (dynamo and AOTAutograd, no code generation): inductor would fuse the combine's
-    plain torch ops and round them differently, and would cost CI a second C++ build."""
+    """Routing ids to the combined output (permute, grouped GEMMs, combine): one graph, no break, and
+    inductor's outputs and gradients (x, both weights, routing weights) are eager's, bit for bit."""
     x, _, w_gate_up, w_down = _moe_inputs(rows=10)
     ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [2, 1], [0, 1], [1, 2], [0, 2], [2, 1], [0, 1]])
     weights = torch.rand(10, 2, generator=torch.Generator().manual_seed(1))
@@ -92,4 +86,46 @@ def test_moe_permutation_and_grouped_mlp_compile_into_one_graph():
         out = grouped_gated_mlp(permute_tokens(x, token), counts, w_gate_up, w_down)
         return combine_rows(out, token, weights.reshape(-1).index_select(0, order), x.shape[0])
 
-    _assert_compiled_equals_eager(fn, x, w_gate_up, w_down, weights, backend="aot_eager")
+    _assert_compiled_equals_eager(fn, x, w_gate_up, w_down, weights)
+
+
+def test_grouped_gated_mlp_op_backward_bf16_serving_precision_equals_eager_bitwise():
+    """precision="fp32" on bf16: the op's backward (no autograd inside it) gives eager's bits."""
+    x, counts, w_gate_up, w_down = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _moe_inputs())
+    eager_out, eager_grads = _grads_of(
+        lambda *t: grouped_gated_mlp(t[0], counts, t[1], t[2], precision="fp32"), x, w_gate_up, w_down)
+    op_out, op_grads = _grads_of(
+        lambda *t: torch.ops.plait.grouped_gated_mlp(t[0], counts, t[1], t[2], "silu", "fp32", False),
+        x, w_gate_up, w_down)
+    assert torch.equal(op_out, eager_out)
+    for got, want in zip(op_grads, eager_grads):
+        assert torch.equal(got, want)
+
+
+def test_permute_and_combine_opcheck():
+    x, _, _, _ = _moe_inputs(rows=10)
+    token, weights = _routing(13)
+    rows = torch.randn(13, x.shape[1], generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(torch.ops.plait.permute_tokens.default, (x.requires_grad_(), token, False),
+                          test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.plait.combine_rows.default,
+                          (rows.requires_grad_(), token, weights.requires_grad_(), 10, False), test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_and_combine_op_backwards_equal_eager_autograd_bitwise(dtype):
+    """The ops' registered backwards (autograd's steps written out) give autograd's bits."""
+    token, weights = _routing(13)
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(4)).to(dtype)
+    rows = torch.randn(13, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    pairs = [
+        (lambda x: permute_tokens(x, token), lambda x: torch.ops.plait.permute_tokens(x, token, False), (x,)),
+        (lambda r, w: combine_rows(r, token, w, 10),
+         lambda r, w: torch.ops.plait.combine_rows(r, token, w, 10, False), (rows, weights)),
+    ]
+    for eager_fn, op_fn, inputs in pairs:
+        eager_out, eager_grads = _grads_of(eager_fn, *inputs)
+        op_out, op_grads = _grads_of(op_fn, *inputs)
+        assert torch.equal(op_out, eager_out)
+        for got, want in zip(op_grads, eager_grads, strict=True):
+            assert torch.equal(got, want)
