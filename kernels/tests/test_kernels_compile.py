@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.kernels.ops import combine_rows, grouped_gated_mlp, permute_by_expert, permute_tokens
+from plait.kernels.ops import (
+    combine_rows,
+    gelu_and_mul,
+    grouped_gated_mlp,
+    permute_by_expert,
+    permute_tokens,
+    silu_and_mul,
+)
+from plait.kernels.ops.gated_activation import gated_activation_reference
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
@@ -129,3 +137,19 @@ def test_permute_and_combine_op_backwards_equal_eager_autograd_bitwise(dtype):
         assert torch.equal(op_out, eager_out)
         for got, want in zip(op_grads, eager_grads, strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_activation_op_backward_equals_eager_autograd_bitwise(activation, dtype):
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(6)).to(dtype)
+    eager_out, (eager_grad,) = _grads_of(lambda x: gated_activation_reference(x, activation), x)
+    op_out, (op_grad,) = _grads_of(lambda x: torch.ops.plait.gated_activation(x, activation, False), x)
+    assert torch.equal(op_out, eager_out) and torch.equal(op_grad, eager_grad)
+
+
+def test_gated_activation_opcheck_and_compiled_equals_eager():
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+    torch.library.opcheck(torch.ops.plait.gated_activation.default, (x.clone().requires_grad_(), "silu", False),
+                          test_utils=OPCHECK_TESTS)
+    _assert_compiled_equals_eager(lambda x: silu_and_mul(x) + gelu_and_mul(x, "tanh"), x, backend="aot_eager")
