@@ -13,6 +13,7 @@ from plait.kernels.ops import (
     grouped_gated_mlp,
     permute_by_expert,
     permute_tokens,
+    rms_norm,
     silu_and_mul,
 )
 from plait.kernels.ops.gated_activation import gated_activation_reference
@@ -169,6 +170,9 @@ def test_ops_triton_branches_match_the_torch_branches(triton_backend):
         "permute": (lambda t, x: torch.ops.plait.permute_tokens(x, token, t), (x,)),
         "combine": (lambda t, r, w: torch.ops.plait.combine_rows(r, token, w, 12, t), (x[:7], weights)),
         "gated": (lambda t, x: torch.ops.plait.gated_activation(x, "silu", t), (x,)),
+        "rms_norm": (lambda t, x, w: torch.ops.plait.rms_norm(x, w, 1e-6, 0.0, t), (x, weights[:1].expand(32))),
+        "fused_add_rms_norm": (lambda t, x, r, w: sum(torch.ops.plait.fused_add_rms_norm(x, r, w, 1e-6, 1.0, t)),
+                               (x, x.flip(0), torch.rand(32, generator=gen))),
     }
     for name, (fn, inputs) in cases.items():
         moved = [t.to(triton_backend) for t in inputs]
@@ -176,3 +180,53 @@ def test_ops_triton_branches_match_the_torch_branches(triton_backend):
         triton_out, triton_grads = _grads_of(lambda *ts, fn=fn: fn(True, *ts), *moved)
         for got, want in zip([triton_out, *triton_grads], [torch_out, *torch_grads], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.bfloat16, torch.float32)])
+def test_rms_norm_op_backward_equals_eager_autograd_bitwise(residual, dtype, weight_dtype):
+    """Both outputs used (y and, with a residual, h): the op's backward gives autograd's bits."""
+    gen = torch.Generator().manual_seed(8)
+    x, res = (torch.randn(3, 4, 64, generator=gen).to(dtype) for _ in range(2))
+    weight = (torch.rand(64, generator=gen) + 0.5).to(weight_dtype)
+    from plait.kernels.ops.rms_norm import rms_norm_reference
+
+    if residual:
+        def eager(x, r, w):
+            return sum(rms_norm_reference(x, w, 1e-6, residual=r, offset=0.5))
+
+        def op(x, r, w):
+            return sum(torch.ops.plait.fused_add_rms_norm(x, r, w, 1e-6, 0.5, False))
+
+        inputs = (x, res, weight)
+    else:
+        def eager(x, w):
+            return rms_norm_reference(x, w, 1e-6)
+
+        def op(x, w):
+            return torch.ops.plait.rms_norm(x, w, 1e-6, 0.0, False)
+
+        inputs = (x, weight)
+    eager_out, eager_grads = _grads_of(eager, *inputs)
+    op_out, op_grads = _grads_of(op, *inputs)
+    assert torch.equal(op_out, eager_out)
+    for got, want in zip(op_grads, eager_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_rms_norm_opcheck_and_compiled_equals_eager():
+    gen = torch.Generator().manual_seed(9)
+    x, res, weight = torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen), torch.rand(32, generator=gen)
+    torch.library.opcheck(torch.ops.plait.rms_norm.default,
+                          (x.clone().requires_grad_(), weight.clone().requires_grad_(), 1e-6, 0.0, False),
+                          test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.plait.fused_add_rms_norm.default,
+                          (x.clone().requires_grad_(), res.clone().requires_grad_(), weight.clone().requires_grad_(),
+                           1e-6, 0.0, False), test_utils=OPCHECK_TESTS)
+
+    def fn(x, r, w):
+        y, h = rms_norm(x, w, 1e-6, residual=r)
+        return rms_norm(y + h, w, 1e-5)
+
+    _assert_compiled_equals_eager(fn, x, res, weight, backend="aot_eager")

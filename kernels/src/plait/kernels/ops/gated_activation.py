@@ -110,7 +110,7 @@ def _gated_op(x: torch.Tensor, activation: str, use_triton: bool) -> torch.Tenso
         from plait.kernels.ops.gated_activation_triton import gated_forward
 
         return gated_forward(x, activation)
-    return gated_activation_reference(x, activation)
+    return gated_activation_reference(x, activation).contiguous()  # the fake's strides
 
 
 @_gated_op.register_fake
