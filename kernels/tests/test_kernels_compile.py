@@ -18,7 +18,9 @@ from plait.kernels.ops import (
 )
 from plait.kernels.ops.gated_activation import gated_activation_reference
 
-OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# Without opcheck's "test_aot_dispatch_dynamic" (a compile per op, most of this file's CI time): the
+# compiled tests below trace every op through dynamo and AOTAutograd.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 def _moe_inputs(rows=12, experts=4, hidden=16, inter=8, *, empty_expert=True):
@@ -54,10 +56,9 @@ def _assert_compiled_equals_eager(fn, *tensors, backend="inductor"):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_grouped_gated_mlp_opcheck(activation):
+def test_grouped_gated_mlp_opcheck():
     x, counts, w_gate_up, w_down = _moe_inputs()
-    args = (x.requires_grad_(), counts, w_gate_up.requires_grad_(), w_down.requires_grad_(), activation, "input",
+    args = (x.requires_grad_(), counts, w_gate_up.requires_grad_(), w_down.requires_grad_(), "gelu_tanh", "input",
             False)
     torch.library.opcheck(torch.ops.plait.grouped_gated_mlp.default, args, test_utils=OPCHECK_TESTS)
 
