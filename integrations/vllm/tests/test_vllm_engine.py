@@ -69,12 +69,12 @@ def _hf_tokens(model) -> list[list[int]]:
     return out
 
 
-def _run_engine(tmp: Path, name: str, env: dict, *args: str) -> dict:
+def _run_engine(tmp: Path, name: str, env: dict, *args: str, timeout: int = 400) -> dict:
     out = tmp / f"{name}.json"
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
     result = subprocess.run([sys.executable, str(RUNNER), *args, "--out", str(out)], capture_output=True,
-                            text=True, env=full_env, timeout=400, cwd=tmp)
+                            text=True, env=full_env, timeout=timeout, cwd=tmp)
     if result.returncode or not out.is_file():
         pytest.fail(f"engine run {name} failed (rc {result.returncode}):\n{(result.stdout + result.stderr)[-5000:]}")
     return json.loads(out.read_text())
@@ -233,3 +233,42 @@ def test_vllm_tp2_each_rank_reads_and_checks_only_its_byte_ranges(tp_run):
         assert report["mapped_bytes"] == total, report
         assert report["checked_bytes"] == want < total, (rank, report, want)
         assert report["check_worker"] is None, report  # ranks check inside vLLM's copies, no worker
+
+
+COMPILED_FAMILIES = ("llama", "mixtral")  # one dense, one MoE (plait's grouped-GEMM custom op inside the graph)
+COMPILED_OPT_IN = "PLAIT_TEST_VLLM_COMPILED"
+"""vLLM's compiled start-up takes 2-3 minutes per engine on the 2-core CI machine (dynamo tracing and
+vLLM's warm-up, with or without inductor's code generation), so these run only with this set to 1."""
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory):
+    """Each family with vLLM's compilation on (its default, inductor), plugin on and off."""
+    if os.environ.get(COMPILED_OPT_IN) != "1":
+        pytest.skip(f"vLLM's compiled engines take minutes to start; set {COMPILED_OPT_IN}=1 to run them")
+    tmp = tmp_path_factory.mktemp("vllm_compiled")
+    hf_tokens, jobs = {}, []
+    for family in COMPILED_FAMILIES:
+        model = _tiny(family)
+        hf_dir = tmp / f"{family}-hf"
+        model.save_pretrained(hf_dir)
+        hf_tokens[family] = _hf_tokens(model)
+        jobs += ["--job", f"{family}={hf_dir}@safetensors"]
+    # No compile cache: a cached graph would skip the tracing these tests are about.
+    common = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+    on = _run_engine(tmp, "compiled_on", {**common, "PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}, *jobs,
+                     "--compile-backend", "inductor", timeout=1200)
+    off = _run_engine(tmp, "compiled_off", {**common, "PLAIT_VLLM": "0"}, *jobs, "--compile-backend", "inductor",
+                      timeout=1200)
+    return {"hf": hf_tokens, "on": on, "off": off}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", COMPILED_FAMILIES)
+def test_vllm_compiled_plugin_on_tokens_equal_plugin_off_and_hf(compiled_runs, family):
+    """vLLM's default compiled engine with plait's layers (MoE included) starts and serves the tokens
+    of the same engine without the plugin, and HF's."""
+    assert compiled_runs["on"][family]["tokens"] == compiled_runs["off"][family]["tokens"]
+    assert compiled_runs["on"][family]["tokens"] == compiled_runs["hf"][family]
+    layers = set(compiled_runs["on"][family]["layers"])
+    assert set(PLAIT_LAYERS[family]) <= layers, sorted(layers)

@@ -22,14 +22,16 @@ PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]
 NEW_TOKENS = 12
 
 
-def _engine_args(model: str, load_format: str, tp: int = 1) -> dict:
-    return dict(model=model, load_format=load_format, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-                max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp)
+def _engine_args(model: str, load_format: str, tp: int = 1, compile_backend: str | None = None) -> dict:
+    args = dict(model=model, load_format=load_format, dtype="float32", enforce_eager=compile_backend is None,
+                skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, seed=0, tensor_parallel_size=tp)
+    if compile_backend not in (None, "inductor"):  # "eager": dynamo traces and splits, no code generation
+        args["compilation_config"] = {"backend": compile_backend}
+    return args
 
 
 def _layer_classes(model) -> list[str]:
     return sorted({type(module).__name__ for module in model.modules()})
-
 
 
 
@@ -39,6 +41,9 @@ def main() -> None:
     parser.add_argument("--job", action="append", required=True, help="NAME=MODEL_DIR@LOAD_FORMAT")
     parser.add_argument("--corrupt", default=None)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    parser.add_argument("--compile-backend", default=None,
+                        help="leave vLLM's compilation on (its default: inductor) with this torch.compile backend "
+                             "instead of enforce_eager=True")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
@@ -50,7 +55,7 @@ def main() -> None:
         name, _, rest = job.partition("=")
         model, _, load_format = rest.rpartition("@")
         start = time.perf_counter()
-        llm = LLM(**_engine_args(model, load_format, args.tp))
+        llm = LLM(**_engine_args(model, load_format, args.tp, args.compile_backend))
         startup = time.perf_counter() - start
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
         from plait.vllm.loader import load_report  # importable, so worker processes can unpickle it

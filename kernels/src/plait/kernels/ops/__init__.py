@@ -4,6 +4,7 @@
 Only the torch side is imported here, so this package imports on machines without Triton.
 """
 
+from plait.kernels.ops import rms_norm_op  # noqa: F401 - registers the plait::rms_norm custom ops
 from plait.kernels.ops.gated_activation import (
     GeluAndMul,
     SiluAndMul,

@@ -92,12 +92,62 @@ def gated_activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor
 
 def _gated_activation(x: torch.Tensor, activation: str, op: str) -> torch.Tensor:
     check_gated_input(x, op)
-    if dispatch.select_backend(x) == dispatch.TRITON:
+    use_triton = dispatch.select_backend(x) == dispatch.TRITON
+    if not (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        # The custom op (opaque to torch.compile); eager autograd keeps the autograd Function's node.
+        return torch.ops.plait.gated_activation(x, activation, use_triton)
+    if use_triton:
         # Imported here so that CPU installs without Triton never import it.
         from plait.kernels.ops.gated_activation_triton import gated_activation_triton
 
         return gated_activation_triton(x, activation)
     return gated_activation_reference(x, activation)
+
+
+@torch.library.custom_op("plait::gated_activation", mutates_args=())
+def _gated_op(x: torch.Tensor, activation: str, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from plait.kernels.ops.gated_activation_triton import gated_forward
+
+        return gated_forward(x, activation)
+    return gated_activation_reference(x, activation).contiguous()  # the fake's strides
+
+
+@_gated_op.register_fake
+def _gated_fake(x, activation, use_triton):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("plait::gated_activation_backward", mutates_args=())
+def _gated_backward_op(grad: torch.Tensor, x: torch.Tensor, activation: str, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from plait.kernels.ops.gated_activation_triton import gated_backward
+
+        return gated_backward(x, grad, activation)
+    from plait.kernels.ops.moe_grouped import gate_product_backward
+
+    # The reference's steps as autograd runs them: in x's dtype for fp32/fp64, else in fp32.
+    precision = "input" if x.dtype in (torch.float32, torch.float64) else "fp32"
+    return gate_product_backward(x, grad, activation, precision)[1]
+
+
+@_gated_backward_op.register_fake
+def _gated_backward_fake(grad, x, activation, use_triton):
+    return torch.empty_like(x)
+
+
+def _gated_setup(ctx, inputs, output) -> None:
+    x, activation, use_triton = inputs
+    ctx.save_for_backward(x)
+    ctx.activation, ctx.use_triton = activation, use_triton
+
+
+def _gated_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.plait.gated_activation_backward(grad, x, ctx.activation, ctx.use_triton), None, None
+
+
+_gated_op.register_autograd(_gated_backward, setup_context=_gated_setup)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

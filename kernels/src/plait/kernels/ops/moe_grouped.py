@@ -84,6 +84,13 @@ def gate_product(gate_up: torch.Tensor, activation: str = "silu", precision: str
     return _activate(gate, activation) * up
 
 
+def _activation_backward(grad: torch.Tensor, gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """torch's own backward of :func:`_activate` (what autograd runs for it)."""
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation: str = "silu",
                           precision: str = "input") -> tuple[torch.Tensor, torch.Tensor]:
     """The activation's backward: ``(act, d_gate_up)`` for ``act = gate_product(gate_up)``.
@@ -93,7 +100,7 @@ def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation
     written straight into its half of one ``[N, 2I]`` gradient: autograd's slice backward would
     allocate and zero-fill two ``[N, 2I]`` tensors and add them, the largest non-GEMM cost of the
     CPU backward at hundreds of rows per expert. ``act`` (needed by the down weight's gradient)
-    reuses ``act(gate)``. The ``"fp32"`` precision on a lower dtype takes autograd of the formula.
+    reuses ``act(gate)``. The ``"fp32"`` precision on a lower dtype runs the same steps in fp32.
 
     Args:
         gate_up: ``[N, 2I]`` the first GEMM's output (gate columns first).
@@ -103,16 +110,18 @@ def gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activation
     Returns:
         ``act`` ``[N, I]`` and ``d_gate_up`` ``[N, 2I]``, both in ``gate_up``'s dtype.
     """
-    if precision == "fp32" and gate_up.dtype != torch.float32:
-        with torch.enable_grad():
-            leaf = gate_up.detach().requires_grad_()
-            act = gate_product(leaf, activation, precision)
-        (d_gate_up,) = torch.autograd.grad(act, leaf, d_act)
-        return act.detach(), d_gate_up
     inter = d_act.shape[-1]
+    d_gate_up = torch.empty_like(gate_up)
+    if precision == "fp32" and gate_up.dtype != torch.float32:
+        # autograd's steps of the fp32 formula, in fp32, each half rounded once into d_gate_up (no
+        # autograd here: this also runs inside the custom op's backward, where autograd is off).
+        gate, up, d_act = gate_up[..., :inter].float(), gate_up[..., inter:].float(), d_act.float()
+        activated = _activate(gate, activation)
+        d_gate_up[..., inter:] = d_act * activated
+        d_gate_up[..., :inter] = _activation_backward(d_act * up, gate, activation)
+        return (activated * up).to(gate_up.dtype), d_gate_up
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     activated = _activate(gate, activation)
-    d_gate_up = torch.empty_like(gate_up)
     torch.mul(d_act, activated, out=d_gate_up[..., inter:])
     d_activated = d_act * up
     if activation == "silu":
@@ -139,13 +148,20 @@ def check_grouped_inputs(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch
         )
     if counts.dim() != 1 or counts.numel() != experts:
         raise ValueError(f"counts must be [E={experts}] rows per expert, got shape {tuple(counts.shape)}.")
-    if int(counts.sum()) != x.shape[0]:
-        raise ValueError(f"counts sum to {int(counts.sum())} but x has {x.shape[0]} rows; they must match.")
+    if not torch.compiler.is_compiling():  # a data-dependent read: under compile the op checks it on real data
+        check_counts_sum(counts, x.shape[0])
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)}.")
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; use 'input' (training numerics) or "
                          "'fp32' (serving numerics).")
+
+
+def check_counts_sum(counts: torch.Tensor, rows: int) -> None:
+    """Refuse counts that do not add up to the rows of ``x`` (one read of the counts)."""
+    total = int(counts.sum())
+    if total != rows:
+        raise ValueError(f"counts sum to {total} but x has {rows} rows; they must match.")
 
 
 def grouped_gated_mlp_reference(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
@@ -285,18 +301,30 @@ class _SegmentGatedMLP(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None, None]:
         x, w_gate_up, w_down, *gate_ups = ctx.saved_tensors
-        segments = ctx.segments
-        grad = grad.contiguous()
-        d_w_gate_up, d_w_down = _stacked_grad(w_gate_up, segments), _stacked_grad(w_down, segments)
-        d_x = []
-        for (expert, start, end), gate_up in zip(segments, gate_ups):
-            rows_grad = grad[start:end]
-            d_act = linear_nt(rows_grad, w_down[expert].t())
-            act, d_gate_up = gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
-            _weight_grad(d_w_down[expert], rows_grad, act)
-            d_x.append(linear_nt(d_gate_up, w_gate_up[expert].t()))
-            _weight_grad(d_w_gate_up[expert], d_gate_up, x[start:end])
-        return _rows(d_x, x, x.shape[1]), None, d_w_gate_up, d_w_down, None, None
+        d_x, d_w_gate_up, d_w_down = segment_backward(grad, x, ctx.segments, w_gate_up, w_down, gate_ups,
+                                                      ctx.activation, ctx.precision)
+        return d_x, None, d_w_gate_up, d_w_down, None, None
+
+
+def segment_backward(grad: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, int, int]],
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, gate_ups: list[torch.Tensor], activation: str,
+                     precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU backward, expert by expert, from each segment's forward ``gate_up``.
+
+    Returns:
+        ``(d_x, d_w_gate_up, d_w_down)``; an expert without rows gets a zero weight gradient.
+    """
+    grad = grad.contiguous()
+    d_w_gate_up, d_w_down = _stacked_grad(w_gate_up, segments), _stacked_grad(w_down, segments)
+    d_x = []
+    for (expert, start, end), gate_up in zip(segments, gate_ups):
+        rows_grad = grad[start:end]
+        d_act = linear_nt(rows_grad, w_down[expert].t())
+        act, d_gate_up = gate_product_backward(gate_up, d_act, activation, precision)
+        _weight_grad(d_w_down[expert], rows_grad, act)
+        d_x.append(linear_nt(d_gate_up, w_gate_up[expert].t()))
+        _weight_grad(d_w_gate_up[expert], d_gate_up, x[start:end])
+    return _rows(d_x, x, x.shape[1]), d_w_gate_up, d_w_down
 
 
 ONEDNN_MIN_ROWS = 32
@@ -359,6 +387,86 @@ def grouped_gated_mlp_torch(x: torch.Tensor, counts: torch.Tensor, w_gate_up: to
     return out.index_select(0, rows)
 
 
+@torch.library.custom_op("plait::grouped_gated_mlp", mutates_args=())
+def _grouped_op(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                activation: str, precision: str, use_triton: bool) -> torch.Tensor:
+    # A custom op, opaque to torch.compile: the CPU path reads the counts on the host.
+    check_counts_sum(counts, x.shape[0])
+    if use_triton:
+        from plait.kernels.ops.moe_grouped_triton import grouped_forward_triton
+
+        return grouped_forward_triton(x, counts, w_gate_up, w_down, activation, precision)
+    with torch.no_grad():  # the backward is registered below; nothing to record here
+        return grouped_gated_mlp_torch(x, counts, w_gate_up, w_down, activation, precision)
+
+
+@_grouped_op.register_fake
+def _grouped_fake(x, counts, w_gate_up, w_down, activation, precision, use_triton):
+    return x.new_empty(x.shape[0], w_down.shape[1])
+
+
+@torch.library.custom_op("plait::grouped_gated_mlp_backward", mutates_args=())
+def _grouped_backward_op(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor, activation: str, precision: str,
+                         use_triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton:
+        from plait.kernels.ops.moe_grouped_triton import grouped_backward_triton
+
+        return grouped_backward_triton(grad, x, counts, w_gate_up, w_down, activation, precision)
+    # The op keeps no intermediates, so each segment's gate_up is recomputed: the same GEMM on the
+    # same operands, hence the same bits as the forward's (CUDA without Triton gets the same formula,
+    # not the bits of autograd through grouped_mm).
+    segments = _segments(counts.tolist())
+    gate_ups = [linear_nt(x[start:end], w_gate_up[expert]) for expert, start, end in segments]
+    return segment_backward(grad, x, segments, w_gate_up, w_down, gate_ups, activation, precision)
+
+
+@_grouped_backward_op.register_fake
+def _grouped_backward_fake(grad, x, counts, w_gate_up, w_down, activation, precision, use_triton):
+    return torch.empty_like(x), torch.empty_like(w_gate_up), torch.empty_like(w_down)
+
+
+def _grouped_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, counts, w_gate_up, w_down, activation, precision, use_triton = inputs
+    ctx.save_for_backward(x, counts, w_gate_up, w_down)
+    ctx.config = (activation, precision, use_triton)
+
+
+def _grouped_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, counts, w_gate_up, w_down = ctx.saved_tensors
+    d_x, d_w_gate_up, d_w_down = torch.ops.plait.grouped_gated_mlp_backward(grad, x, counts, w_gate_up, w_down,
+                                                                            *ctx.config)
+    return d_x, None, d_w_gate_up, d_w_down, None, None, None
+
+
+_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def run_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                activation: str, precision: str, *, use_triton: bool) -> torch.Tensor:
+    """Run validated inputs through ``plait::grouped_gated_mlp``, or in eager training its autograd Function.
+
+    Eager with gradients keeps the autograd Functions (:class:`_SegmentGatedMLP` keeps each segment's
+    ``gate_up``: one GEMM fewer than the op's recompute, same bits). Otherwise the op runs.
+
+    Args:
+        x, counts, w_gate_up, w_down, activation, precision: as :func:`grouped_gated_mlp`
+            (``counts`` int64 on ``x``'s device).
+        use_triton: run the Triton kernels (else the torch path).
+
+    Returns:
+        ``[N, H]`` in ``x``'s dtype.
+    """
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_gate_up.requires_grad or w_down.requires_grad)
+    if needs_grad and not torch.compiler.is_compiling():
+        if use_triton:
+            from plait.kernels.ops import moe_grouped_triton
+
+            return moe_grouped_triton.grouped_gated_mlp_triton(x, counts, w_gate_up, w_down, activation, precision)
+        return grouped_gated_mlp_torch(x, counts, w_gate_up, w_down, activation, precision)
+    return torch.ops.plait.grouped_gated_mlp(x, counts, w_gate_up, w_down, activation, precision, use_triton)
+
+
 def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                       *, activation: str = "silu", precision: str = "input") -> torch.Tensor:
     """Every expert's gated MLP on its contiguous segment of ``x``, as grouped GEMMs.
@@ -386,9 +494,6 @@ def grouped_gated_mlp(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Te
     check_grouped_inputs(x, counts, w_gate_up, w_down, activation, precision)
     counts = counts.to(device=x.device, dtype=torch.int64)
     # No rows: nothing to launch (a zero-size grid); the torch path returns the empty graph.
-    if (dispatch.select_backend(x, w_gate_up, w_down) == dispatch.TRITON and x.dtype in GROUPED_MM_DTYPES
-            and w_gate_up.dtype == x.dtype == w_down.dtype and x.shape[0] > 0):
-        from plait.kernels.ops import moe_grouped_triton
-
-        return moe_grouped_triton.grouped_gated_mlp_triton(x, counts, w_gate_up, w_down, activation, precision)
-    return grouped_gated_mlp_torch(x, counts, w_gate_up, w_down, activation, precision)
+    use_triton = (dispatch.select_backend(x, w_gate_up, w_down) == dispatch.TRITON and x.dtype in GROUPED_MM_DTYPES
+                  and w_gate_up.dtype == x.dtype == w_down.dtype and x.shape[0] > 0)
+    return run_grouped(x, counts, w_gate_up, w_down, activation, precision, use_triton=use_triton)

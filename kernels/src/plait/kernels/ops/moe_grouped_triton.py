@@ -268,43 +268,72 @@ def _gate_product_backward(gate_up: torch.Tensor, d_act: torch.Tensor, activatio
     return gate_product_backward(gate_up, d_act, activation, precision)
 
 
+def _row_plan(x: torch.Tensor, counts: torch.Tensor, experts: int) -> tuple[_Plan, torch.Tensor]:
+    """The launch plan of a call over contiguous segments and its ``[E + 1]`` int64 row offsets."""
+    expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
+    plan = _plan(x.shape[0], expert_of_row.view(-1, 1), experts, x.dtype, interpret=not x.is_cuda)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int64)
+    return plan, offsets
+
+
+def grouped_forward_triton(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                           activation: str, precision: str) -> torch.Tensor:
+    """The forward: two grouped GEMMs, the gated activation fused into the first one's epilogue.
+
+    Args and Returns: as :func:`grouped_gated_mlp_triton` (no autograd recorded).
+    """
+    experts, hidden, inter = w_down.shape
+    plan, _ = _row_plan(x, counts, experts)
+    act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    _gemm(plan, x, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)), act,
+          n_cols=inter, k_dim=hidden, gated=True, activation=activation, round_gate=precision == "input")
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=x.device)
+    _gemm(plan, act, w_down, (w_down.stride(0), w_down.stride(1), w_down.stride(2)), out,
+          n_cols=hidden, k_dim=inter)
+    return out
+
+
+def grouped_backward_triton(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor, activation: str,
+                            precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward: ``gate_up`` recomputed, three grouped GEMMs and two weight-gradient reductions.
+
+    Returns:
+        ``(d_x, d_w_gate_up, d_w_down)``.
+    """
+    experts, hidden, inter = w_down.shape
+    plan, offsets = _row_plan(x, counts, experts)
+    grad = grad.contiguous()
+    gate_up = torch.empty(x.shape[0], 2 * inter, dtype=x.dtype, device=x.device)
+    _gemm(plan, x, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)), gate_up,
+          n_cols=2 * inter, k_dim=hidden)
+    d_act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    _gemm(plan, grad, w_down, (w_down.stride(0), w_down.stride(2), w_down.stride(1)), d_act,
+          n_cols=inter, k_dim=hidden)
+    act, d_gate_up = _gate_product_backward(gate_up, d_act, activation, precision)
+    d_x = torch.empty_like(x)
+    _gemm(plan, d_gate_up, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), d_x,
+          n_cols=hidden, k_dim=2 * inter)
+    d_w_gate_up = _weight_grad(plan, d_gate_up, x, offsets, experts, w_gate_up.dtype)
+    d_w_down = _weight_grad(plan, grad, act, offsets, experts, w_down.dtype)
+    return d_x, d_w_gate_up, d_w_down
+
+
 class _GroupedGatedMLP(torch.autograd.Function):
-    """Forward: two grouped GEMMs (gated epilogue fused). Backward: see the module docstring."""
+    """Eager autograd over :func:`grouped_forward_triton` and :func:`grouped_backward_triton`."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 activation: str, precision: str) -> torch.Tensor:
-        experts, hidden, inter = w_down.shape
-        expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x.device), counts)
-        plan = _plan(x.shape[0], expert_of_row.view(-1, 1), experts, x.dtype, interpret=not x.is_cuda)
-        act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-        _gemm(plan, x, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)), act,
-              n_cols=inter, k_dim=hidden, gated=True, activation=activation, round_gate=precision == "input")
-        out = torch.empty(x.shape[0], hidden, dtype=x.dtype, device=x.device)
-        _gemm(plan, act, w_down, (w_down.stride(0), w_down.stride(1), w_down.stride(2)), out,
-              n_cols=hidden, k_dim=inter)
-        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int64)
-        ctx.save_for_backward(x, w_gate_up, w_down, offsets)
-        ctx.plan, ctx.activation, ctx.precision = plan, activation, precision
-        return out
+        ctx.save_for_backward(x, counts, w_gate_up, w_down)
+        ctx.activation, ctx.precision = activation, precision
+        return grouped_forward_triton(x, counts, w_gate_up, w_down, activation, precision)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, None, None]:
-        x, w_gate_up, w_down, offsets = ctx.saved_tensors
-        plan, experts, hidden, inter = ctx.plan, *w_down.shape
-        grad = grad.contiguous()
-        gate_up = torch.empty(x.shape[0], 2 * inter, dtype=x.dtype, device=x.device)
-        _gemm(plan, x, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2)), gate_up,
-              n_cols=2 * inter, k_dim=hidden)
-        d_act = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-        _gemm(plan, grad, w_down, (w_down.stride(0), w_down.stride(2), w_down.stride(1)), d_act,
-              n_cols=inter, k_dim=hidden)
-        act, d_gate_up = _gate_product_backward(gate_up, d_act, ctx.activation, ctx.precision)
-        d_x = torch.empty_like(x)
-        _gemm(plan, d_gate_up, w_gate_up, (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), d_x,
-              n_cols=hidden, k_dim=2 * inter)
-        d_w_gate_up = _weight_grad(plan, d_gate_up, x, offsets, experts, w_gate_up.dtype)
-        d_w_down = _weight_grad(plan, grad, act, offsets, experts, w_down.dtype)
+        x, counts, w_gate_up, w_down = ctx.saved_tensors
+        d_x, d_w_gate_up, d_w_down = grouped_backward_triton(grad, x, counts, w_gate_up, w_down, ctx.activation,
+                                                             ctx.precision)
         return d_x, None, d_w_gate_up, d_w_down, None, None
 
 

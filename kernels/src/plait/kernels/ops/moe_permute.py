@@ -52,7 +52,9 @@ def permute_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch
         raise ValueError(f"num_experts={num_experts} must be >= 1.")
     ids = expert_ids.to(torch.int64)
     order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=num_experts)
+    # index_add_ instead of bincount: bincount sizes its output from the data (a data-dependent
+    # shape under torch.compile, a host sync on CUDA).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
     return order, counts
 
 
@@ -177,7 +179,10 @@ def permute_tokens(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
             on ``x``'s device.
     """
     _check_rows("x", x, token_index)
-    if dispatch.select_backend(x) == dispatch.TRITON and x.dtype != torch.float64:
+    use_triton = dispatch.select_backend(x) == dispatch.TRITON and x.dtype != torch.float64
+    if not _eager_autograd(x):
+        return torch.ops.plait.permute_tokens(x, token_index, use_triton)
+    if use_triton:
         from plait.kernels.ops import moe_permute_triton
 
         return moe_permute_triton.permute_tokens_triton(x, token_index)
@@ -213,8 +218,115 @@ def combine_rows(rows: torch.Tensor, token_index: torch.Tensor, weights: torch.T
             or tuple(weights.shape) != (rows.shape[0],) or token_index.shape[0] != rows.shape[0]):
         raise ValueError(f"weights and token_index must be [N={rows.shape[0]}] (one per row of rows); got "
                          f"{tuple(getattr(weights, 'shape', ()))} and {tuple(token_index.shape)}.")
-    if dispatch.select_backend(rows) == dispatch.TRITON and rows.dtype != torch.float64:
+    use_triton = dispatch.select_backend(rows) == dispatch.TRITON and rows.dtype != torch.float64
+    if not _eager_autograd(rows, weights):
+        return torch.ops.plait.combine_rows(rows, token_index, weights, num_tokens, use_triton)
+    if use_triton:
         from plait.kernels.ops import moe_permute_triton
 
         return moe_permute_triton.combine_rows_triton(rows, token_index, weights, num_tokens)
     return combine_rows_reference(rows, token_index, weights, num_tokens)
+
+
+# The custom ops: opaque to torch.compile, shape-only fakes, and registered backwards that run the
+# steps autograd runs for the references (CPU) or the Triton kernels' backward.
+
+
+def _eager_autograd(*tensors: torch.Tensor) -> bool:
+    """Eager with gradients: the autograd Functions (Triton) or autograd of the reference run, so the
+    recorded graph stays what it was; under torch.compile and without gradients the custom ops run."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not torch.compiler.is_compiling())
+
+
+@torch.library.custom_op("plait::permute_tokens", mutates_args=())
+def _permute_op(x: torch.Tensor, token_index: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from plait.kernels.ops.moe_permute_triton import gather_rows
+
+        return gather_rows(x, token_index, None, x.dtype)
+    return permute_tokens_reference(x, token_index)
+
+
+@_permute_op.register_fake
+def _permute_fake(x, token_index, use_triton):
+    return x.new_empty(token_index.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("plait::permute_tokens_backward", mutates_args=())
+def _permute_backward_op(grad: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
+                         use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from plait.kernels.ops.moe_permute_triton import scatter_add_rows
+
+        return scatter_add_rows(grad, token_index, None, num_tokens).to(grad.dtype)
+    # index_select's backward as autograd runs it: zeros, then index_add_.
+    return grad.new_zeros(num_tokens, grad.shape[1]).index_add_(0, token_index.to(torch.int64), grad)
+
+
+@_permute_backward_op.register_fake
+def _permute_backward_fake(grad, token_index, num_tokens, use_triton):
+    return grad.new_empty(num_tokens, grad.shape[1])
+
+
+def _permute_setup(ctx, inputs, output) -> None:
+    x, token_index, use_triton = inputs
+    ctx.save_for_backward(token_index)
+    ctx.num_tokens, ctx.use_triton = x.shape[0], use_triton
+
+
+def _permute_backward(ctx, grad):
+    (token_index,) = ctx.saved_tensors
+    return torch.ops.plait.permute_tokens_backward(grad, token_index, ctx.num_tokens, ctx.use_triton), None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("plait::combine_rows", mutates_args=())
+def _combine_op(rows: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor, num_tokens: int,
+                use_triton: bool) -> torch.Tensor:
+    if use_triton:
+        from plait.kernels.ops.moe_permute_triton import scatter_add_rows
+
+        return scatter_add_rows(rows, token_index, weights, num_tokens).to(rows.dtype)
+    return combine_rows_reference(rows, token_index, weights, num_tokens)
+
+
+@_combine_op.register_fake
+def _combine_fake(rows, token_index, weights, num_tokens, use_triton):
+    return rows.new_empty(num_tokens, rows.shape[1])
+
+
+@torch.library.custom_op("plait::combine_rows_backward", mutates_args=())
+def _combine_backward_op(grad: torch.Tensor, rows: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor,
+                         use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton:
+        from plait.kernels.ops.moe_permute_triton import gather_rows
+
+        per_row = gather_rows(grad, token_index, None, torch.float32)
+        grad_rows = gather_rows(grad, token_index, weights, rows.dtype)
+    else:  # autograd's steps for combine_rows_reference: cast, index_add's gather, the products' grads
+        per_row = grad.to(torch.float32).index_select(0, token_index.to(torch.int64))
+        grad_rows = (per_row * weights.to(torch.float32)[:, None]).to(rows.dtype)
+    return grad_rows, (per_row * rows.to(torch.float32)).sum(1).to(weights.dtype)
+
+
+@_combine_backward_op.register_fake
+def _combine_backward_fake(grad, rows, token_index, weights, use_triton):
+    return torch.empty_like(rows), torch.empty_like(weights)
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    rows, token_index, weights, _, use_triton = inputs
+    ctx.save_for_backward(rows, token_index, weights)
+    ctx.use_triton = use_triton
+
+
+def _combine_backward(ctx, grad):
+    rows, token_index, weights = ctx.saved_tensors
+    grad_rows, grad_weights = torch.ops.plait.combine_rows_backward(grad, rows, token_index, weights, ctx.use_triton)
+    return grad_rows, None, grad_weights, None, None
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)

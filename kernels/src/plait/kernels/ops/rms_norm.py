@@ -148,6 +148,12 @@ def rms_norm(
     _validate(x, weight, eps, residual, offset)
     tensors = (x, weight) if residual is None else (x, weight, residual)
     backend = dispatch.select_backend(*tensors)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_compiling():
+        # The custom ops (opaque to torch.compile); eager autograd keeps the autograd Function's node.
+        from plait.kernels.ops import rms_norm_op
+
+        return rms_norm_op.rms_norm_custom(x, weight, float(eps), residual, float(offset),
+                                           use_triton=backend == dispatch.TRITON)
     if backend == dispatch.TRITON:
         # Imported here, not at module top: CPU installs without Triton never reach this line.
         from plait.kernels.ops import rms_norm_triton

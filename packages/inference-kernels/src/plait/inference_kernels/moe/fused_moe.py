@@ -42,7 +42,7 @@ from plait.kernels.ops import (
     permute_tokens,
     permute_tokens_reference,
 )
-from plait.kernels.ops.moe_grouped import ACTIVATIONS, grouped_gated_mlp_torch
+from plait.kernels.ops.moe_grouped import ACTIVATIONS, run_grouped
 
 
 def validate_experts(
@@ -109,13 +109,18 @@ def fused_experts_reference(
 ) -> torch.Tensor:
     """Fused MoE over routed tokens with the torch paths of plait-kernels' op units, on any device.
 
-    Permute (``permute_tokens_reference``), grouped GEMMs (``grouped_gated_mlp_torch`` with
-    ``precision="fp32"``), combine in fp32 (``combine_rows_reference``); differentiable by
+    Permute (``permute_tokens_reference``), grouped GEMMs (the torch path of
+    ``grouped_gated_mlp`` with ``precision="fp32"``, as the ``plait::grouped_gated_mlp`` custom op
+    unless eager autograd is recording), combine in fp32 (``combine_rows_reference``); differentiable by
     autograd. The CPU path and the test baseline. Args and Returns: as :func:`fused_experts`
     (inputs are not validated here).
     """
     return _routed(hidden, w_gate_up, w_down, topk_weights, topk_ids, activation,
-                   permute=permute_tokens_reference, grouped=grouped_gated_mlp_torch, combine=combine_rows_reference)
+                   permute=permute_tokens_reference, grouped=_grouped_torch, combine=combine_rows_reference)
+
+
+def _grouped_torch(rows, counts, w_gate_up, w_down, activation, precision):
+    return run_grouped(rows, counts, w_gate_up, w_down, activation, precision, use_triton=False)
 
 
 def _grouped(rows, counts, w_gate_up, w_down, activation, precision):

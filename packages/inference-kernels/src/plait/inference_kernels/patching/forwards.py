@@ -41,12 +41,16 @@ PRIOR_FORWARD = "_plait_prior_forward"
 
 _GATE_UP_CACHE = "_plait_gate_up_cache"
 _ROTARY_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("plait_rotary_active", default=False)
+_COMPILED_ROTARY_DEPTH = [0]
+"""Patched attentions being traced by torch.compile: dynamo cannot trace ``ContextVar`` (a graph
+break at every attention), but it traces a module-level list, folding the flag into the graph."""
 
 
 def original_forward(module: torch.nn.Module):
     """The forward the module had before plait patched it (its own, or the class's)."""
     prior = module.__dict__.get(PRIOR_FORWARD)
-    return prior if prior is not None else types.MethodType(type(module).forward, module)
+    # functools.partial, not types.MethodType: torch.compile traces the former, breaks its graph on the latter.
+    return prior if prior is not None else functools.partial(type(module).forward, module)
 
 
 def install_forward(module: torch.nn.Module, replacement) -> None:
@@ -167,11 +171,24 @@ def make_experts_gate(kind: tuple[str, str | None]):
 
 def attention_forward(self: torch.nn.Module, *args, **kwargs):
     """HF ``*Attention.forward`` unchanged, run with plait's rotary switched on for this call."""
+    if torch.compiler.is_compiling():
+        _COMPILED_ROTARY_DEPTH[0] += 1
+        try:
+            return original_forward(self)(*args, **kwargs)
+        finally:
+            _COMPILED_ROTARY_DEPTH[0] -= 1
     token = _ROTARY_ACTIVE.set(True)
     try:
         return original_forward(self)(*args, **kwargs)
     finally:
         _ROTARY_ACTIVE.reset(token)
+
+
+def _rotary_active() -> bool:
+    """Whether the current call runs inside a patched attention (see :func:`attention_forward`)."""
+    if torch.compiler.is_compiling():
+        return _COMPILED_ROTARY_DEPTH[0] > 0
+    return _ROTARY_ACTIVE.get()
 
 
 def _plait_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -231,7 +248,7 @@ class RotaryHook:
 
     def __call__(self, q, k, cos, sin, unsqueeze_dim: int = 1, **kwargs):
         """Plait's rotary inside a patched attention (HF layout only), the original otherwise."""
-        if _ROTARY_ACTIVE.get() and not kwargs and _hf_layout_ok(q, k, cos, sin, unsqueeze_dim):
+        if _rotary_active() and not kwargs and _hf_layout_ok(q, k, cos, sin, unsqueeze_dim):
             return _plait_rotary(q, k, cos, sin)
         return self.original(q, k, cos, sin, unsqueeze_dim, **kwargs)
 
