@@ -15,6 +15,7 @@ index only for third-party dependencies the base lacks.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import subprocess
 import sys
@@ -68,8 +69,13 @@ def build_wheels(dists: list[Distribution]) -> Path:
     """One wheel per distribution, built from this checkout without build isolation."""
     wheels = WORK / "wheels"
     subprocess.run(["rm", "-rf", str(wheels)], check=True)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-          *[str(d.folder) for d in dists]])
+    # Building writes egg-info into the source folders: one build at a time with ci/setup.sh and
+    # ci/setup_vllm.sh (which ci/test.sh runs in the background).
+    (ROOT / "build").mkdir(exist_ok=True)
+    with open(ROOT / "build" / ".source-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+              *[str(d.folder) for d in dists]])
     return wheels
 
 

