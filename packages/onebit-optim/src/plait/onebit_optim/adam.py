@@ -30,7 +30,7 @@ from torch.optim.adam import adam as torch_adam
 
 from plait.onebit_optim.base import CompressedOptimizer, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig
-from plait.onebit_optim.settle import FreezePoint, variance_sums
+from plait.onebit_optim.settle import FreezePoint, FreezePointOwner, variance_sums
 from plait.onebit_optim.variance_floor import floor_variance_
 
 
@@ -70,7 +70,7 @@ def frozen_variance_update(p: torch.Tensor, state: dict[str, Any], group: dict[s
     denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** freeze_step)).add_(eps)  # one temporary
     p.addcdiv_(state["exp_avg"], denom, value=-step_size)
 
-class OnebitAdam(CompressedOptimizer):
+class OnebitAdam(FreezePointOwner, CompressedOptimizer):
     """1-bit Adam for a model replicated on every rank (do not wrap it in DDP).
 
     Args:
@@ -105,12 +105,6 @@ class OnebitAdam(CompressedOptimizer):
     def frozen(self) -> bool:
         """Whether the variance is frozen (the last step taken was past the freeze step)."""
         return self.freeze_point.frozen_after(self.step_count)
-
-    @property
-    def freeze_step(self) -> int | None:
-        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
-        (``None`` until the variance has settled)."""
-        return self.freeze_point.step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -154,16 +148,6 @@ class OnebitAdam(CompressedOptimizer):
     def _variance_sums(self) -> list[float]:
         return variance_sums([(p, self._state(p), group["betas"][1])
                               for group in self.param_groups for p in self.params_with_grad(group)])
-
-    def onebit_state(self) -> dict[str, Any]:
-        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
-        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}
-
-    def load_onebit_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
-        super().load_onebit_state(state)
-        if "freeze" in state:
-            self.freeze_point.load_state_dict(state["freeze"])
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         adamw_step(self.state, self.params_with_grad(group), group)

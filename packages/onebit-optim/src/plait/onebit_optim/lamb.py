@@ -31,7 +31,7 @@ import torch
 
 from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
-from plait.onebit_optim.settle import FreezePoint, variance_sums
+from plait.onebit_optim.settle import FreezePoint, FreezePointOwner, variance_sums
 from plait.onebit_optim.variance_floor import floor_variance_
 
 
@@ -140,7 +140,7 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
-class OnebitLamb(CompressedOptimizer):
+class OnebitLamb(FreezePointOwner, CompressedOptimizer):
     """1-bit LAMB for a model replicated on every rank (do not wrap it in DDP).
 
     Args:
@@ -167,22 +167,6 @@ class OnebitLamb(CompressedOptimizer):
                          process_group=process_group,
                          momentum_masks=momentum_masks)
         self.freeze_point = FreezePoint(name_of(self), self.config.freeze_step, self.config.settle)
-
-    @property
-    def freeze_step(self) -> int | None:
-        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
-        (``None`` until the variance has settled)."""
-        return self.freeze_point.step
-
-    def onebit_state(self) -> dict[str, Any]:
-        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
-        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}
-
-    def load_onebit_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
-        super().load_onebit_state(state)
-        if "freeze" in state:
-            self.freeze_point.load_state_dict(state["freeze"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -178,5 +178,28 @@ class FreezePoint:
         self.warned = bool(state["warned"])
 
 
+class FreezePointOwner:
+    """The members an optimizer with a :class:`FreezePoint` (``self.freeze_point``) shares: its
+    ``freeze_step`` and the freeze point in the saved 1-bit state. Mixed in before the optimizer base."""
+
+    freeze_point: FreezePoint
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
+        (``None`` until the variance has settled)."""
+        return self.freeze_point.step
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
+        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}  # type: ignore[misc]
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
+        super().load_onebit_state(state)  # type: ignore[misc]
+        if "freeze" in state:
+            self.freeze_point.load_state_dict(state["freeze"])
+
+
 def _describe(change: float | None) -> str:
     return "not measurable (one step)" if change is None else f"{change:.3g}"
