@@ -79,16 +79,9 @@ class OnebitLambConfig:
         freeze_step: steps of plain LAMB before the variance and the scaling coefficient freeze
             (at least 1), or ``"auto"`` as :class:`OnebitAdamConfig`'s (plain data parallel only).
         settle: how "settled" is measured, for ``"auto"`` and the early-freeze warning.
-        max_grad_norm: clip the gradient to this global norm before the optimizer uses it
-            (``None``: no clipping). During warm-up the averaged gradient, with
-            ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
-            rank's own, by the RMS over ranks of their norms
-            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
-            ``ZeroConfig.max_grad_norm``).
-        loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
-            call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
-            on any rank is skipped on every rank and the scale backs off. Plain data parallel
-            only (under ZeRO use its fp16 compute dtype).
+        max_grad_norm: gradient clipping, as :class:`OnebitAdamConfig`'s (plain data parallel only).
+        loss_scaling: dynamic fp16 loss scaling, as :class:`OnebitAdamConfig`'s (plain data
+            parallel only).
         max_coeff: upper bound of LAMB's per-tensor trust ratio ``||p|| / ||update||``.
         min_coeff: lower bound of that ratio.
         coeff_beta: the frozen coefficient is an exponential moving average of the warm-up
