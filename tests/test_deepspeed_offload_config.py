@@ -71,7 +71,7 @@ def test_nvme_config_maps_path_buffers_pipelining_and_aio(tmp_path) -> None:
             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 5, "buffer_size": 1e8,
                               "max_in_cpu": 1e9}}
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2, "single_submit": False,
-           "overlap_events": True}
+           "overlap_events": True, "use_gds": False}
     plan = translate(_with(zero, aio=aio), world_size=1)
     assert plan.extensions["offload"] == OffloadConfig(
         device="nvme", param_device="nvme", path=str(tmp_path), sub_group_size=4096, slots=4, offload_ratio=0.5,

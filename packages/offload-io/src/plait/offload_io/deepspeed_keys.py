@@ -41,8 +41,8 @@ _PARAM_BUFFERS = "plait reads each parameter shard back ahead of its gather into
 def _keys() -> list[Any]:
     from plait.zero_sharding.deepspeed.keys import Key
 
-    def key(path: str, action: str, effect: str) -> Any:
-        return Key(path=path, action=action, effect=effect, owner=OWNER)
+    def key(path: str, action: str, effect: str, check: Any = None) -> Any:
+        return Key(path=path, action=action, effect=effect, check=check, owner=OWNER)
 
     return [
         key(f"{_OPT}.device", "mapped", "OffloadConfig.device ('none': no offload)"),
@@ -71,7 +71,8 @@ def _keys() -> list[Any]:
         key("aio.intra_op_parallelism", "mapped", "IOConfig.workers (DeepSpeed's newer name for thread_count)"),
         key("aio.single_submit", "accepted", "libaio submission detail; plait's I/O workers submit their own"),
         key("aio.overlap_events", "accepted", "libaio completion detail; plait's I/O workers overlap already"),
-        key("aio.use_gds", "refused", "GPUDirect Storage is not in plait: remove it or set it to false"),
+        key("aio.use_gds", "accepted", "false only: GPUDirect Storage is not in plait",
+            check=lambda value: "GPUDirect Storage is not in plait; remove it or set it to false" if value else None),
         key("aio.*", "refused", "not a DeepSpeed aio key: remove it"),
     ]
 
@@ -101,8 +102,6 @@ def _io(aio: dict[str, Any]) -> IOConfig:
     workers = aio.get("intra_op_parallelism", aio.get("thread_count"))
     if workers is not None:
         fields["workers"] = int(workers)
-    if aio.get("use_gds"):
-        raise ValueError("aio.use_gds=true: GPUDirect Storage is not in plait; remove it or set it to false.")
     try:
         return IOConfig(**fields)
     except ValueError as exc:
