@@ -87,3 +87,27 @@ def test_local_functions_are_refused_with_a_fix():
 
     with pytest.raises(ValueError, match="module-level function"):
         run_distributed(local, 1)
+
+
+def _modules_present_before_the_function_imports_them() -> list[str]:
+    import sys
+
+    return [name for name in ("transformers.models.llama.modeling_llama", "lightning.pytorch") if name in sys.modules]
+
+
+def test_ranks_start_with_the_heavy_optional_modules_already_imported():
+    from plait.kernels.testing import preload
+
+    # What the forkserver imported is what every rank starts with, so no rank pays those imports.
+    present = run_distributed(_modules_present_before_the_function_imports_them, 2, timeout=120)
+    expected = [name for name in ("transformers.models.llama.modeling_llama", "lightning.pytorch")
+                if name in preload.LOADED]
+    assert present == [expected, expected]
+
+
+def test_a_preload_that_fails_is_skipped_not_raised(tmp_path, monkeypatch):
+    from plait.kernels.testing import preload
+
+    (tmp_path / "plait_broken_preload_probe.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert preload._load(("plait_broken_preload_probe", "plait_no_such_module_probe", "json")) == ["json"]

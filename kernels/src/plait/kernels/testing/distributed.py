@@ -2,8 +2,9 @@
 
 Why it is built this way:
 
-* Ranks are started from a forkserver that has already imported torch, so a 4-rank test pays
-  torch's import once, not four times, and no rank inherits OpenMP threads from a parent.
+* Ranks are started from a forkserver that has already imported torch (and transformers and
+  Lightning where they are installed: ``preload.py``), so those imports are paid once per test
+  session, not once per rank of every test, and no rank inherits OpenMP threads from a parent.
 * The function is found in the child by module name, or by file path when the module is not
   importable by name (pytest's ``importlib`` mode), so test functions need no special packaging.
 * Results and errors travel through files written with ``torch.save`` rather than a queue, so a
@@ -88,9 +89,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Imported once by the forkserver, before it forks any rank: torch, and (plait.kernels.testing.preload)
+# the optional heavy imports most tests' ranks make (transformers, Lightning), each skipped if it
+# does not import cleanly, so a missing or broken one never takes the server down.
+_PRELOAD = ["torch", "torch.distributed", "plait.kernels.testing.preload"]
+
+
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 

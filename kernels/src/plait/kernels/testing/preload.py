@@ -1,0 +1,29 @@
+"""Imported by :func:`plait.kernels.testing.run_distributed`'s forkserver before it forks a rank.
+
+Every rank of a distributed test is forked from that server, so a module imported here is paid
+for once per test session instead of once per rank of every test: transformers' Llama, the HF
+Trainer and Lightning take 2-4 s each to import, and most distributed tests build one of them.
+A module that is not installed, or fails to import, is skipped: the rank imports it itself (and
+meets the same error where the test can report it), and the server stays up for every other test.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+OPTIONAL = ("transformers", "transformers.models.llama.modeling_llama", "transformers.trainer", "lightning.pytorch")
+
+
+def _load(names: tuple[str, ...]) -> list[str]:
+    """Import each of ``names`` that imports cleanly; return the ones that did."""
+    loaded = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a broken optional import must not take the server down
+            continue
+        loaded.append(name)
+    return loaded
+
+
+LOADED = _load(OPTIONAL)
