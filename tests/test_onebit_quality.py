@@ -3,10 +3,12 @@ benchmark's tiny-llama within 2% of ZeRO + AdamW (data-parallel LAMB for 1-bit L
 
 The whole matrix (W=2 and W=4, ZeRO-1 and ZeRO-2, fp32 and bf16: 36 runs, 16 minutes here) is
 ``plait bench onebit-optim-quality``, whose committed table has every row within 2%. This test
-runs one cell of it in every CI run, the benchmark's own code (``benchmarks.quality._train``,
-the same settings): ZeRO-2, W=2, fp32 for the three optimizers, and 0/1 Adam also at W=4 in bf16.
-0/1 Adam's setting keeps its variance phase in full precision (see the package README, "Why this
-setting"): what it checks is its local-step phase.
+runs cells of it in every CI run, the benchmark's own code (``benchmarks.quality._train``, the
+same settings): 0/1 Adam under ZeRO-2 at W=2 in fp32 and at W=4 in bf16. 0/1 Adam's setting keeps
+its variance phase in full precision (see the package README, "Why this setting"): what it checks
+is its local-step phase. 1-bit Adam and 1-bit LAMB's 300 ZeRO-2 steps at W=2 against ZeRO-2 AdamW
+and data-parallel LAMB run on a transformers Llama of the same shape in ``test_onebit_zero.py``
+and ``test_onebit_zero_lamb.py``.
 """
 
 from __future__ import annotations
@@ -30,12 +32,11 @@ def _final(kind: str, world: int, stage: int, dtype: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("world", "dtype", "kinds"), [
-    (2, "fp32", ("onebit_adam", "zero_one_adam", "onebit_lamb")),
+    (2, "fp32", ("zero_one_adam",)),
     (4, "bf16", ("zero_one_adam",)),
 ], ids=["W2-fp32", "W4-bf16"])
 def test_three_hundred_steps_end_within_two_percent_of_the_reference(world, dtype, kinds):
     adamw = _final("adamw", world, 2, dtype)
     for kind in kinds:
-        reference = _final("lamb", world, 0, "fp32") if kind == "onebit_lamb" else adamw
         ours = _final(kind, world, 2, dtype)
-        assert ours <= quality.TARGET * reference, (kind, world, dtype, ours, reference)
+        assert ours <= quality.TARGET * adamw, (kind, world, dtype, ours, adamw)
