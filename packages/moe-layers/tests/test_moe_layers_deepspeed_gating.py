@@ -27,22 +27,27 @@ def _skewed_logits(seed: int) -> torch.Tensor:
     return logits
 
 
-def _route(config: MoEConfig, logits: torch.Tensor):
-    """Plait's routing of tokens whose router logits are exactly ``logits`` (identity router)."""
+def _route(config: MoEConfig, logits: torch.Tensor, seed: int | None = None):
+    """Plait's routing of tokens whose router logits are exactly ``logits`` (identity router),
+    with torch seeded by ``seed`` (if given) right before the routing draws anything."""
     router = Router(config)
     with torch.no_grad():
         router.weight.copy_(torch.eye(E))
+    if seed is not None:
+        torch.manual_seed(seed)
     routing = router(logits.clone())
     dense = torch.zeros(T, E).scatter_add_(1, routing.expert_ids, routing.weights.detach() * routing.kept)
     mask = torch.zeros(T, E, dtype=torch.bool).scatter_(1, routing.expert_ids, routing.kept)
     return routing, dense, mask
 
 
-def _aux(config: MoEConfig, logits: torch.Tensor) -> torch.Tensor:
+def _aux(config: MoEConfig, logits: torch.Tensor, seed: int | None = None) -> torch.Tensor:
     """The layer's load-balancing loss for tokens whose router logits are ``logits``."""
     layer = MoE(config)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(E))
+    if seed is not None:
+        torch.manual_seed(seed)
     _, losses = layer(logits.clone(), return_losses=True)
     return losses.load_balancing
 
@@ -66,6 +71,43 @@ def test_top2_matches_deepspeed_top2gating(seed, capacity_factor):
     lost_second = routing.kept[:, 0] & ~routing.kept[:, 1]
     assert bool(lost_second.any())
     torch.testing.assert_close(routing.weights[lost_second, 0], torch.ones(int(lost_second.sum())))
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_top2_second_expert_sampling_matches_deepspeeds_default(seed):
+    """``top2gating``'s default ``top2_2nd_expert_sampling=True``: the same torch seed before
+    each call, the same Gumbel draw, so the same second experts, weights and drops."""
+    logits = _skewed_logits(seed)
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=2, capacity_factor=0.5,
+                       min_capacity=1, drop_policy="position", renormalize_after_drops=True,
+                       aux_loss_choices="first", noise="gumbel_after_first", noise_eps=1.0)
+    routing, dense, mask = _route(config, logits, seed=100 + seed)
+    torch.manual_seed(100 + seed)
+    l_aux, combine, dispatch, exp_counts = sharded_moe.top2gating(
+        logits.clone(), 0.5, 1, drop_tokens=True, top2_2nd_expert_sampling=True)
+    clean_second = logits.topk(2, dim=-1).indices[:, 1]
+    assert bool((routing.expert_ids[:, 1] != clean_second).any()), "the sampling must change a second choice"
+    assert torch.equal(routing.expert_ids[:, 0], logits.argmax(dim=-1))
+    assert int((~routing.kept).sum()) > 0
+    assert torch.equal(mask, dispatch.any(dim=-1))
+    torch.testing.assert_close(dense, combine.sum(dim=-1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(_aux(config, logits, seed=100 + seed), l_aux, rtol=1e-6, atol=1e-7)
+    assert torch.equal(torch.bincount(routing.expert_ids.reshape(-1), minlength=E), exp_counts)
+
+
+def test_second_expert_sampling_is_training_only_and_needs_two_experts():
+    config = MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=2, noise="gumbel_after_first",
+                       noise_eps=1.0)
+    router = Router(config).eval()
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+    logits = _skewed_logits(1)
+    assert torch.equal(router(logits).expert_ids, logits.topk(2, dim=-1).indices)
+    with pytest.raises(ValueError, match="gumbel_after_first.*top_k >= 2"):
+        MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, top_k=1, noise="gumbel_after_first")
+    with pytest.raises(ValueError, match="'gumbel_after_first' with router_gradient='grin'"):
+        MoEConfig(hidden_size=E, num_experts=E, intermediate_size=8, noise="gumbel_after_first",
+                  router_gradient="grin")
 
 
 def test_plain_renormalisation_differs_where_deepspeed_renormalises_after_drops():

@@ -7,7 +7,7 @@ import math
 
 SCORE_ORDERS = ("softmax_topk", "topk_softmax")
 DROP_POLICIES = ("position", "probability", "token", "random")
-NOISE_KINDS = ("none", "jitter", "gumbel")
+NOISE_KINDS = ("none", "jitter", "gumbel", "gumbel_after_first")
 ROUTER_GRADIENTS = ("straight_through", "grin")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 AUX_LOSS_CHOICES = ("all", "first")
@@ -62,7 +62,12 @@ class MoEConfig:
         noise: router noise in training mode only: ``"none"``; ``"jitter"`` multiplies the router's
             input by ``U(1 - noise_eps, 1 + noise_eps)`` (Switch, Mixtral's ``router_jitter_noise``);
             ``"gumbel"`` picks experts on ``logits + noise_eps * Gumbel(0, 1)`` while the combine
-            weights stay the clean probabilities (DeepSpeed's ``RSample`` policy).
+            weights stay the clean probabilities (DeepSpeed's ``RSample`` policy);
+            ``"gumbel_after_first"`` takes each token's first expert on the clean logits and picks
+            the other ``top_k - 1`` on ``logits + noise_eps * Gumbel(0, 1)`` (DeepSpeed's
+            ``top2gating(top2_2nd_expert_sampling=True)``, its top-2 default, with
+            ``noise_eps=1.0``; DeepSpeed also samples in eval mode, plait's eval routing stays
+            deterministic).
         noise_eps: the noise scale, ``>= 0`` (``0`` turns the noise off).
         activation: the experts' gate activation (``"silu"`` = SwiGLU, ``"gelu"``, ``"gelu_tanh"``).
         residual: Residual MoE (DeepSpeed-MoE's PR-MoE building block): a dense gated MLP of the same
@@ -114,10 +119,15 @@ class MoEConfig:
         _choice("noise", self.noise, NOISE_KINDS)
         _choice("activation", self.activation, ACTIVATIONS)
         _choice("router_gradient", self.router_gradient, ROUTER_GRADIENTS)
-        if self.router_gradient == "grin" and self.noise == "gumbel":
+        if self.router_gradient == "grin" and self.noise.startswith("gumbel"):
             raise ValueError(
-                "MoEConfig.noise='gumbel' with router_gradient='grin': GRIN already samples the experts; "
+                f"MoEConfig.noise={self.noise!r} with router_gradient='grin': GRIN already samples the experts; "
                 "use noise='none' (or 'jitter' for input noise)."
+            )
+        if self.noise == "gumbel_after_first" and self.top_k < 2:
+            raise ValueError(
+                "MoEConfig.noise='gumbel_after_first' samples the experts after each token's first, and "
+                "top_k=1 has none; use top_k >= 2, or noise='gumbel' to sample the first expert too."
             )
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)

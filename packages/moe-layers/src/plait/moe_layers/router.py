@@ -142,6 +142,26 @@ def renormalize_kept(weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return masked / masked.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(masked.dtype).eps)
 
 
+def first_then_sampled(logits: torch.Tensor, top_k: int, scale: float) -> torch.Tensor:
+    """Each token's best expert, then ``top_k - 1`` more picked on Gumbel-perturbed logits.
+
+    Args:
+        logits: router logits ``[T, E]``.
+        top_k: experts per token, ``>= 2``.
+        scale: multiplier of the ``Gumbel(0, 1)`` noise (``1.0`` is DeepSpeed's top-2 sampling).
+
+    Returns:
+        ``[T, top_k]`` expert ids, the clean argmax first.
+    """
+    first = logits.argmax(dim=-1, keepdim=True)
+    # torch's own Gumbel sampler: one [T, E] draw, the draw DeepSpeed's top2gating makes, so the same
+    # torch seed samples the same second experts.
+    gumbel = torch.distributions.Gumbel(torch.tensor(0.0, device=logits.device),
+                                        torch.tensor(1.0, device=logits.device)).rsample(logits.shape)
+    perturbed = (logits + scale * gumbel).scatter(1, first, float("-inf"))
+    return torch.cat([first, perturbed.topk(top_k - 1, dim=-1).indices], dim=1)
+
+
 class Router(nn.Module):
     """Linear router with top-k selection, noise and capacity (see :class:`MoEConfig`).
 
@@ -170,7 +190,10 @@ class Router(nn.Module):
         if noisy and cfg.noise == "gumbel":
             uniform = torch.rand_like(logits).clamp_(min=1e-10, max=1 - 1e-7)
             select_on = logits - cfg.noise_eps * torch.log(-torch.log(uniform))
-        expert_ids = select_on.detach().topk(cfg.top_k, dim=-1).indices
+        if noisy and cfg.noise == "gumbel_after_first":
+            expert_ids = first_then_sampled(logits.detach(), cfg.top_k, cfg.noise_eps)
+        else:
+            expert_ids = select_on.detach().topk(cfg.top_k, dim=-1).indices
         if cfg.score_order == "topk_softmax":
             weights = F.softmax(logits.gather(1, expert_ids), dim=-1)
         else:
