@@ -10,6 +10,8 @@
   expert-parallel model, experts named by their global index so checkpoints reshard across ep.
 - :func:`convert_hf_moe` / :func:`restore_hf_moe`: HF Mixtral, Qwen2-MoE and Qwen3-MoE sparse
   blocks to plait MoE layers and back (weights kept).
+- :mod:`plait.moe_layers.deepspeed`: ``deepspeed.moe.layer.MoE``'s constructor, return value and
+  state-dict names on plait's layer, routing as DeepSpeed routes.
 """
 
 from plait.moe_layers.config import MoEConfig

@@ -97,6 +97,8 @@ class ModuleExperts(nn.Module):
         for expert, count in zip(self.experts, counts.tolist()):
             rows = x[start:start + count]
             out = expert(rows)
+            if isinstance(out, tuple):  # (output, bias) experts, e.g. Megatron's: the output, as DeepSpeed takes it
+                out = out[0]
             if count == 0:
                 out = out + 0 * sum(p.sum() for p in expert.parameters())
             outputs.append(out)

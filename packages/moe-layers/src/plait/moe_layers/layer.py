@@ -103,7 +103,9 @@ class MoE(nn.Module):
                                      self.ep_size, label=self.comm_label)
         if self.config.residual:
             mix = F.softmax(self.coefficient(flat), dim=-1)
-            out = out * mix[:, :1] + self.dense(flat) * mix[:, 1:]
+            dense = self.dense(flat)
+            dense = dense[0] if isinstance(dense, tuple) else dense  # an (output, bias) module as the dense MLP
+            out = out * mix[:, :1] + dense * mix[:, 1:]
         self.last_losses = MoELosses(
             load_balancing=load_balancing_loss(routing.probs, self._counted(routing.expert_ids)),
             z_loss=router_z_loss(routing.logits), expert_load=load,

@@ -142,6 +142,16 @@ def renormalize_kept(weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return masked / masked.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(masked.dtype).eps)
 
 
+def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
+    """``Gumbel(0, 1)`` samples shaped like ``like``, from torch's global generator.
+
+    torch's own Gumbel sampler, one draw of ``like``'s shape: the draw DeepSpeed's gating makes
+    (``gumbel_rsample``), so from the same torch seed the same experts are picked.
+    """
+    zero, one = torch.zeros((), device=like.device), torch.ones((), device=like.device)
+    return torch.distributions.Gumbel(zero, one).rsample(like.shape)
+
+
 def first_then_sampled(logits: torch.Tensor, top_k: int, scale: float) -> torch.Tensor:
     """Each token's best expert, then ``top_k - 1`` more picked on Gumbel-perturbed logits.
 
@@ -154,11 +164,7 @@ def first_then_sampled(logits: torch.Tensor, top_k: int, scale: float) -> torch.
         ``[T, top_k]`` expert ids, the clean argmax first.
     """
     first = logits.argmax(dim=-1, keepdim=True)
-    # torch's own Gumbel sampler: one [T, E] draw, the draw DeepSpeed's top2gating makes, so the same
-    # torch seed samples the same second experts.
-    gumbel = torch.distributions.Gumbel(torch.tensor(0.0, device=logits.device),
-                                        torch.tensor(1.0, device=logits.device)).rsample(logits.shape)
-    perturbed = (logits + scale * gumbel).scatter(1, first, float("-inf"))
+    perturbed = (logits + scale * gumbel_noise(logits)).scatter(1, first, float("-inf"))
     return torch.cat([first, perturbed.topk(top_k - 1, dim=-1).indices], dim=1)
 
 
@@ -188,8 +194,7 @@ class Router(nn.Module):
             return self._routing(x, logits, probs, expert_ids, weights)
         select_on = logits
         if noisy and cfg.noise == "gumbel":
-            uniform = torch.rand_like(logits).clamp_(min=1e-10, max=1 - 1e-7)
-            select_on = logits - cfg.noise_eps * torch.log(-torch.log(uniform))
+            select_on = logits + cfg.noise_eps * gumbel_noise(logits)
         if noisy and cfg.noise == "gumbel_after_first":
             expert_ids = first_then_sampled(logits.detach(), cfg.top_k, cfg.noise_eps)
         else:
