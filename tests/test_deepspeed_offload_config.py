@@ -4,8 +4,9 @@ plait-zero-sharding's translator refuses the offload and ``aio`` keys on its own
 registers them through the ``plait.deepspeed_keys`` entry point. Checked here: the mapping of each
 key, the refusals (named by their dotted path), every route that reads a ``ds_config`` (the
 ``deepspeed.initialize`` shim, Lightning's ``from_deepspeed``, the HF Trainer's ``--deepspeed``), and
-the ZeRO-3 + CPU offload config of the DeepSpeed/HF examples run by the same unedited script under
-DeepSpeed 0.19.8 and under plait's launcher: losses, gradient norms and learning rates within 1e-5.
+the ZeRO-3 + CPU offload and ZeRO-2 + CPU offload configs of the DeepSpeed/HF examples run by the
+same unedited script under DeepSpeed 0.19.8 and under plait's launcher: losses, gradient norms and
+learning rates within 1e-5.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ ZERO3_OFFLOAD = {
         "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
     "zero_force_ds_cpu_optimizer": False, "steps_per_print": 2000, "wall_clock_breakdown": False,
 }
+
+# The ZeRO-2 + CPU optimizer offload config of the same examples (ds_config_zero2.json).
+ZERO2_OFFLOAD = {**ZERO3_OFFLOAD, "zero_optimization": {
+    "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
+    "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+    "contiguous_gradients": True}}
 
 
 def _with(zero: dict, **top) -> dict:
@@ -135,33 +142,35 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(tmp: pathlib.Path, side: str, config: pathlib.Path) -> None:
+def _launch(tmp: pathlib.Path, side: str, *configs: pathlib.Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
     if side == "plait":
         command += ["-m", "plait.zero_sharding.deepspeed"]
     else:
         env["PATCH_DS_SHM"] = "1"
-    command += [str(SCRIPTS / "run_configs.py"), str(tmp / side), str(STEPS), str(config)]
+    command += [str(SCRIPTS / "run_configs.py"), str(tmp / side), str(STEPS), *map(str, configs)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_zero3_cpu_offload_script_matches_deepspeed(tmp_path) -> None:
+def test_zero3_and_zero2_cpu_offload_scripts_match_deepspeed(tmp_path) -> None:
     pytest.importorskip("deepspeed")
-    config = tmp_path / "zero3_offload.json"
-    config.write_text(json.dumps(ZERO3_OFFLOAD))
-    _launch(tmp_path, "deepspeed", config)
-    _launch(tmp_path, "plait", config)
-    for rank in (0, 1):
-        ours = json.loads((tmp_path / f"plait.0.rank{rank}.json").read_text())
-        theirs = json.loads((tmp_path / f"deepspeed.0.rank{rank}.json").read_text())
+    configs = []
+    for name, config in (("zero3_offload", ZERO3_OFFLOAD), ("zero2_offload", ZERO2_OFFLOAD)):
+        configs.append(tmp_path / f"{name}.json")
+        configs[-1].write_text(json.dumps(config))
+    _launch(tmp_path, "deepspeed", *configs)  # one launch per side runs both configs
+    _launch(tmp_path, "plait", *configs)
+    for index, rank in ((index, rank) for index in range(len(configs)) for rank in (0, 1)):
+        ours = json.loads((tmp_path / f"plait.{index}.rank{rank}.json").read_text())
+        theirs = json.loads((tmp_path / f"deepspeed.{index}.rank{rank}.json").read_text())
         assert ours["engine"] == "plait.zero_sharding.deepspeed.engine"
         assert theirs["engine"] == "deepspeed.runtime.engine"
-        assert ours["placement"] == "ZeroOffloadPlacement"
+        assert ours["placement"] == "ZeroOffloadPlacement", configs[index].name
         assert len(ours["losses"]) == len(theirs["losses"]) == STEPS
-        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
-        assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5)
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5), configs[index].name
+        assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5), configs[index].name
         assert ours["lrs"] == pytest.approx(theirs["lrs"], rel=1e-9, abs=1e-12)
 
 
