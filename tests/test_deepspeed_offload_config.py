@@ -6,7 +6,9 @@ key, the refusals (named by their dotted path), every route that reads a ``ds_co
 ``deepspeed.initialize`` shim, Lightning's ``from_deepspeed``, the HF Trainer's ``--deepspeed``), and
 the ZeRO-3 + CPU offload and ZeRO-2 + CPU offload configs of the DeepSpeed/HF examples run by the
 same unedited script under DeepSpeed 0.19.8 and under plait's launcher: losses, gradient norms and
-learning rates within 1e-5.
+learning rates within 1e-5; and an unedited HF Trainer script given the HF docs' ZeRO-3 file with its
+CPU offload blocks (``--deepspeed``, through ``plait.transformers.launch``) trains on the offload
+placement with the losses of the same file without them.
 """
 
 from __future__ import annotations
@@ -172,6 +174,48 @@ def test_zero3_and_zero2_cpu_offload_scripts_match_deepspeed(tmp_path) -> None:
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5), configs[index].name
         assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5), configs[index].name
         assert ours["lrs"] == pytest.approx(theirs["lrs"], rel=1e-9, abs=1e-12)
+
+
+ROUTE_TESTS = pathlib.Path(__file__).resolve().parents[1] / "integrations" / "transformers" / "tests"
+
+
+def _hf_offload_session(tmp: str) -> dict:
+    """The DeepSpeed user's unedited HF Trainer script through plait's launcher with the HF docs'
+    ZeRO-3 file, without and with its CPU offload blocks; counts the offload placements built."""
+    sys.path.insert(0, str(ROUTE_TESTS))
+    import importlib
+
+    from test_transformers_deepspeed_route import SCRIPT, ZERO3, _run
+
+    zero_placement = importlib.import_module("plait.offload_io.zero_placement")  # the module, not the function
+    built = []
+    original = zero_placement.ZeroOffloadPlacement.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original(self, *args, **kwargs)
+
+    zero_placement.ZeroOffloadPlacement.__init__ = counting
+    root = pathlib.Path(tmp)
+    (root / "train.py").write_text(SCRIPT)
+    offload = copy.deepcopy(ZERO3)
+    offload["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": True},
+                                        offload_param={"device": "cpu", "pin_memory": True})
+    plain = _run(root, "zero3", "launch", ZERO3)
+    before = len(built)
+    offloaded = _run(root, "zero3_offload", "launch", offload)
+    return {"plain": plain, "offloaded": offloaded, "placements": (before, len(built))}
+
+
+def test_hf_trainer_script_with_the_zero3_offload_file_trains_offloaded(tmp_path) -> None:
+    pytest.importorskip("plait.transformers")
+    from plait.kernels.testing import run_distributed
+
+    out = run_distributed(_hf_offload_session, 2, str(tmp_path), timeout=600)[0]
+    assert out["placements"][0] == 0 and out["placements"][1] >= 1  # the offload ran only where the file asked
+    assert len(out["offloaded"]) == len(out["plain"]) == 4
+    # CPU offload moves where the optimizer state lives, not what it computes.
+    assert out["offloaded"] == pytest.approx(out["plain"], rel=1e-6)
 
 
 def test_offload_io_readme_has_the_key_table() -> None:
