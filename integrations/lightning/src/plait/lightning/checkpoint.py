@@ -56,6 +56,42 @@ def is_directory_checkpoint(path: str | os.PathLike) -> bool:
     return True
 
 
+def deepspeed_tag(path: str | os.PathLike) -> Path | None:
+    """The DeepSpeed tag directory of a checkpoint Lightning's ``DeepSpeedStrategy`` (or DeepSpeed)
+    wrote at ``path``, or ``None`` when ``path`` is not one."""
+    from plait.zero_sharding.deepspeed.ds_resume import deepspeed_tag_dir
+
+    return deepspeed_tag_dir(path, None) if Path(path).is_dir() else None
+
+
+def load_deepspeed_directory(module: Any, tag_dir: Path) -> dict[str, Any]:
+    """Load a DeepSpeed checkpoint into a plait-sharded LightningModule (collective).
+
+    The weights, fp32 masters and Adam moments go into ``module`` at this world size and ZeRO
+    stage (through plait-universal-ckpt's DeepSpeed importer); Lightning's own part of the
+    checkpoint (``epoch``, ``global_step``, ``loops``, ``lr_schedulers``, callbacks...) is what
+    Lightning's ``DeepSpeedStrategy`` saved as DeepSpeed's ``client_state``.
+
+    Args:
+        module: the sharded LightningModule.
+        tag_dir: DeepSpeed's tag directory (``<checkpoint>/checkpoint`` for Lightning's).
+
+    Returns:
+        Lightning's checkpoint dict, with ``optimizer_states`` holding the optimizer's options and
+        step count from DeepSpeed's optimizer (see :func:`optimizer_options`).
+    """
+    from plait.zero_sharding.deepspeed.ds_resume import client_state, load_into_module
+
+    saved = load_into_module(ShardedModelView(module), tag_dir)
+    loaded = client_state(tag_dir)
+    loaded.pop("optimizer_states", None)
+    groups = saved.get("param_groups")
+    if groups:
+        options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        loaded["optimizer_states"] = [{"param_groups": options, "steps_taken": int(saved.get("global_steps") or 0)}]
+    return loaded
+
+
 def optimizer_options(optimizer: Any) -> dict[str, Any]:
     """A ZeroOptimizer's small replicated state: group options (lr, betas...) and the step count.
     Its moments and masters are in the model's sharded state."""

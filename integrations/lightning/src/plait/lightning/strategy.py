@@ -441,13 +441,19 @@ class PlaitStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a universal-checkpoint directory into the sharded model (any saved world size) and
-        return Lightning's part of it; a regular ``.ckpt`` file is read as usual (weights only)."""
-        if not ckpt.is_directory_checkpoint(checkpoint_path):
+        return Lightning's part of it. A checkpoint directory written by Lightning's
+        ``DeepSpeedStrategy`` (ZeRO 1-3) resumes too, at any world size; a regular ``.ckpt`` file is
+        read as usual (weights only)."""
+        tag_dir = ckpt.deepspeed_tag(checkpoint_path)
+        if tag_dir is not None:
+            loaded = ckpt.load_deepspeed_directory(self.lightning_module, tag_dir)
+        elif not ckpt.is_directory_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
-                                 ckpt.LIGHTNING_KEY: None}
-        ckpt.load_directory(checkpoint_path, state, verify=self.plait_config.verify_on_load)
-        loaded = dict(state[ckpt.LIGHTNING_KEY] or {})
+        else:
+            state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
+                                     ckpt.LIGHTNING_KEY: None}
+            ckpt.load_directory(checkpoint_path, state, verify=self.plait_config.verify_on_load)
+            loaded = dict(state[ckpt.LIGHTNING_KEY] or {})
         loaded["state_dict"] = {}
         loaded[_FROM_DIRECTORY] = True
         return loaded

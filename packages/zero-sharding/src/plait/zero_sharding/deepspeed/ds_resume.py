@@ -69,7 +69,16 @@ def _converted(tag_dir: Path) -> Path:
     return found
 
 
-def _client_state(tag_dir: Path) -> dict[str, Any]:
+def client_state(tag_dir: Path) -> dict[str, Any]:
+    """What a script saved beside DeepSpeed's own keys in ``tag_dir`` (its ``client_state``).
+
+    Args:
+        tag_dir: DeepSpeed's tag directory.
+
+    Returns:
+        The model-states file's entries that are not DeepSpeed's (Lightning's checkpoint dict,
+        for a checkpoint written by Lightning's ``DeepSpeedStrategy``).
+    """
     from plait.universal_ckpt.interop.deepspeed import _load
 
     model_file = tag_dir / "mp_rank_00_model_states.pt"
@@ -123,4 +132,4 @@ def load_deepspeed_checkpoint(engine: Any, tag_dir: Path, *, load_lr_scheduler_s
     engine.optimizer.steps_taken = engine.global_steps
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    return os.fspath(tag_dir), _client_state(tag_dir)
+    return os.fspath(tag_dir), client_state(tag_dir)
