@@ -208,3 +208,48 @@ def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use(tmp_
             assert all(torch.equal(other_weights[k], plain_other_weights[k]) for k in other_weights), name
         assert "gradient_clip_val=1.0" in result["clip"] and "plait_zero1" in result["clip"]
         assert "ddp_comm_hook" in result["own_hook"]
+
+
+def fabric_session() -> dict[str, Any]:
+    """Fabric's ``ddp`` with 1-bit Adam and ``fabric_owns_exchange``, beside the plain torch loop."""
+    import lightning as L
+    from test_lightning_distributed import RESUME_TOTAL, _quiet
+
+    from plait.lightning.demo import TEST_MODEL
+    from plait.lightning.onebit_ddp import fabric_owns_exchange
+
+    _quiet()
+    torch.set_num_threads(1)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", precision="32-true")
+    fabric.launch()
+    L.seed_everything(0, verbose=False)
+    module = OnebitModule(TEST_MODEL, batch_size=4, seq_len=32, warmup=2, total_steps=RESUME_TOTAL)
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    hooked = fabric_owns_exchange(model, optimizer)
+    losses = []
+    for step in range(STEPS):
+        batch = rank_slice(global_batch(step, 4, 32, seed=0), fabric.global_rank, fabric.world_size)
+        loss = model(batch["input_ids"], labels=batch["labels"]).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    second = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    try:
+        fabric_owns_exchange(model, optimizer, second)
+        mixed = "accepted"
+    except ValueError as exc:
+        mixed = str(exc)
+    return {"hooked": hooked, "fabric": (losses, _weights(module)), "plain": _plain_torch_loop(False),
+            "mixed": mixed}
+
+
+@pytest.mark.timeout(300)
+def test_fabric_ddp_with_fabric_owns_exchange_is_bitwise_the_plain_torch_use() -> None:
+    for result in run_distributed(fabric_session, 2, timeout=240):
+        assert result["hooked"] == ("OnebitAdam",)
+        losses, weights = result["fabric"]
+        plain_losses, plain_weights = result["plain"]
+        assert losses == plain_losses  # compressed steps included: DDP communicated nothing in backward
+        assert all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+        assert "1 other optimizer(s)" in result["mixed"] and "plait_zero1" in result["mixed"]

@@ -19,7 +19,7 @@ from plait.lightning.checkpoint import (
 )
 from plait.lightning.config import NAMES, PRECISIONS, PlaitConfig, register_names
 from plait.lightning.fabric import PlaitFabricStrategy
-from plait.lightning.onebit_ddp import OptimizerOwnsExchange
+from plait.lightning.onebit_ddp import OptimizerOwnsExchange, fabric_owns_exchange
 from plait.lightning.pieces import PieceMissingError, ShardingExtension
 from plait.lightning.precision import PlaitFabricPrecision, PlaitPrecision
 from plait.lightning.preemption import PreemptionCheckpoint
@@ -41,6 +41,7 @@ register_all()
 
 __all__ = [
     "NAMES", "PRECISIONS", "OptimizerOwnsExchange", "PieceMissingError", "PlaitConfig", "PlaitFabricPrecision",
+    "fabric_owns_exchange",
     "PlaitFabricStrategy", "PlaitPrecision", "PlaitStrategy", "PreemptionCheckpoint", "ShardingExtension",
     "StragglerMonitor", "ZeroConfig", "checkpoint_bytes", "consolidated_state_dict", "export_weights",
     "is_directory_checkpoint", "register_all",

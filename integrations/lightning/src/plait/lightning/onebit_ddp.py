@@ -32,6 +32,14 @@ optimizers alongside it (DDP's hook is for the whole model), a communication hoo
 local gradient by its own norm), and fp16 loss scaling (each rank's scaler would see only its own
 overflows, and ranks that skip differently would leave the exchange half-joined).
 ``plait_zero1``/``plait_zero2`` do all of these with the 1-bit optimizers.
+
+Fabric's ``strategy="ddp"`` has no callbacks: the script calls :func:`fabric_owns_exchange` once,
+right after ``fabric.setup(model, optimizer)``, which registers the same hook (and refuses fp16
+loss scaling, other optimizers and a hook of the user's own, as above). The script then must not
+call ``fabric.clip_gradients`` on the local gradients (give the optimizer ``max_grad_norm``, which
+clips the exchanged gradient), and ``fabric.save`` under ``ddp`` writes rank 0's optimizer state
+only: rank 0's error feedback, which the other ranks' optimizers refuse to load; save a 1-bit
+optimizer's state per rank, or use ``plait_zero1``/``plait_zero2``.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects
@@ -130,6 +138,46 @@ class OptimizerOwnsExchange(pl.Callback):
             return  # no error feedback yet (warm-up): every rank's state is rank 0's
         for index, part in zip(saved["indices"], saved["ranks"][rank]):
             checkpoint["optimizer_states"][index]["onebit"] = part
+
+
+def fabric_owns_exchange(model: Any, *optimizers: Any) -> tuple[str, ...]:
+    """Fabric ``strategy="ddp"``: keep DDP from all-reducing what a 1-bit optimizer exchanges itself.
+
+    Call it once, after ``model, optimizer = fabric.setup(model, optimizer)`` and before the first
+    backward (module docstring).
+
+    Args:
+        model: the module ``fabric.setup`` returned.
+        optimizers: every optimizer ``fabric.setup`` returned for that model.
+
+    Returns:
+        The 1-bit optimizers' class names the hook was registered for (empty when the model is not
+        DDP-wrapped or no optimizer exchanges itself: then nothing is changed).
+
+    Raises:
+        ValueError: fp16 loss scaling, optimizers that need DDP's all-reduce beside the 1-bit one,
+            or a communication hook already registered, each naming the fix.
+    """
+    ddp = getattr(model, "_forward_module", model)
+    inner = [getattr(o, "optimizer", o) for o in optimizers]
+    owners = [o for o in inner if getattr(o, "owns_gradient_exchange", False)]
+    if not owners or not isinstance(ddp, DistributedDataParallel):
+        return ()
+    names = ", ".join(type(o).__name__ for o in owners)
+    if len(owners) != len(inner):
+        raise ValueError(f"Fabric ddp with {names} and {len(inner) - len(owners)} other optimizer(s): the 1-bit "
+                         "optimizer needs DDP's gradient all-reduce off for the whole model, which the others need; "
+                         f"give every parameter to the 1-bit optimizer, or {_USE_INSTEAD}.")
+    if getattr(ddp, "_comm_hooks", None):
+        raise ValueError(f"Fabric ddp with {names}: this model already has a DDP communication hook; the 1-bit "
+                         "optimizer registers its own (DDP takes one), so register none.")
+    precision = getattr(getattr(model, "_strategy", None), "precision", None)
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(f"Fabric precision='16-mixed' (fp16 loss scaling) with ddp and {names}: each rank's "
+                         "scaler would see only its own overflows; use bf16, or the optimizer's own "
+                         f"loss_scaling setting without Fabric's scaler, or {_USE_INSTEAD}.")
+    ddp.register_comm_hook(None, local_gradients_hook)
+    return tuple(type(o).__name__ for o in owners)
 
 
 def check_replicated(module: torch.nn.Module, names: tuple[str, ...]) -> None:
