@@ -207,6 +207,7 @@ def test_lightning_ddp_takes_a_onebit_optimizer_bitwise_its_plain_torch_use(tmp_
             assert other_losses == plain_other, name
             assert all(torch.equal(other_weights[k], plain_other_weights[k]) for k in other_weights), name
         assert "gradient_clip_val=1.0" in result["clip"] and "plait_zero1" in result["clip"]
+        assert "max_grad_norm" in result["clip"]  # the optimizer's own clipping, on the exchanged gradient
         assert "ddp_comm_hook" in result["own_hook"]
 
 

@@ -224,8 +224,9 @@ def check_ddp_settings(trainer: pl.Trainer, names: str, *, others: int) -> None:
     if trainer.gradient_clip_val:
         raise ValueError(
             f"gradient_clip_val={trainer.gradient_clip_val} with strategy='ddp' and {names}: the gradients are "
-            "each rank's own until the optimizer's step, so Lightning would clip them by a local norm; "
-            f"{_USE_INSTEAD} (there gradient_clip_val clips the averaged gradient), or drop gradient_clip_val.")
+            "each rank's own until the optimizer's step, so Lightning would clip them by a local norm; drop "
+            "gradient_clip_val and give the optimizer's config max_grad_norm (it clips the exchanged gradient), "
+            f"or {_USE_INSTEAD} (there gradient_clip_val clips the averaged gradient).")
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
         raise ValueError(
             f"precision={trainer.precision_plugin.precision!r} (fp16 loss scaling) with strategy='ddp' and {names}: "
