@@ -41,6 +41,7 @@ from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 from plait.kernels.state_names import tied_aliases
 from plait.zero_sharding.composition import extension_objects
+from plait.zero_sharding.low_precision import refuse_sharded_state
 from plait.zero_sharding.units import FlatUnit
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -194,6 +195,7 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
             engine runs a whole-tensor optimizer (see :func:`_refuse_whole_tensor`).
     """
     _refuse_whole_tensor(engine, "sharded_state_dict")
+    refuse_sharded_state(optimizer, "sharded_state_dict")
     world = dist.get_world_size() if dist.is_initialized() else 1
     spread_units = [u for u in engine.units if spread(u, world)]
     if spread_units:  # the same answer on every rank
