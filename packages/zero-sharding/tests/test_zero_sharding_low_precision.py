@@ -147,7 +147,28 @@ def _ledger_jobs() -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
         out[name] = {"bytes": measured["total"], "psi": psi, "tensors": len(model.zero_engine.units)}
+    out["per-group"] = _per_group_job()
     return out
+
+
+def _per_group_job() -> dict[str, Any]:
+    """fp32 AdamW with the first linear's states in int8 (its group's zero_state_dtype)."""
+    model = _ledger_model()
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3, unit_classes=("Linear",),
+                                                                       param_persistence_threshold=0), lr=1e-3,
+                                  param_groups=[{"params": first, "zero_state_dtype": "int8"}, {"params": rest}])
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for step in range(2):
+        model(x).square().mean().backward()
+        if step == 1:
+            measured = model_state_bytes(model)["total"]
+        optimizer.step()
+        optimizer.zero_grad()
+    dtypes = [str(optimizer.state[unit.master]["exp_avg"].dtype) for unit in model.zero_engine.units]
+    return {"bytes": measured, "int8": sum(p.numel() for p in first), "fp32": sum(p.numel() for p in rest),
+            "dtypes": dtypes}
 
 
 def test_low_precision_state_matches_one_process_bitwise_and_ledger_is_exact() -> None:
@@ -161,6 +182,11 @@ def test_low_precision_state_matches_one_process_bitwise_and_ledger_is_exact() -
                 f"{(got.float() - ref.float()).abs().max().item():.3g}"
         moved = max((reference[n].float() - v.float()).abs().max().item() for n, v in build_model().named_parameters())
         assert moved > 1e-4, f"{name} did not train"
+    mixed = results[-1].pop("per-group")
+    assert mixed["dtypes"] == ["torch.uint8", "torch.float32", "torch.float32"]
+    # fp32 parameter and gradient shards (8) everywhere; states int8 (2 + 8/256) for the first linear.
+    assert mixed["bytes"] == (8 * (mixed["int8"] + mixed["fp32"]) + (2 + 8 / 256) * mixed["int8"]
+                              + 8 * mixed["fp32"]) / WORLD + 4 * 3
     for name, found in results[-1].items():
         k = LEDGER[name][1]
         # Per parameter per rank: k / N; plus AdamW's step counter, one fp32 scalar per tensor stepped.
