@@ -23,6 +23,7 @@ from plait.zero_sharding.extension import (
     ShardStorage,
     StatePlacement,
 )
+from plait.zero_sharding.low_precision import LowPrecisionOptimizer, TensorPrecision
 from plait.zero_sharding.memory import model_state_bytes, zero_formula_bytes
 from plait.zero_sharding.module import ZeroModule
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
@@ -33,9 +34,9 @@ from plait.zero_sharding.whole_tensor import WholeTensorPlacement, register_whol
 
 __all__ = [
     "ConstructedParameter", "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement",
-    "MuonWithAdamW", "ParamGatherer",
+    "LowPrecisionOptimizer", "MuonWithAdamW", "ParamGatherer",
     "ReplicaMismatchError", "ShardingExtension", "ShardStorage", "StatePlacement", "StepBreakdown",
-    "WholeTensorPlacement",
+    "TensorPrecision", "WholeTensorPlacement",
     "ZeroConfig", "ZeroModule", "ZeroOptimizer", "apply_extensions", "check_extensions", "check_replicas",
     "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes", "muon_param_groups",
     "register_whole_tensor", "resolve_group", "resolve_groups", "sharded_init", "zero_formula_bytes", "zero_shard",

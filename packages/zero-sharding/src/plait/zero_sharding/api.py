@@ -28,6 +28,7 @@ from plait.zero_sharding.construction import ConstructedParameter, ConstructionG
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
 from plait.zero_sharding.loss_scaler import LossScaler
+from plait.zero_sharding.low_precision import check_composes, group_state_dtype, wrap_low_precision
 from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
@@ -146,6 +147,7 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         placement = _extension(index, "zero_placement", g.pop("zero_placement", None),
                                ("place_master", "make_optimizer", "step", "read_master", "masters"))
         global_of = g.pop("zero_global", None)
+        state_dtype = group_state_dtype(index, g.pop("zero_state_dtype", None))
         if global_of is not None and not callable(global_of):
             raise ValueError(f"param_groups[{index}]['zero_global'] must be callable(name, shape) -> (global name, "
                              "global shape, dim-0 offset), e.g. mapping a local expert to its global index.")
@@ -153,7 +155,8 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         params.sort(key=lambda p: order[id(p)])
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
                                replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
-                               reducer=reducer, gatherer=gatherer, global_of=global_of, placement=placement))
+                               reducer=reducer, gatherer=gatherer, global_of=global_of, placement=placement,
+                               state_dtype=state_dtype))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -283,6 +286,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     check_optimizer(cls, config)
     check_placement(cls, placement, param_groups)
+    check_composes(cls, config, [group_state_dtype(i, g.get("zero_state_dtype")) if isinstance(g, dict) else None
+                                 for i, g in enumerate(param_groups or [])], placement=placement,
+                   param_groups=param_groups, whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer)
     compose = getattr(cls, "compose_with_zero", None)
     if callable(compose):  # an optimizer bringing its own exchange (plait-onebit-optim's 1-bit Adam) or refusing
         optimizer, param_groups, optimizer_kwargs, reducer = compose(
@@ -335,8 +341,12 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
                 unit.master = placed
                 masters.append(placed)
         inner_groups.append({"params": masters, **og.options})
-    inner = engine.placement.make_optimizer(lambda pg: cls(pg, **optimizer_kwargs) if not isinstance(
-        optimizer, torch.optim.Optimizer) else cls(pg, **_constructor_options(cls, optimizer.defaults)), inner_groups)
+    def build(pg: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return cls(pg, **_constructor_options(cls, optimizer.defaults))
+        return cls(pg, **optimizer_kwargs)
+
+    inner = engine.placement.make_optimizer(wrap_low_precision(build, config, groups, partition), inner_groups)
     storage = engine.placement.shard_storage() if hasattr(engine.placement, "shard_storage") else None
     if storage is not None:
         engine.attach_storage(storage)  # ZeRO-Infinity: stage-3 shards live on CPU/NVMe between gathers

@@ -41,7 +41,9 @@ from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 from plait.kernels.state_names import tied_aliases
 from plait.zero_sharding.composition import extension_objects
+from plait.zero_sharding.low_precision import refuse_sharded_state
 from plait.zero_sharding.units import FlatUnit
+from plait.zero_sharding.whole_tensor import whole_state_pieces
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -168,20 +170,6 @@ def ensure_optimizer_state(optimizer: Any) -> None:
                 inner.state[p]["step"] = 0
 
 
-def _refuse_whole_tensor(engine: Any, what: str) -> None:
-    """The sharded (universal) layout describes optimizer state per flat master slice; a
-    whole-tensor optimizer keeps it per whole tensor on its owner rank, not covered yet.
-
-    Raises:
-        ValueError: the engine runs a whole-tensor optimizer.
-    """
-    if getattr(engine.placement, "whole_tensor", False):
-        raise ValueError(f"{what}: a whole-tensor optimizer (Muon, LAMB, Adafactor...) keeps its state per whole "
-                         "tensor on one owner rank, which the sharded checkpoint layout does not describe yet. Save "
-                         "model.state_dict() and optimizer.state_dict() on every rank (resumable at the same world "
-                         "size), or use an elementwise optimizer to reshard.")
-
-
 def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
     """Masters, optimizer state and loss scaler as described pieces (see the module docstring).
     Collective (one exchange of names over the world) when some parameters live on some ranks
@@ -191,19 +179,21 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
     Raises:
         ValueError: parameters that differ across ranks share a name and elements (a group without
             ``zero_global``), or their identities leave part of a global tensor uncovered; or the
-            engine runs a whole-tensor optimizer (see :func:`_refuse_whole_tensor`).
+            optimizer keeps state the layout cannot name (compact low-precision states, a
+            whole-tensor optimizer's factored moments).
     """
-    _refuse_whole_tensor(engine, "sharded_state_dict")
+    refuse_sharded_state(optimizer, "sharded_state_dict")
     world = dist.get_world_size() if dist.is_initialized() else 1
     spread_units = [u for u in engine.units if spread(u, world)]
     if spread_units:  # the same answer on every rank
         spread_pieces(engine, spread_units, values=False).check("sharded_state_dict")
     ensure_optimizer_state(optimizer)
-    out: dict[str, ShardedTensor] = {}
+    whole = getattr(engine.placement, "whole_tensor", False)  # state per whole tensor on its owner
+    out: dict[str, ShardedTensor] = whole_state_pieces(engine.placement, optimizer.inner) if whole else {}
     masters = engine.placement.masters()
     for unit in engine.units:
         master = masters[unit.key]
-        state = optimizer.inner.state.get(master, {})
+        state = {} if whole else optimizer.inner.state.get(master, {})
         for slot, (plo, phi), (slo, shi) in unit.local_pieces():
             # A parameter's step counter is shared by every rank holding any piece of it, so the
             # holders are those of the whole parameter, not of this rank's piece.

@@ -85,6 +85,23 @@ class ZeroConfig:
             defaults, a dict of its fields (a JSON config), ``None``/``False``: off. qwZ and hpZ
             act on stage 3's parameter gathers, so they need ``stage=3``; qgZ alone also runs at
             stage 2. A ``reducer=``/``gatherer=`` given to ``zero_shard`` as well is refused.
+        master_dtype: dtype of the master weights the optimizer updates: fp32 (default) or bf16.
+            bf16 needs ``compute_dtype`` bf16: the master is then the compute shard itself (no
+            separate copy), updated through :mod:`plait.zero_sharding.low_precision`.
+        master_rounding: how an fp32 update is written into a bf16 master: ``"compensated"``
+            (default: a bf16 compensation buffer keeps the rounding residual, Kahan-style, so
+            small updates accumulate; 2 more bytes per parameter) or ``"stochastic"`` (rounds
+            up with probability equal to the discarded fraction, from a counter-based hash of
+            ``stochastic_seed``, the step and each element's parameter name and index, so runs
+            are reproducible at any world size). Only with ``master_dtype`` bf16.
+        optimizer_state_dtype: dtype the optimizer's per-element states are stored in between
+            steps: fp32 (default), bf16 (round to nearest) or int8 (blockwise: ``state_block_size``
+            elements share one fp32 absmax scale; 1 byte per element on a logarithmic map, see
+            :mod:`plait.zero_sharding.low_precision`). A parameter group may override it with
+            its ``zero_state_dtype`` key. Which optimizers take which dtype:
+            :data:`plait.zero_sharding.low_precision.STATE_KINDS`.
+        state_block_size: elements per int8 block; shards are padded to whole blocks.
+        stochastic_seed: seed of stochastic rounding (``master_rounding="stochastic"``).
     """
 
     stage: int = 3
@@ -108,6 +125,11 @@ class ZeroConfig:
     elementwise_optimizer: bool | None = None
     shard_dims: tuple[str, ...] | None = None
     zeropp: ZeroPPConfig | None = None
+    master_dtype: torch.dtype | str = torch.float32
+    master_rounding: str | None = None
+    optimizer_state_dtype: str = "fp32"
+    state_block_size: int = 256
+    stochastic_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -144,6 +166,7 @@ class ZeroConfig:
                 "remove it or use stage=3."
             )
         self._check_zeropp()
+        self._check_state_precision()
         if self.elementwise_optimizer not in (None, True):
             raise ValueError(
                 f"ZeroConfig.elementwise_optimizer={self.elementwise_optimizer!r}; use None (known optimizers "
@@ -172,6 +195,42 @@ class ZeroConfig:
                 f"hierarchical_partition_size=None) for qgZ alone.")
         object.__setattr__(self, "zeropp", value)
 
+    def _check_state_precision(self) -> None:
+        master = _as_dtype("master_dtype", self.master_dtype, allow_none=False)
+        if master not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"ZeroConfig.master_dtype={self.master_dtype!r} is not supported; use 'fp32' or 'bf16'.")
+        if master == torch.bfloat16 and self.compute_dtype != torch.bfloat16:
+            raise ValueError("ZeroConfig.master_dtype='bf16' needs compute_dtype='bf16' (the bf16 master is the "
+                             f"compute shard), got compute_dtype={self.compute_dtype}; set compute_dtype='bf16' or "
+                             "master_dtype='fp32'.")
+        object.__setattr__(self, "master_dtype", master)
+        rounding = self.master_rounding
+        if rounding is not None and master != torch.bfloat16:
+            raise ValueError(f"ZeroConfig.master_rounding={rounding!r} applies to bf16 masters only; set "
+                             "master_dtype='bf16' or leave master_rounding=None.")
+        if master == torch.bfloat16:
+            rounding = "compensated" if rounding is None else rounding
+            if rounding not in ("compensated", "stochastic"):
+                raise ValueError(f"ZeroConfig.master_rounding={rounding!r} is unknown; use 'compensated' or "
+                                 "'stochastic'.")
+        object.__setattr__(self, "master_rounding", rounding)
+        object.__setattr__(self, "optimizer_state_dtype", state_dtype_name("optimizer_state_dtype",
+                                                                             self.optimizer_state_dtype))
+        self._positive_int("state_block_size", minimum=1, hint="256 elements is typical")
+        if not isinstance(self.stochastic_seed, int) or isinstance(self.stochastic_seed, bool) \
+                or not 0 <= self.stochastic_seed < 2 ** 31:
+            raise ValueError(f"ZeroConfig.stochastic_seed={self.stochastic_seed!r} must be an integer in [0, 2**31).")
+
+    @property
+    def low_precision_state(self) -> bool:
+        """Whether masters or optimizer states are kept below fp32 (engine-wide settings)."""
+        return self.master_dtype != torch.float32 or self.optimizer_state_dtype != "fp32"
+
+    @property
+    def fp32_masters(self) -> bool:
+        """Whether fp32 masters are kept apart from lower-precision compute shards."""
+        return self.mixed_precision and self.master_dtype == torch.float32
+
     def _positive_int(self, field: str, *, minimum: int, hint: str) -> None:
         value = getattr(self, field)
         if isinstance(value, float) and value.is_integer():
@@ -193,6 +252,23 @@ class ZeroConfig:
     def fingerprint(self) -> dict[str, str]:
         """Field -> printable value, compared across ranks to refuse mismatched configs."""
         return {f.name: repr(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def state_dtype_name(field: str, value: object) -> str:
+    """``value`` as one of :data:`STATE_DTYPES` (torch dtypes and their aliases accepted).
+
+    Raises:
+        ValueError: naming ``field`` and the accepted values.
+    """
+    aliases = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8", "float32": "fp32",
+               "bfloat16": "bf16", "8bit": "int8"}
+    name = aliases.get(value.lower() if isinstance(value, str) else value, value)  # type: ignore[arg-type]
+    if name not in STATE_DTYPES:
+        raise ValueError(f"{field}={value!r} is not a supported optimizer-state dtype; use 'fp32', 'bf16' or 'int8'.")
+    return name  # type: ignore[return-value]
 
 
 def _finite(value: object) -> bool:

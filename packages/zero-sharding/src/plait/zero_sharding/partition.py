@@ -28,6 +28,7 @@ from torch import nn
 
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.construction import ConstructedParameter, check_consistent, release
+from plait.zero_sharding.low_precision import block_multiple
 from plait.zero_sharding.tensor_parallel import local_numel, local_shape
 from plait.zero_sharding.units import FlatUnit, ParamSlot
 
@@ -51,6 +52,7 @@ class OptionGroup:
             :mod:`plait.zero_sharding.placements`.
         global_of: ``(name, shape) -> (global name, global shape, dim-0 row offset)`` for
             parameters that are part of a larger global tensor (``None``: each is its own).
+        state_dtype: the group's ``zero_state_dtype`` (``None``: ``ZeroConfig.optimizer_state_dtype``).
     """
 
     options: dict[str, Any]
@@ -64,6 +66,7 @@ class OptionGroup:
     gatherer: Any = None
     global_of: Any = None
     placement: Any = None
+    state_dtype: str | None = None
 
 
 @dataclasses.dataclass
@@ -196,9 +199,9 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         unit = FlatUnit(key=f"u{len(units)}", slots=slots, group=og.group, group_rank=og.group_rank,
                         group_size=og.group_size, resident=resident, compute_dtype=config.compute_dtype,
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
-                        device=device)
+                        device=device, shard_multiple=block_multiple(config, og.state_dtype))
         values = materializer.values_for(unit)
-        unit.build(values, config.mixed_precision, config.stage, owned=materializer.owned)
+        unit.build(values, config.fp32_masters, config.stage, owned=materializer.owned)
         materializer.done_with(unit)
         units.append(unit)
         for slot in slots:

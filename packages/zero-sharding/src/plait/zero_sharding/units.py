@@ -95,11 +95,13 @@ class FlatUnit:
         device: where the unit's storage lives (the compute device).
         replicas: how many times an identical copy of this unit exists outside ``group``
             (used to count each element once in the global gradient norm).
+        shard_multiple: each shard's length is padded to a multiple of this (whole blocks of
+            blockwise-quantized optimizer state on every rank).
     """
 
     def __init__(self, *, key: str, slots: list[ParamSlot], group: Any, group_rank: int, group_size: int,
                  resident: bool, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, option_index: int,
-                 replicas: int, device: torch.device) -> None:
+                 replicas: int, device: torch.device, shard_multiple: int = 1) -> None:
         self.key, self.slots, self.group = key, slots, group
         self.reduce_group = group  # stage 3: a twin of ``group`` (see plait.zero_sharding.ordering)
         self.replicate_group: Any = None  # HSDP: ranks holding the same shard; gradients all-reduced over it
@@ -115,7 +117,8 @@ class FlatUnit:
         self.resident, self.option_index, self.replicas = resident, option_index, replicas
         self.compute_dtype, self.reduce_dtype, self.device = compute_dtype, reduce_dtype, device
         self.numel = sum(s.numel for s in slots)
-        self.shard_numel = max(1, math.ceil(self.numel / group_size))
+        # Shards hold whole blocks of blockwise-quantized optimizer state (shard_multiple elements).
+        self.shard_numel = math.ceil(max(1, math.ceil(self.numel / group_size)) / shard_multiple) * shard_multiple
         self.padded_numel = self.shard_numel * group_size
         self.trainable = sum(1 for s in slots if s.param.requires_grad)
         self.tensor_parallel = any(is_dtensor(s.param) for s in slots)  # holds DTensor (TP) parameters
@@ -186,8 +189,10 @@ class FlatUnit:
             self.shard = full[lo:hi]
             self.master = master if mixed else self.shard
         else:
-            self.master = master
-            self.shard = master if not mixed else master.to(self.compute_dtype)
+            # Without separate masters the shard is the master, in the compute dtype (a bf16 master
+            # under ZeroConfig.master_dtype='bf16'; in fp32 ``to`` returns the master itself).
+            self.shard = master.to(self.compute_dtype)
+            self.master = master if mixed else self.shard
         self._point_params()
         if not self.resident:
             self.full.untyped_storage().resize_(0)
@@ -447,7 +452,8 @@ class FlatUnit:
         """Bytes this rank holds for the unit, by kind (optimizer state is counted elsewhere)."""
         full = self.full.untyped_storage().nbytes() if self.resident else 0
         shard = 0 if self.resident or not self.shard_loaded else self.shard.numel() * self.shard.element_size()
-        master = 0 if self.master.data_ptr() == self.shard.data_ptr() else self.master.numel() * 4
+        master = 0 if self.master.data_ptr() == self.shard.data_ptr() else \
+            self.master.numel() * self.master.element_size()
         grads = self.full_grad.numel() * self.full_grad.element_size() if self.full_grad is not None else 0
         if self.grad_shard is not None and self.full_grad is None:
             grads += self.grad_shard.numel() * self.grad_shard.element_size()

@@ -215,6 +215,48 @@ class WholeTensorPlacement:
         return self._masters
 
 
+def whole_state_pieces(placement: WholeTensorPlacement, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state of the tensors this rank owns, as pieces of the sharded (universal)
+    checkpoint: each state tensor whole under ``optim.<state>.<global name>``, held by its owner
+    alone (at another world size the new owner reads it whole, wherever it was written).
+
+    Args:
+        placement: the engine's placement.
+        optimizer: the inner (user's) optimizer over the owned whole tensors.
+
+    Returns:
+        name -> :class:`~plait.kernels.sharded_state.ShardedTensor`.
+
+    Raises:
+        ValueError: a state tensor that is neither shaped like its parameter nor a scalar
+            (Adafactor's factored moments): the layout has no name for it, so the save is refused
+            rather than losing it.
+    """
+    from plait.kernels.sharded_state import ShardedTensor, ShardSpec
+
+    rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    for (key, name), whole in placement.whole.items():
+        slot = next(s for s in placement.units[key].slots if s.name == name)
+        base = slot.global_offset
+        for state_name, value in optimizer.state.get(whole, {}).items():
+            if not isinstance(value, Tensor):
+                continue
+            piece = f"optim.{state_name}.{slot.global_name}"
+            if value.shape == whole.shape:
+                spec = ShardSpec(name=piece, kind="optimizer_state", dtype=value.dtype, global_shape=slot.global_shape,
+                                 flat_range=(base, base + slot.numel), replica_ranks=(rank,))
+                out[piece] = ShardedTensor(spec, value.view(-1))
+            elif value.numel() == 1:
+                out[piece] = ShardedTensor(ShardSpec.full(piece, value.view(()), kind="optimizer_state",
+                                                          replica_ranks=(rank,)), value.view(1))
+            else:
+                shapes = f"shape {tuple(value.shape)} for {slot.name!r} (shape {tuple(whole.shape)})"
+                raise ValueError(f"sharded_state_dict: {type(optimizer).__name__} keeps state {state_name!r} of "
+                                 f"{shapes}, which the sharded checkpoint layout cannot name. Save model.state_dict() "
+                                 "and optimizer.state_dict() on every rank instead (resumable at the same world size).")
+    return out
+
+
 def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]] | None) -> None:
     """Refuse a placement for a whole-tensor optimizer, before any work.
 

@@ -1,0 +1,271 @@
+"""Optimizers under ZeRO: quality, memory and step time (``plait bench optimizers [--quick]``).
+
+All plait runs are ZeRO at world size 2 (gloo, one torch thread per rank), in one set of ranks:
+
+* quality: tiny-llama (hidden 128, 4 layers, vocab 1024; quick: hidden 64, 2 layers) trained on
+  the built-in corpus (8 x 64 tokens per step, the same batches for every setting) with ZeRO-2:
+  AdamW in fp32 (the reference), Muon + AdamW (``MuonWithAdamW``: Muon lr 0.02 on the hidden
+  matrices, AdamW on the rest), AdamW with bf16 masters (compensated) and bf16 states in bf16
+  compute, and AdamW with int8 states (fp32 compute). 300 steps (quick: 60). Final loss: the
+  mean of the last 20 steps. Targets: Muon <= AdamW; each low-precision setting within 1% of
+  AdamW. A PNG shows the curves.
+* memory: model-state bytes per parameter per rank from the memory ledger
+  (:func:`plait.zero_sharding.model_state_bytes`, after a backward, state allocated) against the
+  formula for each setting, ZeRO-3 on a model whose tensors divide into whole int8 blocks on each
+  rank (no padding): ``k / W`` with ``k`` = 16 (fp32 AdamW), 16 (bf16 compute, fp32 masters and
+  states), 10 (bf16 masters compensated, bf16 states), 8 (stochastic rounding, bf16 states),
+  ``10 + 8/256`` (bf16 compute, fp32 masters, int8 states with their fp32 block scales),
+  ``6 + 8/256`` (stochastic bf16 masters, int8 states), plus AdamW's step counter (one fp32
+  scalar per tensor stepped). Target: exact.
+* speed: the median ``optimizer.step()`` of Muon + AdamW under ZeRO-2 and ZeRO-3 at W=2 (rank 0's
+  clock, ranks synchronised before each step) against the same optimizer stepping the whole model
+  in one process. Informational: the machine is shared, so the ratio is as noisy as its load.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.kernels.bench import BenchRow, TimingStats, one_thread
+from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
+
+WORLD, BATCH, SEQ, TAIL = 2, 8, 64, 20
+FULL = dict(model=dict(num_layers=4, hidden_size=128, num_heads=4, intermediate_size=344, vocab_size=1024,
+                       max_seq_len=64), steps=300, timed=30)
+QUICK = dict(model=dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=172, vocab_size=1024,
+                        max_seq_len=64), steps=60, timed=10)
+ADAMW = dict(lr=3e-3, weight_decay=0.1)
+MUON = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.1)
+QUALITY = {  # setting -> (optimizer, ZeroConfig options)
+    "AdamW fp32": ("adamw", dict()),
+    "Muon + AdamW": ("muon", dict()),
+    "AdamW bf16 masters + states": ("adamw", dict(compute_dtype="bf16", master_dtype="bf16",
+                                                  optimizer_state_dtype="bf16")),
+    "AdamW int8 states": ("adamw", dict(optimizer_state_dtype="int8")),
+}
+MEMORY = {  # setting -> (ZeroConfig options, k: bytes per parameter at W=1)
+    "fp32 AdamW": (dict(), 16.0),
+    "bf16 compute, fp32 masters + states": (dict(compute_dtype="bf16"), 16.0),
+    "bf16 masters (compensated) + bf16 states": (dict(compute_dtype="bf16", master_dtype="bf16",
+                                                      optimizer_state_dtype="bf16"), 10.0),
+    "bf16 masters (stochastic) + bf16 states": (dict(compute_dtype="bf16", master_dtype="bf16",
+                                                     master_rounding="stochastic", optimizer_state_dtype="bf16"), 8.0),
+    "bf16 compute, fp32 masters, int8 states": (dict(compute_dtype="bf16", optimizer_state_dtype="int8"),
+                                                10.0 + 8 / 256),
+    "bf16 masters (stochastic), int8 states": (dict(compute_dtype="bf16", master_dtype="bf16",
+                                                    master_rounding="stochastic", optimizer_state_dtype="int8"),
+                                               6.0 + 8 / 256),
+}
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> tuple[Any, dict[str, Any], Any]:
+    from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
+
+    if kind == "muon":
+        return MuonWithAdamW, MUON, muon_param_groups(model)
+    return torch.optim.AdamW, ADAMW, None
+
+
+def _quality(setup: dict[str, Any]) -> dict[str, list[float]]:
+    """Every quality setting trained with ZeRO-2; the global loss per step (the ranks' mean)."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    rank, out = dist.get_rank(), {}
+    for name, (kind, options) in QUALITY.items():
+        torch.manual_seed(0)
+        model = tiny_llama(**setup["model"])
+        cls, kwargs, groups = _optimizer(kind, model)
+        model, optimizer = zero_shard(model, cls, ZeroConfig(stage=2, **options), param_groups=groups, **kwargs)
+        losses = []
+        for step in range(setup["steps"]):
+            loss = model(**rank_slice(global_batch(step, BATCH, SEQ), rank, WORLD)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            value = loss.detach().float().reshape(1)
+            dist.all_reduce(value)
+            losses.append(value.item() / WORLD)
+        out[name] = losses
+        if rank == 0:
+            print(f"optimizers: {name}: final loss {_final(losses):.4f}", file=sys.stderr, flush=True)
+    return out
+
+
+def memory_model() -> torch.nn.Module:
+    """Three bias-free linears whose sizes divide into whole 256-element blocks on each of 2 ranks."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(256, 256, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(256, 128, bias=False))
+
+
+def _memory() -> dict[str, dict[str, int]]:
+    """Ledger bytes per rank (rank 0) for every memory setting, ZeRO-3, one unit per linear."""
+    from plait.zero_sharding import ZeroConfig, model_state_bytes, zero_shard
+
+    out = {}
+    for name, (options, _k) in MEMORY.items():
+        model = memory_model()
+        psi = sum(p.numel() for p in model.parameters())
+        config = ZeroConfig(stage=3, unit_classes=("Linear",), param_persistence_threshold=0, **options)
+        model, optimizer = zero_shard(model, torch.optim.AdamW, config, lr=1e-3)
+        x = torch.randn(16, 128, generator=torch.Generator().manual_seed(dist.get_rank())).to(config.compute_dtype)
+        for step in range(2):
+            model(x).float().square().mean().backward()
+            if step == 1:
+                measured = model_state_bytes(model)["total"]
+            optimizer.step()
+            optimizer.zero_grad()
+        out[name] = {"bytes": measured, "psi": psi, "tensors": len(model.zero_engine.units)}
+    return out
+
+
+def _speed(setup: dict[str, Any]) -> dict[str, list[float]]:
+    """Seconds of each timed Muon + AdamW ``optimizer.step()`` at stages 2 and 3 (rank 0's clock)."""
+    from plait.zero_sharding import ZeroConfig, zero_shard
+
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = tiny_llama(**setup["model"])
+        cls, kwargs, groups = _optimizer("muon", model)
+        model, optimizer = zero_shard(model, cls, ZeroConfig(stage=stage), param_groups=groups, **kwargs)
+        samples = []
+        for step in range(setup["timed"] + 2):
+            model(**rank_slice(global_batch(step, BATCH, SEQ), dist.get_rank(), WORLD)).loss.backward()
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.step()
+            elapsed = time.perf_counter() - start
+            optimizer.zero_grad()
+            if step >= 2:  # the first two steps allocate state
+                samples.append(elapsed)
+        out[f"ZeRO-{stage}"] = samples
+    return out
+
+
+def _ranks(setup: dict[str, Any]) -> dict[str, Any]:
+    return {"quality": _quality(setup), "memory": _memory(), "speed": _speed(setup)}
+
+
+def _one_process_speed(setup: dict[str, Any]) -> list[float]:
+    """Seconds of each timed step of Muon + AdamW over the whole model in one process."""
+    torch.manual_seed(0)
+    model = tiny_llama(**setup["model"])
+    cls, kwargs, groups = _optimizer("muon", model)
+    optimizer = cls(groups, **kwargs)
+    samples = []
+    with one_thread():
+        for step in range(setup["timed"] + 2):
+            model(**global_batch(step, BATCH // WORLD, SEQ)).loss.backward()
+            start = time.perf_counter()
+            optimizer.step()
+            elapsed = time.perf_counter() - start
+            optimizer.zero_grad()
+            if step >= 2:
+                samples.append(elapsed)
+    return samples
+
+
+def _final(losses: list[float]) -> float:
+    tail = losses[-TAIL:]
+    return sum(tail) / len(tail)
+
+
+def quality_rows(losses: dict[str, list[float]], where: str, plot: Path | None) -> list[BenchRow]:
+    """Final-loss rows against AdamW fp32: Muon's target is <= 1.0, the low-precision ones' 1%."""
+    reference = _final(losses["AdamW fp32"])
+    plotted = f"; plot {plot.name}" if plot else "; no plot (matplotlib missing)"
+    rows = []
+    for name, curve in losses.items():
+        if name == "AdamW fp32":
+            continue
+        ours = _final(curve)
+        ratio = ours / reference
+        target, passed = ("<= 1.0", ratio <= 1.0) if name.startswith("Muon") else ("within 1%",
+                                                                                   abs(ratio - 1) <= 0.01)
+        rows.append(BenchRow(benchmark=f"{where}: {name}", figure=f"final loss (mean of last {TAIL} steps)",
+                             ours=ours, peer="AdamW fp32", peer_value=reference, ratio=ratio, target=target,
+                             passed=passed, note=f"first loss {curve[0]:.4f}{plotted}"))
+    return rows
+
+
+def memory_rows(found: dict[str, dict[str, int]]) -> list[BenchRow]:
+    """Bytes per parameter per rank: the ledger against ``k / W`` plus the step counters, exact."""
+    rows = []
+    for name, got in found.items():
+        k = MEMORY[name][1]
+        formula = k * got["psi"] / WORLD + 4 * got["tensors"]
+        rows.append(BenchRow(benchmark=f"ZeRO-3 W={WORLD}: {name}", figure="model-state bytes/param/rank",
+                             ours=got["bytes"] / got["psi"], peer=f"formula {k:g}/W + step counters",
+                             peer_value=formula / got["psi"], ratio=got["bytes"] / formula, target="exact",
+                             passed=got["bytes"] == formula,
+                             note=f"Psi={got['psi']}, {got['bytes']} bytes on rank 0, {got['tensors']} step counters"))
+    return rows
+
+
+def speed_rows(speed: dict[str, list[float]], alone: list[float], where: str) -> list[BenchRow]:
+    """Median step time under ZeRO against one process (informational)."""
+    base = TimingStats.of(alone)
+    rows = []
+    for name, samples in speed.items():
+        ours = TimingStats.of(samples)
+        rows.append(BenchRow(benchmark=f"{where}: Muon + AdamW step, {name} W={WORLD}", figure="step time (ms)",
+                             ours=ours.median * 1e3, peer="one process, whole model",
+                             peer_value=base.median * 1e3, ratio=ours.median / base.median,
+                             note=f"p10-p90 {ours.p10 * 1e3:.1f}-{ours.p90 * 1e3:.1f} ms vs "
+                                  f"{base.p10 * 1e3:.1f}-{base.p90 * 1e3:.1f} ms; {len(samples)} steps"))
+    return rows
+
+
+def run(quick: bool) -> list[BenchRow]:
+    """Run the suite (see the module docstring).
+
+    Args:
+        quick: the short version (2-layer tiny-llama, 60 steps): about a minute on 2 CPUs.
+
+    Returns:
+        Quality, memory and speed rows.
+    """
+    setup = QUICK if quick else FULL
+    start = time.perf_counter()
+    found = run_distributed(_ranks, WORLD, setup, timeout=600 if quick else 7200)[0]
+    print(f"optimizers: W={WORLD} ranks done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    alone = _one_process_speed(setup)
+    shape = setup["model"]
+    where = f"tiny-llama {shape['num_layers']}L h{shape['hidden_size']}, {setup['steps']} steps, ZeRO-2 W={WORLD}"
+    plot = _plot(found["quality"], quick=quick)
+    speed_where = f"tiny-llama {shape['num_layers']}L h{shape['hidden_size']}"
+    return (quality_rows(found["quality"], where, plot) + memory_rows(found["memory"])
+            + speed_rows(found["speed"], alone, speed_where))
+
+
+def _plot(losses: dict[str, list[float]], *, quick: bool) -> Path | None:
+    """The loss curves, as a PNG where the run's JSON goes (:func:`plait.kernels.cli.bench.plot_path`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from plait.kernels.cli.bench import plot_path
+
+    fig, axis = plt.subplots(figsize=(8, 4))
+    for name, curve in losses.items():
+        axis.plot(range(1, len(curve) + 1), curve, label=name, linewidth=0.8)
+    axis.set(xlabel="step", ylabel="training loss (mean of the 2 ranks)", title="tiny-llama under ZeRO-2, W=2")
+    axis.legend()
+    path = plot_path("optimizers", "optimizers-quality", quick=quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"optimizers: wrote the plot to {path}", file=sys.stderr, flush=True)
+    return path
