@@ -74,6 +74,20 @@ def test_readme_table_is_the_rendering_of_the_committed_results() -> None:
     assert (RESULTS / "zero-breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_readme_before_after_is_the_rendering_of_the_two_results_files() -> None:
+    before, _ = read_json(RESULTS / "zero-breakdown-before.json")
+    after, _ = read_json(RESULTS / "zero-breakdown.json")
+    readme = (PACKAGE / "README.md").read_text()
+    marker = "zero-breakdown-before-after"
+    block = readme.split(f"<!-- {marker}:start -->\n", 1)[1].split(f"\n<!-- {marker}:end -->", 1)[0]
+    assert block == breakdown.render_before_after(before, after, label="post-step gathers in place")
+    # The change removed one shard copy per resident unit and step: ZeRO-2 copies fewer elements.
+    def copied(rows: list[BenchRow]) -> float:
+        return next(r.ours for r in rows if r.peer == "plait ZeRO-2" and r.figure == "elements copied/step")
+
+    assert copied(after) < copied(before)
+
+
 def test_rows_name_a_contender_that_could_not_run() -> None:
     figures = {"wall": [0.2, 0.3], "thread_cpu": [0.1, 0.1], "background_cpu": [0.0, 0.0], "comm_wall_s": 0.01,
                "bytes": {"all_reduce": 8}, "loss": 1.0,

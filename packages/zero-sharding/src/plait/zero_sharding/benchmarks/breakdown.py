@@ -144,6 +144,25 @@ def write_png(rows: list[BenchRow], path: Path) -> Path:
     return stacked_bars_png(path, bars, grid=grid)
 
 
+FLOOR = "CPU floor: thread + gloo threads' CPU (ms)"
+
+
+def cpu_floor(rows: list[BenchRow], name: str) -> float | None:
+    """The step's CPU work on this machine: the training thread's plus gloo's threads' CPU time.
+    On 2 cores shared by 2 ranks no engine's step can take less wall time than this (the
+    communication work cannot hide behind compute when no core is idle)."""
+    table = {(row.peer, row.figure): row.ours for row in rows}
+    parts = [table.get((name, figure)) for figure in ("thread CPU (ms)", "gloo threads' CPU (ms)")]
+    return None if None in parts else sum(parts)
+
+
+def _floor_cell(rows: list[BenchRow], name: str) -> str:
+    floor, base = cpu_floor(rows, name), cpu_floor(rows, BASELINE)
+    if floor is None:
+        return "-"
+    return f"{floor:.0f}" + (f" ({floor / base:.2f}x DDP)" if base and name != BASELINE else "")
+
+
 def render_markdown(rows: list[BenchRow], meta: dict[str, Any]) -> str:
     """The README's table: one line per figure, one column per contender, then the run's line.
 
@@ -168,7 +187,37 @@ def render_markdown(rows: list[BenchRow], meta: dict[str, Any]) -> str:
         cells[(row.peer, row.figure)] = text
     lines = [f"| {tag} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines += [f"| {figure} | " + " | ".join(cells.get((n, figure), "-") for n in names) + " |" for figure in figures]
+    lines.append(f"| {FLOOR} | " + " | ".join(_floor_cell(rows, n) for n in names) + " |")
     load = meta.get("load_average") or [None, None]
     lines += ["", f"{meta.get('date', '?')}, {meta.get('machine', '?')}, {meta.get('cpus', '?')} CPUs, 1-min load "
                   f"average {load[0]} before / {load[1]} after, `{meta.get('command', 'plait bench ' + SUITE)}`"]
+    return "\n".join(lines)
+
+
+# Figures that load cannot move, and plait's own time, compared across two runs of the suite.
+COMPARED = ("thread CPU (ms)", "allocations/step", "copy calls/step", "elements copied/step",
+            "framework hooks (Python) (ms, profiled)", "communication waited on (ms, profiled)")
+
+
+def render_before_after(before: list[BenchRow], after: list[BenchRow], *, label: str) -> str:
+    """A markdown table of :data:`COMPARED` for plait's contenders in two results files.
+
+    Args:
+        before, after: the two runs' rows (:func:`plait.kernels.bench.read_json`).
+        label: what changed between them, for the header.
+
+    Returns:
+        Markdown text, one line per figure, a before and an after column per plait contender.
+    """
+    names = [n for n in _contenders(after) if n.startswith("plait") and n in _contenders(before)]
+
+    def value(rows: list[BenchRow], name: str, figure: str) -> str:
+        found = next((row.ours for row in rows if row.peer == name and row.figure == figure), None)
+        return "-" if found is None else (f"{found:.0f}" if found >= 1000 else f"{found:.1f}")
+
+    header = " | ".join(f"{name} before | {name} after" for name in names)
+    lines = [f"| {label} | {header} |", "|---|" + "---|---|" * len(names)]
+    for figure in COMPARED:
+        cells = " | ".join(f"{value(before, n, figure)} | {value(after, n, figure)}" for n in names)
+        lines.append(f"| {figure} | {cells} |")
     return "\n".join(lines)
