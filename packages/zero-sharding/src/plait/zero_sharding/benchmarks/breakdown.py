@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from plait.kernels.bench import BenchRow, TimingStats
+from plait.kernels.bench import BenchRow, TimingStats, ratio_stats
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding.benchmarks.breakdown_worker import CATEGORIES, BreakdownJob, run_breakdown
 from plait.zero_sharding.benchmarks.stacked_png import stacked_bars_png
@@ -65,10 +65,6 @@ def _tag(job: BreakdownJob) -> str:
     return f"{job.model} {job.dtype} W=2 batch {job.batch}x{job.seq}"
 
 
-def _ratios(ours: list[float], base: list[float]) -> TimingStats:
-    return TimingStats.of([a / b for a, b in zip(ours, base, strict=False) if b > 0])
-
-
 def rows_from(result: dict[str, Any], job: BreakdownJob) -> list[BenchRow]:
     """Rows of one rank's :func:`run_breakdown` result (times in ms, counts per step): ``peer`` names
     the contender, ``ours`` is its figure; step-wall rows also carry DDP's median (``peer_value``)
@@ -87,8 +83,8 @@ def rows_from(result: dict[str, Any], job: BreakdownJob) -> list[BenchRow]:
             continue
         wall = TimingStats.of(figures["wall"])
         note = f"p10/p90 {wall.p10 * 1e3:.1f}/{wall.p90 * 1e3:.1f}"
-        if base is not None and name != BASELINE:
-            ratio = _ratios(figures["wall"], base["wall"])
+        ratio = ratio_stats(wall, TimingStats.of(base["wall"])) if base is not None and name != BASELINE else None
+        if ratio is not None:
             rows.append(BenchRow(benchmark=tag, figure="step wall (ms)", ours=wall.median * 1e3, peer=name,
                                  peer_value=statistics.median(base["wall"]) * 1e3, ratio=ratio.median,
                                  note=f"{note}; ratio to DDP per ABBA step p10/median/p90 "
