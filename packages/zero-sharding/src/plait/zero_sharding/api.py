@@ -283,6 +283,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             reduced over a smaller group are scaled as dense ones are, as DeepSpeed does; otherwise the group's own
             size).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
+            Without ``reducer`` and ZeRO++, stage 3 reduces in two exact hops when the launcher
+            names several nodes (:func:`_node_aware_reducer`), in one otherwise.
         init_fn: initialises a module whose meta parameters were just allocated (default
             ``module.reset_parameters()``).
         **optimizer_kwargs: options for the optimizer class.
