@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from plait.kernels.bench import BenchRow, TimingStats, format_table, interleaved_timing, timing_row, write_json
+from plait.kernels.bench import (
+    BenchRow,
+    TimingStats,
+    format_table,
+    interleaved_timing,
+    ratio_stats,
+    timing_row,
+    write_json,
+)
 from plait.kernels.cli.main import main
 from plait.kernels.cli.registry import import_name_of
 from plait.kernels.progress import progress
@@ -136,3 +144,20 @@ def test_progress_is_a_bar_on_a_terminal_and_one_line_in_a_log():
         for _ in range(4):
             update(1)
     assert "\r" in terminal.getvalue() and "steps" in terminal.getvalue()
+
+
+def test_alternation_is_abba_and_a_target_holds_by_the_ratio_p90():
+    order = []
+    interleaved_timing({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=0, steps=4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    # Medians 1.0 vs 1.0 (ratio 1.0 meets <= 1.05), but round by round ours is slower in 3 of 10.
+    ours = TimingStats.of([1.0] * 7 + [1.3] * 3)
+    peer = TimingStats.of([1.0] * 10)
+    paired = ratio_stats(ours, peer)
+    assert paired is not None and paired.median == 1.0 and paired.p90 == pytest.approx(1.3)
+    row = timing_row("x", ours, "peer", peer, target_ratio=1.05)
+    assert row.ratio == 1.0 and row.passed is False and "ratio p10/median/p90 1/1/1.3" in row.note
+    assert timing_row("x", ours, "peer", peer, target_ratio=1.3).passed is True
+    unpaired = TimingStats.of([1.0, 1.0])  # not from the same run: the medians decide
+    assert ratio_stats(ours, unpaired) is None
+    assert timing_row("x", ours, "peer", unpaired, target_ratio=1.05).passed is True

@@ -22,7 +22,7 @@ from zero_test_support import build_model
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.zero_sharding import ZeroConfig, zero_shard
-from plait.zero_sharding.extension import DefaultGatherer
+from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer
 from plait.zero_sharding.zeropp import ZeroPPConfig, make_zeropp_policies
 from plait.zero_sharding.zeropp.gather import HierarchicalParamGatherer, QuantizedParamGatherer
 from plait.zero_sharding.zeropp.nodes import layout_from_names, node_name
@@ -148,12 +148,13 @@ def test_one_node_keeps_hpz_off_and_qgz_flat():
 
 
 def _exact_two_hop_rank() -> dict:
-    """hpZ alone on two 'nodes' (GROUP_RANK = rank // 2): gradients reduced exactly, in two hops."""
+    """hpZ alone and plain ZeRO-3 on two "nodes" (GROUP_RANK = rank // 2): gradients reduced exactly, in two hops."""
     from plait.kernels.collectives import ByteLedger
     from plait.zero_sharding.zeropp import HierarchicalReducer
 
     rank = dist.get_rank()
     os.environ["GROUP_RANK"] = str(rank // 2)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun says it on each of two nodes of two ranks
     torch.manual_seed(100 + rank)
     full, shard = torch.randn(4 * 37), torch.empty(37)
     reducer = HierarchicalReducer(node_size=2)
@@ -171,9 +172,11 @@ def _exact_two_hop_rank() -> dict:
                           zeropp=ZeroPPConfig(quantized_weights=False, quantized_gradients=False))
     plain = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_dtype=torch.float32)
     out = {"max_err": (shard - exact).abs().max().item(), "errors": errors}
-    for name, config in (("hpz", hpz_only), ("plain", plain)):
+    # Plain ZeRO-3 reads the launcher's nodes too (two hops); one_hop asks for the flat collective.
+    runs = (("hpz", hpz_only, None), ("plain", plain, None), ("one_hop", plain, (None, DefaultReducer())))
+    for name, config, policies in runs:
         with ByteLedger() as ledger:
-            out[name], _, reducer_used = _train(config, None)
+            out[name], _, reducer_used = _train(config, policies)
         out[f"{name}_reducer"] = type(reducer_used).__name__
         out[f"{name}_bytes"] = {f"{r.op}@{r.group}": 0 for r in ledger.records}
         for r in ledger.records:
@@ -187,15 +190,19 @@ def test_hpz_alone_reduces_exact_gradients_in_two_hops_across_nodes():
     for r in results:
         assert r["max_err"] < 1e-5, r["max_err"]  # exact up to fp32 summation order
         assert len(r["errors"]) == 4 and all("node_size=" in e for e in r["errors"]), r["errors"]
-        assert (r["hpz_reducer"], r["plain_reducer"]) == ("HierarchicalReducer", "DefaultReducer")
+        assert (r["hpz_reducer"], r["plain_reducer"], r["one_hop_reducer"]) == (
+            "HierarchicalReducer", "HierarchicalReducer", "DefaultReducer")
         # Same gradients up to summation order: the curves agree to fp32 rounding.
-        for got, want in zip(r["hpz"], r["plain"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (r["hpz"], r["plain"])
+        for name in ("hpz", "plain"):
+            for got, want in zip(r[name], r["one_hop"], strict=True):
+                assert abs(got - want) <= 1e-5 * abs(want), (name, r[name], r["one_hop"])
     node, cross = "ranks[0,1]", "ranks[0,2]"
-    hpz, plain = results[0]["hpz_bytes"], results[0]["plain_bytes"]
-    # Hop 1 reduces every bucket inside the node (what the one-hop collective reduced over the
-    # world; an all-to-all and a local sum); hop 2 sends each rank's N = 2 node sums of one shard
-    # across: 1/L of hop 1's bytes.
-    assert hpz[f"all_to_all@{node}"] == plain["reduce_scatter@world"], (hpz, plain)
-    assert hpz[f"all_to_all@{cross}"] * 2 == hpz[f"all_to_all@{node}"], hpz
-    assert "reduce_scatter@world" not in hpz, hpz
+    one_hop = results[0]["one_hop_bytes"]
+    for name in ("hpz", "plain"):
+        two = results[0][f"{name}_bytes"]
+        # Hop 1 reduces every bucket inside the node (what the one-hop collective reduced over the
+        # world; an all-to-all and a local sum); hop 2 sends each rank's N = 2 node sums of one
+        # shard across: 1/L of hop 1's bytes.
+        assert two[f"all_to_all@{node}"] == one_hop["reduce_scatter@world"], (name, two, one_hop)
+        assert two[f"all_to_all@{cross}"] * 2 == two[f"all_to_all@{node}"], (name, two)
+        assert "reduce_scatter@world" not in two, (name, two)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,8 @@ from plait.zero_sharding.tensor_parallel import check_tensor_parallel
 from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
 from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor, update_cost
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
+from plait.zero_sharding.zeropp.exact import HierarchicalReducer
+from plait.zero_sharding.zeropp.nodes import NODE_VARIABLES, detect_layout
 
 _before_sharding: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _init_mesh: list[Any] = []
@@ -221,13 +224,35 @@ def _constructor_options(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
 
 
 def _zeropp_policies(config: ZeroConfig, group: Any, gatherer: Any, reducer: Any) -> tuple[Any, Any]:
-    """The gatherer and reducer ``config.zeropp`` asks for (collective: it may read the node layout)."""
+    """The gatherer and reducer ``config.zeropp`` asks for (collective: it may read the node layout);
+    without ZeRO++, plain stage 3's node-aware reducer (see :func:`_node_aware_reducer`)."""
     if config.zeropp is None:
+        if reducer is None and config.stage == 3:
+            reducer = _node_aware_reducer(None if group is dist.group.WORLD else group)
         return gatherer, reducer
     if gatherer is not None or reducer is not None:
         raise ValueError("zero_shard: ZeroConfig.zeropp builds the gatherer and reducer itself, and gatherer=/reducer= "
                          "were given too; drop one of them (make_zeropp_policies builds the same policies by hand).")
     return make_zeropp_policies(config.zeropp, None if group is dist.group.WORLD else group)
+
+
+def _node_aware_reducer(group: Any) -> Any:
+    """Plain stage 3 across several nodes: the exact two-hop reduce-scatter (inside each node, then
+    across; :class:`~plait.zero_sharding.zeropp.HierarchicalReducer`), which sends a third of what
+    gloo's one-hop reduce-scatter sends between two nodes. Only where a launcher names the nodes
+    (torchrun's ``GROUP_RANK``, Lightning's ``NODE_RANK``, SLURM's ``SLURM_NODEID``) and they are
+    several, of more than one rank each, consecutive in ``group``; otherwise ``None`` (the one-hop
+    default). Collective over ``group`` when a launcher variable is set.
+    """
+    if not dist.is_initialized() or not any(os.environ.get(name, "").strip() for name in NODE_VARIABLES):
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size(group)):
+        return None  # the launcher put every rank on this node (the same on every rank): no collective
+    try:
+        layout = detect_layout(group)
+    except ValueError:  # unequal or interleaved nodes (the same verdict on every rank): one hop
+        return None
+    return HierarchicalReducer(node_size=layout.ranks_per_node, group=group) if layout.multi_node else None
 
 
 def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = None, *, mesh: Any = None,
@@ -261,6 +286,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             reduced over a smaller group are scaled as dense ones are, as DeepSpeed does; otherwise the group's own
             size).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
+            Without ``reducer`` and ZeRO++, stage 3 reduces in two exact hops when the launcher
+            names several nodes (:func:`_node_aware_reducer`), in one otherwise.
         init_fn: initialises a module whose meta parameters were just allocated (default
             ``module.reset_parameters()``).
         **optimizer_kwargs: options for the optimizer class.

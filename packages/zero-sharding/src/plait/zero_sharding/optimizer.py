@@ -26,10 +26,14 @@ from plait.kernels import collectives
 from plait.zero_sharding import profiling
 from plait.zero_sharding.composition import notify
 from plait.zero_sharding.engine import ZeroEngine
+from plait.zero_sharding.extension import wait
 from plait.zero_sharding.grad_stash import StashedGrad
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.replicas import check_replicas
 from plait.zero_sharding.tensor_parallel import weighted_sumsq
+
+# Post-step all-gathers in flight at once (see ZeroOptimizer.step).
+MAX_PENDING_GATHER = 2
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -87,13 +91,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             writes = _ShardWrites()
             with profiling.optimizer_range():
                 refreshed = self._placement_step(grads, writes)
+            gathers: list[Any] = []
             for unit in engine.units:
                 if unit.key not in refreshed:
                     unit.load_from_master(engine.placement)
                     writes.started(unit)
-                unit.regather(engine.gatherer)
+                # In flight while the next unit's shard is refreshed; at most two at once, which
+                # bounds the collective layer's own buffers to two units.
+                gathers.append(unit.regather(engine.gatherer, block=False))
+                if len(gathers) > MAX_PENDING_GATHER:
+                    _wait_gather(gathers.pop(0))
                 if config.stage == 1:
                     unit.grad_shard = None  # stage 1 re-reduces its full buffer each step
+            for handle in gathers:
+                _wait_gather(handle)
             self.scaler.update(False)
             self.steps_taken += 1
             notify(engine, "on_step", self.steps_taken)
@@ -233,6 +244,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for unit in self.engine.units:
                 unit.refresh_from_master(self.engine.placement, self.engine.gatherer)
             self.engine.settle_shards()
+
+
+def _wait_gather(handle: Any) -> None:
+    """Wait for a post-step all-gather (timed as communication wait)."""
+    if handle is not None:
+        with profiling.comm_range("wait_all_gather"):
+            wait(handle)
 
 
 def _stashed_grad(stashed: StashedGrad, factor: float) -> tuple[StashedGrad, torch.Tensor]:

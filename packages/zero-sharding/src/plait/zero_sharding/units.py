@@ -293,18 +293,36 @@ class FlatUnit:
             placement.read_master(self.key, self.writable_shard(read=False))
             self.store_shard()
 
-    def regather(self, gatherer: Any) -> None:
-        """Refresh ``full`` from every rank's shard where it is live (resident or gathered)."""
+    def regather(self, gatherer: Any, *, block: bool = True) -> Any:
+        """Refresh ``full`` from every rank's shard where it is live (resident or gathered).
+
+        Args:
+            gatherer: the engine's gatherer (the unit's own, when it has one, replaces it).
+            block: wait for the gather here; otherwise return its handle, which the caller waits
+                on before anything reads ``full``.
+
+        Returns:
+            ``None`` when blocking or when nothing was gathered; otherwise the gather's handle.
+        """
         gatherer = self.gatherer or gatherer
         if self.resident:
-            shard = self.shard.clone()  # the gather input must not alias its output for every gatherer
-            with profiling.comm_range("all_gather"), named(f"ZeRO post-step all-gather of unit `{self.key}`"):
-                wait(gatherer.all_gather(shard, self.full, group=self.group, key=self.key, phase="step"))
+            # torch's all_gather_into_tensor (the default gatherer) takes its input as its own
+            # slice of the output (in place, as FSDP uses it on NCCL; gloo reads the input into a
+            # buffer of its own first), so the shard goes as it is. Another gatherer may write
+            # its output before it has read all of its input: it gets a copy.
+            shard = self.shard if type(gatherer) is DefaultGatherer else self.shard.clone()
         elif self.gathered:
             self._wait_pending_gather()
             self.load_shard()
-            with profiling.comm_range("all_gather"), named(f"ZeRO post-step all-gather of unit `{self.key}`"):
-                wait(gatherer.all_gather(self.shard, self.full, group=self.group, key=self.key, phase="step"))
+            shard = self.shard
+        else:
+            return None
+        with profiling.comm_range("all_gather", block=block), named(f"ZeRO post-step all-gather of unit `{self.key}`"):
+            handle = gatherer.all_gather(shard, self.full, group=self.group, key=self.key, phase="step")
+            if block:
+                wait(handle)
+                return None
+        return handle
 
     # ---- shard storage (stage 3, ZeRO-Infinity) -----------------------------------------------
     def attach_storage(self, storage: Any) -> None:

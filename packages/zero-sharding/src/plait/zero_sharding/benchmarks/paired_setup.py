@@ -26,7 +26,7 @@ from torch import nn
 
 from plait.kernels.testing import CausalLMOutput, global_batch, rank_slice, tiny_llama
 
-MODELS = ("tiny-llama", "tiny-llama-2l", "mlp-50m")
+MODELS = ("tiny-llama", "tiny-llama-2l", "tiny-llama-27m", "mlp-50m")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.01)  # the same AdamW options for every contender
 MLP_WIDTH, MLP_DEPTH = 2496, 8  # 8 x (2496^2 + 2496) = 49.86M parameters
@@ -40,7 +40,8 @@ class PairedJob:
     """What every rank of one ``run_distributed`` call measures.
 
     Attributes:
-        model: ``tiny-llama`` (8.4M), ``tiny-llama-2l`` (2 layers, vocab 1024: the quick stand-in)
+        model: ``tiny-llama`` (8.4M), ``tiny-llama-2l`` (2 layers, vocab 1024: the quick stand-in), ``tiny-llama-27m``
+            (27.4M: width 512, 6 layers, vocab 8192)
             or ``mlp-50m`` (49.9M).
         dtype: ``float32`` or ``bfloat16`` (compute dtype; fp32 master weights either way).
         stages: the ZeRO stages measured, one after another, each against its peers.
@@ -102,6 +103,8 @@ def build_model(name: str) -> nn.Module:
         return ResidualFreeMLP()
     if name == "tiny-llama-2l":  # the quick stand-in: 2 layers, vocab 1024 (2.1M parameters)
         return tiny_llama(num_layers=2, vocab_size=1024)
+    if name == "tiny-llama-27m":  # the Lightning benchmark's shape: width 512, 6 layers, vocab 8192
+        return tiny_llama(vocab_size=8192, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376)
     return tiny_llama()
 
 
