@@ -240,3 +240,24 @@ def test_a_hang_is_named_under_compile(campaign):
     message, stopped = campaign[0]["3-block"]["hang"], campaign[1]["3-block"]["hang"]
     assert stopped == "stopped"
     assert message.startswith("rank 1 did not enter ZeRO-3 forward all-gather"), message
+
+
+def test_compile_bench_rows_hold_the_targets_and_count_recompiles():
+    """``plait bench compile``'s table from a worker result (the run itself is the benchmark's)."""
+    from plait.zero_sharding.benchmarks.compile_suite import QUICK, SETUPS, _rows
+
+    eager, compiled = [0.100, 0.101, 0.099], [0.080, 0.081, 0.079]
+    times = {f"{setup} {kind}": (compiled if kind == "compiled" else eager) for setup in SETUPS
+             for kind in ("eager", "compiled")}
+    times["FSDP2 compiled"] = [0.120, 0.121, 0.119]
+    counts = {name: {"breaks": 2, "graphs": 1, "recompiles": 0} for name in times}
+    counts["plait ZeRO-2 compiled"]["recompiles"] = 3
+    rows = _rows({"times": times, "counts": counts, "params": 700_000}, QUICK)
+    by_name = {(row.benchmark.split(" (")[0], row.figure): row for row in rows}
+    assert by_name[("plait ZeRO-3 step, compiled per block vs eager", "time (ms)")].passed  # 0.8 <= 0.9
+    assert by_name[("compiled per block step, plait ZeRO-3 vs FSDP2", "time (ms)")].ratio == pytest.approx(0.8 / 1.2)
+    assert by_name[("compiled per block step, plait ZeRO-3 vs FSDP2", "time (ms)")].passed  # 0.67 <= 0.85
+    assert by_name[("plait ZeRO-3 compiled per block", "graph breaks (first step)")].ours == 2
+    assert by_name[("plait ZeRO-3 compiled per block", "recompiles (timed steps)")].passed
+    assert by_name[("plait ZeRO-2 compiled per block", "recompiles (timed steps)")].passed is False
+    assert rows[0].benchmark.endswith("(HF Llama 0.7M, W=2)")
