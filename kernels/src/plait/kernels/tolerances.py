@@ -389,6 +389,15 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
                "steps at lr 1e-3 on an O(1) loss; 1e-4 relative leaves room for that and catches any "
                "lost or doubled gradient (which moves the loss by percent).",
     ),
+    # ---- a model under torch.compile (inductor) vs the same model run eagerly.
+    ("compiled_losses_vs_eager", torch.float32): Tolerance(
+        atol=1e-6, rtol=1e-5,
+        reason="inductor fuses the blocks' elementwise ops and reductions (RMSNorm's mean of squares, "
+               "softmax, the loss) into its own loops, which sum in another order than eager's kernels: "
+               "a few fp32 ulps per step, carried through the optimizer steps; observed 2.3e-7 relative "
+               "(9.5e-7 absolute) on a loss near 4 by the third AdamW step of a 2-layer Llama under ZeRO "
+               "at W=2. The aot_eager backend (no code generation) gives eager's losses bitwise.",
+    ),
     ("quantize_blockwise", torch.float32): Tolerance(
         atol=0.0, rtol=0.0,
         reason="bitwise equal: absmax is a max (order-free), scale and codes use IEEE division "

@@ -308,6 +308,10 @@ def is_communication_failure(exc: RuntimeError) -> bool:
     return any(word in text for word in _COMM_FAILURE_WORDS)
 
 
+# Never traced: the flight log, the publisher and the diagnosis are Python-side bookkeeping (clocks,
+# store clients, a thread) that must run as written on every call. Under torch.compile a call
+# from compiled code becomes a graph break here, and the collective runs eagerly with its record.
+@torch.compiler.disable
 def run(op: str, group: Any | None, group_label: str, label: str, peers: list[int] | None, call: Any, /,
         *args: Any, **kwargs: Any) -> Any:
     """Enter ``op`` in the flight log, issue it, and turn its failure into a named error.

@@ -4,7 +4,12 @@
 Only the torch side is imported here, so this package imports on machines without Triton.
 """
 
-from plait.kernels.ops import rms_norm_op  # noqa: F401 - registers the plait::rms_norm custom ops
+from plait.kernels.ops import (
+    quantize_op,  # noqa: F401 - registers the plait::quantize_blockwise custom ops
+    rms_norm_op,  # noqa: F401 - registers the plait::rms_norm custom ops
+    rotary_op,  # noqa: F401 - registers the plait::rotary custom ops
+    sign_op,  # noqa: F401 - registers the plait::pack_signs custom ops
+)
 from plait.kernels.ops.gated_activation import (
     GeluAndMul,
     SiluAndMul,

@@ -263,7 +263,15 @@ def quantize_blockwise(
             f"quantize_blockwise: x.dtype={x.dtype} is not supported; cast x to one of {_dtype_names()}."
         )
     _check_format(bits, block_size, "quantize_blockwise")
-    if x.numel() and dispatch.select_backend(x) == dispatch.TRITON:
+    use_triton = bool(x.numel()) and dispatch.select_backend(x) == dispatch.TRITON
+    if torch.compiler.is_compiling():  # the custom op (quantize_op): opaque to torch.compile
+        return torch.ops.plait.quantize_blockwise(x, bits, block_size, use_triton)
+    return quantize_any(x, bits, block_size, use_triton)
+
+
+def quantize_any(x: torch.Tensor, bits: int, block_size: int, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` on validated arguments, on the Triton path or the reference."""
+    if use_triton:
         # Imported here, not at module top: CPU installs without Triton never reach this line.
         from plait.kernels.ops import quantize_triton
 
@@ -338,7 +346,19 @@ def dequantize_blockwise(
             message says which and the fix), or ``PLAIT_KERNEL_BACKEND`` is invalid.
     """
     _check_dequantize_args(codes, scales, bits, block_size, numel, dtype, out)
-    if numel and dispatch.select_backend(codes) == dispatch.TRITON:
+    use_triton = bool(numel) and dispatch.select_backend(codes) == dispatch.TRITON
+    if torch.compiler.is_compiling():  # the custom ops (quantize_op): opaque to torch.compile
+        if out is None:
+            return torch.ops.plait.dequantize_blockwise(codes, scales, bits, block_size, numel, dtype, use_triton)
+        torch.ops.plait.dequantize_blockwise_into(codes, scales, bits, block_size, numel, out, use_triton)
+        return out
+    return dequantize_any(codes, scales, bits, block_size, numel, dtype, out, use_triton)
+
+
+def dequantize_any(codes: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, numel: int,
+                   dtype: torch.dtype, out: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+    """:func:`dequantize_blockwise` on validated arguments, on the Triton path or the reference."""
+    if use_triton:
         from plait.kernels.ops import quantize_triton
 
         return quantize_triton.dequantize_blockwise_triton(

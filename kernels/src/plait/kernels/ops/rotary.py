@@ -296,10 +296,17 @@ def apply_rotary(
             "apply_rotary rotates in place and is not differentiable; call rotary_embedding() for "
             "training, or run under torch.no_grad()/inference_mode()."
         )
+    compiling = torch.compiler.is_compiling()  # positions are then checked by the op, at run time
     q4, k4, cos, sin, flat, rotary_dim = check_rotary_inputs(
         q, k, cos_sin, positions, head_size=head_size, rotary_dim=rotary_dim,
-        validate_positions=validate_positions,
+        validate_positions=validate_positions and not compiling,
     )
+    if compiling:  # the custom op: opaque to torch.compile
+        from plait.kernels.ops.rotary_op import rotary_custom
+
+        rotary_custom(q4, k4, cos, sin, flat, rotary_dim, is_neox, in_place=True, check_positions=validate_positions,
+                      use_triton=dispatch.select_backend(q) == dispatch.TRITON)
+        return q, k
     if dispatch.select_backend(q) == dispatch.TRITON:
         from plait.kernels.ops.rotary_triton import rotary_inplace_triton
 
@@ -410,11 +417,20 @@ def rotary_embedding(
     Raises:
         ValueError: as in :func:`apply_rotary` (except the grad check).
     """
+    compiling = torch.compiler.is_compiling()  # positions are then checked by the op, at run time
     q4, k4, cos, sin, flat, rotary_dim = check_rotary_inputs(
         q, k, cos_sin, positions, head_size=head_size, rotary_dim=rotary_dim,
-        validate_positions=validate_positions,
+        validate_positions=validate_positions and not compiling,
     )
-    if dispatch.select_backend(q) == dispatch.TRITON:
+    if compiling:
+        # The custom op (opaque to torch.compile, its backward registered); eager keeps the
+        # reference's autograd graph or the Triton autograd Function.
+        from plait.kernels.ops.rotary_op import rotary_custom
+
+        q_out, k_out = rotary_custom(q4, k4, cos, sin, flat, rotary_dim, is_neox, in_place=False,
+                                     check_positions=validate_positions,
+                                     use_triton=dispatch.select_backend(q) == dispatch.TRITON)
+    elif dispatch.select_backend(q) == dispatch.TRITON:
         from plait.kernels.ops.rotary_triton import rotary_out_of_place_triton
 
         q_out, k_out = rotary_out_of_place_triton(q4, k4, cos, sin, flat, rotary_dim, is_neox)

@@ -148,6 +148,15 @@ def rotary_inplace_triton(q4: torch.Tensor, k4: torch.Tensor | None, cos: torch.
             original.copy_(compact.view(original.shape))
 
 
+def rotate_copy(x4: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, flat: torch.Tensor, rotary_dim: int,
+                is_neox: bool, *, inverse: bool) -> torch.Tensor:
+    """A rotated contiguous copy of ``x4`` (by ``-theta`` with ``inverse``): the Triton path of the
+    ``plait::rotary`` custom op (:mod:`plait.kernels.ops.rotary_op`), which rotates q and k apart."""
+    out = x4.reshape(-1, *x4.shape[-2:]).clone(memory_format=torch.contiguous_format)
+    _launch(out, None, cos, sin, flat, rotary_dim, is_neox, inverse)
+    return out.view(x4.shape)
+
+
 class RotaryFunction(torch.autograd.Function):
     """Out-of-place RoPE: forward rotates copies by ``theta``; backward rotates gradients by ``-theta``."""
 

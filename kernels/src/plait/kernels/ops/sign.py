@@ -103,7 +103,15 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"pack_signs: x must be a floating-point torch.Tensor, got {_describe(x)}.")
-    if x.numel() and dispatch.select_backend(x) == dispatch.TRITON:
+    use_triton = bool(x.numel()) and dispatch.select_backend(x) == dispatch.TRITON
+    if torch.compiler.is_compiling():
+        return torch.ops.plait.pack_signs(x, use_triton)  # the custom op (sign_op): opaque to torch.compile
+    return pack_signs_any(x, use_triton)
+
+
+def pack_signs_any(x: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """:func:`pack_signs` on a validated ``x``, on the Triton path or the torch one."""
+    if use_triton:
         from plait.kernels.ops import sign_triton  # imported here: CPU installs without Triton never reach it
 
         return sign_triton.pack_signs_triton(x)
@@ -129,11 +137,23 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
         ValueError: numel is negative or more than packed holds.
     """
     _check_packed(packed, numel)
-    if numel and dispatch.select_backend(packed) == dispatch.TRITON:
+    return _unpack(packed, numel, as_signs=False)
+
+
+def _unpack(packed: torch.Tensor, numel: int, *, as_signs: bool) -> torch.Tensor:
+    use_triton = bool(numel) and dispatch.select_backend(packed) == dispatch.TRITON
+    if torch.compiler.is_compiling():
+        return torch.ops.plait.unpack_signs(packed, numel, as_signs, use_triton)  # the custom op (sign_op)
+    return unpack_any(packed, numel, as_signs, use_triton)
+
+
+def unpack_any(packed: torch.Tensor, numel: int, as_signs: bool, use_triton: bool) -> torch.Tensor:
+    """:func:`unpack_signs` (``as_signs``) or :func:`unpack_bits` on validated arguments."""
+    if use_triton:
         from plait.kernels.ops import sign_triton
 
-        return sign_triton.unpack_triton(packed, numel, as_signs=False)
-    return _gather_rows(_BIT_TABLE, packed, numel)
+        return sign_triton.unpack_triton(packed, numel, as_signs=as_signs)  # one pass: bits straight to values
+    return _gather_rows(_SIGN_TABLE if as_signs else _BIT_TABLE, packed, numel)
 
 
 def _check_packed(packed: object, numel: int) -> None:
@@ -156,11 +176,7 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
         TypeError, ValueError: as :func:`unpack_bits`.
     """
     _check_packed(packed, numel)
-    if numel and dispatch.select_backend(packed) == dispatch.TRITON:
-        from plait.kernels.ops import sign_triton
-
-        return sign_triton.unpack_triton(packed, numel, as_signs=True)  # one pass: bits straight to +-1.0
-    return _gather_rows(_SIGN_TABLE, packed, numel)
+    return _unpack(packed, numel, as_signs=True)
 
 
 def _plus_minus_one(bits: torch.Tensor) -> torch.Tensor:
@@ -194,7 +210,17 @@ def unpack_scaled_signs(packed: torch.Tensor, numel: int, scale: torch.Tensor, *
         TypeError, ValueError: as :func:`unpack_bits`.
     """
     _check_packed(packed, numel)
-    if numel and dispatch.select_backend(packed) == dispatch.TRITON:
+    use_triton = bool(numel) and dispatch.select_backend(packed) == dispatch.TRITON
+    if torch.compiler.is_compiling():  # the custom op (sign_op); ``out`` is filled by a traced copy
+        values = torch.ops.plait.unpack_scaled_signs(packed, numel, scale, use_triton)
+        return values if out is None else out.copy_(values)
+    return unpack_scaled_any(packed, numel, scale, use_triton, out)
+
+
+def unpack_scaled_any(packed: torch.Tensor, numel: int, scale: torch.Tensor, use_triton: bool,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`unpack_scaled_signs` on validated arguments, on the Triton path or the torch one."""
+    if use_triton:
         from plait.kernels.ops import sign_triton
 
         return sign_triton.unpack_triton(packed, numel, as_signs=True, scale=scale, out=out)  # one pass
@@ -228,10 +254,18 @@ def compress_with_error_feedback(x: torch.Tensor, error: torch.Tensor) -> tuple[
             "compress_with_error_feedback: x and error must be flat float32 tensors of one size, got "
             f"{_describe(x)} and {_describe(error)}; flatten and cast them (the optimizers keep fp32 buffers)."
         )
+    use_triton = bool(x.numel()) and dispatch.select_backend(x) == dispatch.TRITON
+    if torch.compiler.is_compiling():  # the custom op (sign_op), which updates error in place
+        return torch.ops.plait.compress_with_error_feedback(x, error, use_triton)
+    return compress_any(x, error, use_triton)
+
+
+def compress_any(x: torch.Tensor, error: torch.Tensor, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compress_with_error_feedback` on validated arguments, on the Triton path or the torch one."""
     compensated = error.add_(x)  # the error buffer becomes c, then what c loses: no temporary of n floats
     n = compensated.numel()
     scale = torch.linalg.vector_norm(compensated) / math.sqrt(n) if n else compensated.new_zeros(())
-    if n and dispatch.select_backend(compensated) == dispatch.TRITON:
+    if use_triton:
         from plait.kernels.ops import sign_triton
 
         return sign_triton.sign_and_error_triton(compensated, scale), scale  # the fused sign/pack/error pass

@@ -96,8 +96,17 @@ class DirectCalls:
         self.depth -= 1
 
     def _enter(self, units: list[FlatUnit]) -> None:
+        # Inside a forward (depth > 1) this hook only counts, in code torch.compile traces, so a
+        # compiled block's submodules keep one graph; the outermost call's gathers are not traced.
         self.depth += 1
-        if self.depth > 1 or self.engine.pinned or _in_backward():
+        if self.depth > 1 or self.engine.pinned:
+            self.outer.append([])
+            return
+        self._enter_outermost(units)
+
+    @torch.compiler.disable
+    def _enter_outermost(self, units: list[FlatUnit]) -> None:
+        if _in_backward():
             self.outer.append([])
             return
         fresh = [u for u in units if not u.gathered]
@@ -109,5 +118,9 @@ class DirectCalls:
         self.depth -= 1
         fresh = self.outer.pop()
         if fresh and not torch.is_grad_enabled() and not self.engine.pinned:
-            for unit in fresh:
-                unit.release()
+            self._release(fresh)
+
+    @torch.compiler.disable
+    def _release(self, fresh: list[FlatUnit]) -> None:
+        for unit in fresh:
+            unit.release()
