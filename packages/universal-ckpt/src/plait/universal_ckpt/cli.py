@@ -17,14 +17,14 @@ SOURCE_KINDS = ("universal", "dcp", "deepspeed", "hf")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``plait ckpt`` with ``inspect``, ``verify`` and ``convert``.
+    """Add ``plait ckpt`` with ``inspect``, ``verify``, ``convert`` and ``quantize``.
 
     Args:
         subparsers: the ``plait`` command's subparsers.
     """
-    parser = subparsers.add_parser("ckpt", help="universal checkpoints: inspect, verify, convert "
+    parser = subparsers.add_parser("ckpt", help="universal checkpoints: inspect, verify, convert, quantize "
                                                 "(plait-universal-ckpt)")
-    commands = parser.add_subparsers(dest="ckpt_command", metavar="{inspect,verify,convert}")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="{inspect,verify,convert,quantize}")
     inspect = commands.add_parser("inspect", help="layout, tensors, sizes and integrity as a table")
     inspect.add_argument("path", help="checkpoint directory or root (its latest)")
     inspect.add_argument("--hash", action="store_true", help="also check every hash (reads all bytes)")
@@ -40,6 +40,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--dtype", default=None, help="cast floating weights for --to hf, e.g. bfloat16")
     convert.add_argument("--key", default=None, help="state-dict key of the model (hf export; import target key)")
     convert.set_defaults(func=run_convert)
+    quantize = commands.add_parser("quantize", help="weight-only int8/int4 universal checkpoint from a universal one")
+    quantize.add_argument("src", help="universal checkpoint directory or root (its latest); hashes are checked")
+    quantize.add_argument("dst", help="new checkpoint root (must not exist)")
+    quantize.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: per channel; 4: group-wise")
+    quantize.add_argument("--group-size", type=int, default=None, help="int4 group size: 32, 64 (default) or 128")
+    sym = quantize.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
+                     help="int4 without zero points (default)")
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="int4 with a zero point per group")
+    quantize.add_argument("--include-head", action="store_true", help="also quantize lm_head.weight")
+    quantize.add_argument("--include-embedding", action="store_true", help="also quantize the input embedding")
+    quantize.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                          help="keep weights matching this fnmatch pattern in full precision (repeatable)")
+    quantize.add_argument("--key", default=None, help="state-dict key of the model (default: the only one)")
+    quantize.set_defaults(func=run_quantize)
     parser.set_defaults(func=lambda args: _usage(parser))
 
 
@@ -209,4 +224,31 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"plait ckpt convert: {exc}", file=sys.stderr)
         return 1
     print(f"plait ckpt convert: {kind} {src} -> {args.to} {dst}")
+    return 0
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Quantize SRC into the new root DST; 2 for bad options, 1 for a refused checkpoint (nothing written)."""
+    from plait.universal_ckpt.quantize import CheckpointQuantizeConfig, quantize_checkpoint
+
+    try:
+        config = CheckpointQuantizeConfig(bits=args.bits, group_size=args.group_size, symmetric=args.symmetric,
+                                          include_head=args.include_head, include_embedding=args.include_embedding,
+                                          skip=tuple(args.skip), key=args.key)
+    except ValueError as exc:
+        print(f"plait ckpt quantize: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with _progress(None, "quantizing") as update:
+            report = quantize_checkpoint(args.src, args.dst, config, progress=update)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"plait ckpt quantize: {exc}", file=sys.stderr)
+        return 1
+    print(f"plait ckpt quantize: {report.path}: {len(report.quantized)} weights {config.scheme.kind}"
+          f"{'' if config.bits == 8 else f' group {config.scheme.group_size}'}, "
+          f"{_size(report.bytes_before)} -> {_size(report.bytes_after)}")
+    if report.kept:
+        print(_table([(name, why) for name, why in report.kept], ("kept in full precision", "why")))
+    if report.dropped:
+        print(f"not written (training state): {len(report.dropped)} entries, e.g. {', '.join(report.dropped[:3])}")
     return 0
