@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--to", required=True, choices=("universal", "hf", "dcp"), help="target format")
     convert.add_argument("--dtype", default=None, help="cast floating weights for --to hf, e.g. bfloat16")
     convert.add_argument("--key", default=None, help="state-dict key of the model (hf export; import target key)")
+    convert.add_argument("--config", default=None,
+                         help="HF config.json (or a directory holding it) written with --to hf; needed for a "
+                              "quantized checkpoint, whose quantization_config goes into it")
     convert.set_defaults(func=run_convert)
     quantize = commands.add_parser("quantize", help="weight-only int8/int4 universal checkpoint from a universal one")
     quantize.add_argument("src", help="universal checkpoint directory or root (its latest); hashes are checked")
@@ -190,6 +193,25 @@ def _to_universal(src: Path, kind: str, dst: Path, key: str | None, update: Call
     return import_hf(src, dst, key=key or "model", progress=update)
 
 
+def _hf_config(path: str | None) -> dict | None:
+    """The JSON of ``--config`` (a config.json or a directory holding one), or None."""
+    import json
+
+    if path is None:
+        return None
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"--config {path}: no config.json there.")
+    return json.loads(file.read_text())
+
+
+def _quantized(ckpt: Path) -> bool:
+    from plait.universal_ckpt import directory
+    from plait.universal_ckpt.reader import read_manifest
+
+    return "quantization" in read_manifest(directory.resolve(ckpt)).user_meta
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; the source is never modified. Returns 1 on a refused conversion."""
     import torch
@@ -212,15 +234,23 @@ def run_convert(args: argparse.Namespace) -> int:
             universal = src
             if kind != "universal":
                 universal = _to_universal(src, kind, dst if args.to == "universal" else Path(scratch), args.key, update)
-            if args.to == "hf":
+            config = _hf_config(args.config)
+            if args.to == "hf" and _quantized(universal):
+                from plait.universal_ckpt.interop.hf_quantized import export_quantized_hf
+
+                if dtype is not None:
+                    raise CheckpointError(f"--dtype {args.dtype} with a quantized checkpoint: its codes and "
+                                          "scales are exported as they are; drop --dtype.")
+                export_quantized_hf(universal, dst, config=config, progress=update)
+            elif args.to == "hf":
                 from plait.universal_ckpt.interop.hf import export_hf
 
-                export_hf(universal, dst, key=args.key, dtype=dtype, progress=update)
+                export_hf(universal, dst, key=args.key, dtype=dtype, config=config, progress=update)
             elif args.to == "dcp":
                 from plait.universal_ckpt.interop.dcp import export_dcp
 
                 export_dcp(universal, dst, progress=update)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:
         print(f"plait ckpt convert: {exc}", file=sys.stderr)
         return 1
     print(f"plait ckpt convert: {kind} {src} -> {args.to} {dst}")

@@ -5,6 +5,9 @@
 >>> revert(model)                                                        # the original modules back
 >>> with quantized(model, QuantizeConfig(kind="int8")): model.generate(...)
 
+A quantized HF export (compressed-tensors pack-quantized, ``plait ckpt convert --to hf``) loads with
+:func:`plait.inference_kernels.quantization.pretrained.load_quantized_pretrained`.
+
 Families: those of :mod:`plait.inference_kernels.patching`. The formats and the matmul are the
 ``plait.kernels.ops.quant_matmul`` op unit. Listed in docs/patches.md.
 """
