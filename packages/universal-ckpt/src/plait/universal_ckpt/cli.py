@@ -57,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     quantize.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                           help="keep weights matching this fnmatch pattern in full precision (repeatable)")
     quantize.add_argument("--key", default=None, help="state-dict key of the model (default: the only one)")
+    quantize.add_argument("--config", default=None,
+                          help="HF config.json (or its directory): written to DST/config.json with the "
+                               "quantization_config, so vLLM serves DST with load_format=plait_universal")
     quantize.set_defaults(func=run_quantize)
     parser.set_defaults(func=lambda args: _usage(parser))
 
@@ -269,8 +272,9 @@ def run_quantize(args: argparse.Namespace) -> int:
         print(f"plait ckpt quantize: {exc}", file=sys.stderr)
         return 2
     try:
+        hf_config = _hf_config(args.config)
         with _progress(None, "quantizing") as update:
-            report = quantize_checkpoint(args.src, args.dst, config, progress=update)
+            report = quantize_checkpoint(args.src, args.dst, config, hf_config=hf_config, progress=update)
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"plait ckpt quantize: {exc}", file=sys.stderr)
         return 1

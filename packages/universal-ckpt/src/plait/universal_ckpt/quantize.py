@@ -31,6 +31,7 @@ import fnmatch
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -246,13 +247,18 @@ def _stream(ckpt: Path, manifest: Manifest, key: str, entries: dict[str, TensorE
 
 
 def quantize_checkpoint(src: str | os.PathLike, dst_root: str | os.PathLike, config: CheckpointQuantizeConfig,
-                        *, progress: Callable[[int], None] | None = None) -> QuantizeCheckpointReport:
+                        *, hf_config: Any = None,
+                        progress: Callable[[int], None] | None = None) -> QuantizeCheckpointReport:
     """Write a weight-only quantized universal checkpoint from a universal checkpoint.
 
     Args:
         src: a checkpoint directory or root (its latest); read with hashes checked, never modified.
         dst_root: the new checkpoint root; must not exist.
         config: the scheme and which weights.
+        hf_config: the model's HF config (an object with ``save_pretrained`` or a dict). When
+            given, ``dst_root/config.json`` is written with the compressed-tensors
+            ``quantization_config`` (:func:`plait.universal_ckpt.interop.hf_quantized.write_config`),
+            so vLLM serves the root with ``load_format="plait_universal"``.
         progress: called with the bytes of each tensor written.
 
     Returns:
@@ -308,6 +314,10 @@ def quantize_checkpoint(src: str | os.PathLike, dst_root: str | os.PathLike, con
                          tensors=_stream(ckpt, manifest, key, entries, sorted(quantized), scheme, written_aliases))
     before = sum(e.nbytes for e in shapes.values())
     after = sum(weight_nbytes(tuple(e.global_shape), scheme) for e in shapes.values())
+    if hf_config is not None:
+        from plait.universal_ckpt.interop.hf_quantized import write_config
+
+        write_config(record, dst, hf_config)
     return QuantizeCheckpointReport(path=path, quantized=tuple(sorted(quantized)), kept=tuple(sorted(kept.items())),
                                     dropped=tuple(dropped) + (("objects",) if manifest.objects else ()),
                                     bytes_before=before, bytes_after=after)

@@ -77,6 +77,50 @@ def _weight_packed(codes: torch.Tensor, kind: str) -> torch.Tensor:
     return codes.contiguous().view(torch.int32)
 
 
+def hf_tensors(record: dict, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of a quantized checkpoint in the pack-quantized layout (names and dtypes).
+
+    Args:
+        record: the checkpoint's ``user_meta["quantization"]``.
+        name: the tensor's model name (``<m>.weight_codes``, ``<m>.weight_scales``, ... or any other).
+        tensor: its value.
+
+    Returns:
+        ``[(hf_name, tensor), ...]``: codes give ``weight_packed`` and ``weight_shape``; scales
+        ``weight_scale``; zero points ``weight_zero_point``; other tensors pass unchanged.
+    """
+    stem, _, suffix = name.rpartition(".")
+    if f"{stem}.weight" not in record["tensors"] or suffix not in ("weight_codes", "weight_scales", "weight_zeros"):
+        return [(name, tensor)]
+    if suffix == "weight_codes":
+        shape = torch.tensor(record["tensors"][f"{stem}.weight"]["shape"])
+        return [(f"{stem}.weight_packed", _weight_packed(tensor.clone(), record["scheme"]["kind"])),
+                (f"{stem}.weight_shape", shape)]
+    if suffix == "weight_scales":
+        return [(f"{stem}.weight_scale", tensor)]
+    return [(f"{stem}.weight_zero_point", pack_zero_points(tensor))]
+
+
+def write_config(record: dict, dst: Path, config: Any = None) -> Path:
+    """Write ``dst/config.json``: ``config`` (or the one already there) plus the ``quantization_config``.
+
+    Raises:
+        CheckpointLayoutError: no config given and none in ``dst``.
+    """
+    if config is None and not (dst / "config.json").is_file():
+        raise CheckpointLayoutError(f"the export ({describe(record)}) needs the model's HF config: pass "
+                                    "config=... (or --config), or put config.json in the destination first.")
+    if config is not None:
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(dst)
+        else:
+            (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    body = json.loads((dst / "config.json").read_text())
+    body["quantization_config"] = quantization_config(record)
+    (dst / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return dst / "config.json"
+
+
 def _check(record: dict, ckpt: Path) -> None:
     """Refuse what the layout cannot hold, before anything is written."""
     quantized = record["tensors"]
@@ -124,7 +168,7 @@ def export_quantized_hf(src: str | os.PathLike, dst: str | os.PathLike, *, confi
     if config is None and not (out / "config.json").is_file():
         raise CheckpointLayoutError(f"export of {ckpt} ({describe(record)}) needs the model's HF config: pass "
                                     "config=... (or --config), or put config.json in the destination first.")
-    key, kind = record["key"], record["scheme"]["kind"]
+    key = record["key"]
     entries = sorted((e for e in manifest.tensors.values() if e.key == key), key=lambda e: e.name)
     aliases: dict[str, list[str]] = {}
     for alias, canonical in manifest.user_meta.get(TIED_ALIASES, {}).get(key, {}).items():
@@ -134,19 +178,9 @@ def export_quantized_hf(src: str | os.PathLike, dst: str | os.PathLike, *, confi
     size = 0
     for entry in entries:
         tensor = read_full(ckpt, manifest, entry, verify=verify)
-        stem, _, suffix = entry.name.rpartition(".")
-        named = {}
-        if f"{stem}.weight" in record["tensors"] and suffix.startswith("weight_"):
-            if suffix == "weight_codes":
-                named[f"{stem}.weight_packed"] = _weight_packed(tensor, kind)
-                named[f"{stem}.weight_shape"] = torch.tensor(record["tensors"][f"{stem}.weight"]["shape"])
-            elif suffix == "weight_scales":
-                named[f"{stem}.weight_scale"] = tensor
-            else:
-                named[f"{stem}.weight_zero_point"] = pack_zero_points(tensor)
-        else:
-            named = {name: tensor.clone() if name != entry.name else tensor
-                     for name in [entry.name, *aliases.get(entry.name, ())]}
+        named = dict(hf_tensors(record, entry.name, tensor))
+        for alias in aliases.get(entry.name, ()):  # safetensors refuses shared storage: a copy each
+            named[alias] = tensor.clone()
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -163,13 +197,6 @@ def export_quantized_hf(src: str | os.PathLike, dst: str | os.PathLike, *, confi
         total += sum(t.numel() * t.element_size() for t in shard.values())
     (out / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total, "plait_step": manifest.step},
                                               "weight_map": weight_map}, indent=2) + "\n")
-    if config is not None:
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(out)
-        else:
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    body = json.loads((out / "config.json").read_text())
-    body["quantization_config"] = quantization_config(record)
-    (out / "config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    write_config(record, out, config)
     fsync_dir(out)
     return out
