@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
@@ -93,7 +94,6 @@ def checkpoints(tmp_path_factory):
 
 
 def test_quantized_checkpoints_serve_plait_tokens(checkpoints):
-    pytest.importorskip("vllm")
     base, tmp_path = checkpoints
     want = {}
     for name, config in (("int8", INT8), ("int4", INT4)):
@@ -110,7 +110,6 @@ def test_quantized_checkpoints_serve_plait_tokens(checkpoints):
 
 
 def test_quantized_checkpoint_refused_without_plait_quantization(checkpoints):
-    pytest.importorskip("vllm")
     from plait.vllm.checkpoint_weights import CheckpointWeights
     from plait.vllm.loader import _quantization
 
