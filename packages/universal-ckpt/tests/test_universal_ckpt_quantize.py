@@ -185,3 +185,5 @@ def test_cli(tmp_path, capsys):
     assert _plait("ckpt", "quantize", src, out, "--bits", "8") == 1  # never over an existing output
     assert "exists" in capsys.readouterr().err
     assert _plait("ckpt", "verify", out) == 0
+    assert _plait("ckpt", "inspect", out) == 0
+    assert "quantized: int4 group 128 asymmetric (plait-weight-only v1), 1 weights" in capsys.readouterr().out

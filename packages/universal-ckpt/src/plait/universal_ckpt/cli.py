@@ -112,6 +112,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     if "tp" in layout.mesh or "pp" in layout.mesh or ep > 1 or sp > 1:  # a model-parallel producer
         print(f"model parallel: tp={layout.mesh.get('tp', 1)} pp={layout.mesh.get('pp', 1)} "
               f"dp={layout.mesh.get('dp', 1)} ep={ep} sp={sp}")
+    if "quantization" in manifest.user_meta:
+        from plait.universal_ckpt.quantize import describe
+
+        record = manifest.user_meta["quantization"]
+        print(f"quantized: {describe(record)}, {len(record.get('tensors', {}))} weights of key {record.get('key')!r} "
+              f"({len(record.get('kept', {}))} kept in full precision)")
     entries = sorted(manifest.tensors.values(), key=lambda e: e.full_name)
     shown = entries if args.limit == 0 else entries[:args.limit]
     rows = [(e.full_name, e.kind, e.dtype, "x".join(map(str, e.global_shape)) or "scalar", str(len(e.pieces)),
