@@ -204,3 +204,42 @@ def test_benchmark_bytes_rows_and_alternating_order():
     order = []
     stats = benchmark._alternating({k: (lambda k=k: order.append(k)) for k in "ABC"}, warmup=0, rounds=2)
     assert order == list("ABCCBA") and set(stats) == set("ABC")
+
+
+def test_benchmark_torchao_rows_run_or_say_why():
+    """With torchao importable its int8 copy runs (logits near plait's int8); without it the row says so."""
+    import importlib.util
+
+    from plait.inference_kernels.quantization import benchmark
+
+    if importlib.util.find_spec("torchao") is None:  # the usual CI case: the row says why, no model is built
+        model, note = benchmark.torchao_quantized(torch.nn.Module(), "int8", head=False)
+        assert model is None and note.startswith("torchao not installed")
+        return
+    base = build("llama")
+    model, note = benchmark.torchao_quantized(base, "int8", head=False)
+    assert model is not None and "Int8WeightOnlyConfig" in note
+    ours = copy.deepcopy(base)
+    quantize(ours, QuantizeConfig(kind="int8", cpu_kernels=False))
+    ids = torch.randint(0, base.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, ours(input_ids=ids).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()  # both round-to-nearest int8 per channel
+    assert type(model.lm_head.weight) is torch.nn.Parameter  # head=False keeps the head as plait's row does
+
+
+def test_quantized_linear_from_codes_equals_the_quantized_linear():
+    from plait.inference_kernels.quantization import QuantizedLinear
+    from plait.kernels.ops.quant_matmul import QuantScheme
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 48)
+    scheme = QuantScheme(kind="int4", group_size=32, symmetric=False)
+    made = QuantizedLinear(linear, scheme)
+    again = QuantizedLinear.from_codes(made.weight_codes, made.weight_scales, made.weight_zeros, scheme,
+                                       in_features=128, dtype=torch.float32, bias=linear.bias)
+    x = torch.randn(3, 128)
+    assert torch.equal(again(x), made(x)) and again.weight_shape == (48, 128)
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedLinear.from_codes(made.weight_codes, made.weight_scales[:, :2], made.weight_zeros, scheme,
+                                   in_features=128, dtype=torch.float32)

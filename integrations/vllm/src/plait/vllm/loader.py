@@ -134,19 +134,21 @@ class PlaitUniversalLoader(BaseModelLoader):
 
         Raises:
             CheckpointIntegrityError: a file fails its hash or size check (the message names it).
-            ValueError: parameters of the model that the checkpoint does not hold (names them), or
+            ValueError: parameters of the model that the checkpoint does not hold (names them), a
+                weight-only quantized checkpoint without ``quantization="plait_weight_only"``, or
                 NaN in a parameter after a tensor-parallel rank read only its rows (the rows vLLM
                 took differ from the rows read: says to pass ``"rank_rows": False``).
         """
         start = time.perf_counter()
         tensor_parallel = _tensor_parallel_rank(model_config) if self.extra.get("rank_rows", True) else None
         weights = self._weights(model_config, tensor_parallel)
+        record = _quantization(weights, model_config)
         if tensor_parallel is None:  # whole tensors, checked alongside the copies on a free core (or each first)
             with weights.checked_ahead() as stream:
-                loaded = model.load_weights(stream)
+                loaded = model.load_weights(_in_layout(stream, record))
         else:  # each rank checks exactly the chunks of what vLLM copies, whatever its split
             with weights.checked_on_copy() as stream:
-                loaded = model.load_weights(stream)
+                loaded = model.load_weights(_in_layout(stream, record))
         if weights.nan_filled:
             _check_no_nan(model, weights)
         self.last_load_seconds = time.perf_counter() - start
@@ -166,6 +168,31 @@ class PlaitUniversalLoader(BaseModelLoader):
             raise ValueError(f"plait_universal: {weights.directory} (key {weights.key!r}) has no tensor for "
                              f"{len(missing)} parameter(s) of {type(model).__name__}: {shown}. Save the whole model, "
                              f"or pass model_loader_extra_config={{'key': ...}} naming the key that holds it.")
+
+
+def _quantization(weights: CheckpointWeights, model_config: ModelConfig) -> dict | None:
+    """A weight-only quantized checkpoint's record (None if unquantized); refused unless vLLM runs
+    it with ``quantization="plait_weight_only"``."""
+    from plait.universal_ckpt.quantize import describe, scheme_of
+    from plait.vllm.quantized import NAME
+
+    record = scheme_of(weights.manifest)
+    if record is not None and model_config.quantization != NAME:
+        raise ValueError(
+            f"plait_universal: {weights.directory} holds weights quantized {describe(record)}, but the engine runs "
+            f"quantization={model_config.quantization!r}. Put the model's config.json with its quantization_config "
+            f"beside the checkpoint (`plait ckpt quantize SRC DST --config HF_CONFIG` writes it) and serve with "
+            f"quantization={NAME!r} (the default for such a config.json).")
+    return record
+
+
+def _in_layout(stream, record: dict | None):
+    """The stream, with a quantized checkpoint's codes, scales and zero points in the pack-quantized names."""
+    if record is None:
+        return stream
+    from plait.universal_ckpt.interop.hf_quantized import hf_tensors
+
+    return (pair for name, tensor in stream for pair in hf_tensors(record, name, tensor))
 
 
 def _check_no_nan(model: nn.Module, weights: CheckpointWeights) -> None:

@@ -30,6 +30,7 @@ class RegistrationReport:
         vllm_version: the vLLM version found (``""`` when vLLM was not checked).
         ops: the in-tree op names plait registered an out-of-tree class for.
         loaders: the load formats plait registered.
+        quantization: the quantization methods plait registered (``plait_weight_only``).
         reason: why nothing was registered, or ``""``.
     """
 
@@ -38,6 +39,7 @@ class RegistrationReport:
     ops: tuple[str, ...] = ()
     loaders: tuple[str, ...] = ()
     reason: str = ""
+    quantization: tuple[str, ...] = ()
 
 
 _report: RegistrationReport | None = None
@@ -103,13 +105,15 @@ def register() -> RegistrationReport:
                            "Install a vLLM in that range, or a plait-vllm that supports %s.", reason, version)
         _report = RegistrationReport(registered=False, vllm_version=version, reason=reason)
         return _report
-    from plait.vllm import loader, ops
+    from plait.vllm import loader, ops, quantized
 
     op_names = ops.register_ops()
     loader_names = loader.register_loader()
-    _report = RegistrationReport(registered=True, vllm_version=version, ops=op_names, loaders=loader_names)
-    logger.info("plait.vllm: registered ops %s and load formats %s on vLLM %s",
-                ", ".join(op_names), ", ".join(loader_names), version)
+    quant_names = quantized.register_quantization()
+    _report = RegistrationReport(registered=True, vllm_version=version, ops=op_names, loaders=loader_names,
+                                 quantization=quant_names)
+    logger.info("plait.vllm: registered ops %s, load formats %s and quantization %s on vLLM %s",
+                ", ".join(op_names), ", ".join(loader_names), ", ".join(quant_names), version)
     return _report
 
 

@@ -291,6 +291,19 @@ def _validate(x, codes, scales, zeros, scheme, bias) -> None:
             raise ValueError(f"quant_matmul: {name} is on {t.device} but x is on {x.device}; move it to {x.device}.")
 
 
+def check_inputs(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    scheme: QuantScheme, bias: torch.Tensor | None = None,
+) -> None:
+    """The checks :func:`quant_matmul` runs, for callers that hold codes from elsewhere (a checkpoint).
+
+    Raises:
+        TypeError: scheme is not a QuantScheme.
+        ValueError: dtype, shape or device of any argument does not fit (named, with the fix).
+    """
+    _validate(x, codes, scales, zeros, scheme, bias)
+
+
 @torch.library.custom_op("plait::quant_matmul", mutates_args=())
 def _quant_matmul_op(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

@@ -124,7 +124,8 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
         CheckpointNotFoundError: no checkpoint at ``path``.
         CheckpointFormatError: foreign, damaged or newer-format manifest.
         CheckpointIntegrityError: a file's hash or size differs (names file, expected, actual).
-        CheckpointLayoutError: the target state cannot hold the checkpoint.
+        CheckpointLayoutError: the target state cannot hold the checkpoint (a weight-only quantized
+            checkpoint into full-precision weights included: the message names the scheme and the fix).
         UnsafeObjectError: an object file needs ``trust_pickled_objects=True``.
     """
     ckpt = directory.resolve(path)
@@ -140,6 +141,11 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, verify: bool = True,
             problems.append(f"key {adapter.key!r} is not in the checkpoint (it has {manifest.keys})")
             continue
         targets = adapter.tensors_for_load(saved)
+        if "quantization" in manifest.user_meta:  # weights stored as codes: refuse them as full precision
+            from plait.universal_ckpt.quantize import refuse_unquantized
+
+            wanted = {t.spec.name for t in targets.values()}
+            refuse_unquantized(manifest, adapter.key, wanted | {n.removeprefix("model.") for n in wanted}, "load")
         if not strict:  # bookkeeping the checkpoint's producer did not have keeps the target's value
             targets = {key: target for key, target in targets.items()
                        if target.spec.kind != "other" or target.spec.name in saved}

@@ -17,14 +17,14 @@ SOURCE_KINDS = ("universal", "dcp", "deepspeed", "hf")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``plait ckpt`` with ``inspect``, ``verify`` and ``convert``.
+    """Add ``plait ckpt`` with ``inspect``, ``verify``, ``convert`` and ``quantize``.
 
     Args:
         subparsers: the ``plait`` command's subparsers.
     """
-    parser = subparsers.add_parser("ckpt", help="universal checkpoints: inspect, verify, convert "
+    parser = subparsers.add_parser("ckpt", help="universal checkpoints: inspect, verify, convert, quantize "
                                                 "(plait-universal-ckpt)")
-    commands = parser.add_subparsers(dest="ckpt_command", metavar="{inspect,verify,convert}")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="{inspect,verify,convert,quantize}")
     inspect = commands.add_parser("inspect", help="layout, tensors, sizes and integrity as a table")
     inspect.add_argument("path", help="checkpoint directory or root (its latest)")
     inspect.add_argument("--hash", action="store_true", help="also check every hash (reads all bytes)")
@@ -39,7 +39,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--to", required=True, choices=("universal", "hf", "dcp"), help="target format")
     convert.add_argument("--dtype", default=None, help="cast floating weights for --to hf, e.g. bfloat16")
     convert.add_argument("--key", default=None, help="state-dict key of the model (hf export; import target key)")
+    convert.add_argument("--config", default=None,
+                         help="HF config.json (or a directory holding it) written with --to hf; needed for a "
+                              "quantized checkpoint, whose quantization_config goes into it")
     convert.set_defaults(func=run_convert)
+    quantize = commands.add_parser("quantize", help="weight-only int8/int4 universal checkpoint from a universal one")
+    quantize.add_argument("src", help="universal checkpoint directory or root (its latest); hashes are checked")
+    quantize.add_argument("dst", help="new checkpoint root (must not exist)")
+    quantize.add_argument("--bits", type=int, required=True, choices=(8, 4), help="8: per channel; 4: group-wise")
+    quantize.add_argument("--group-size", type=int, default=None, help="int4 group size: 32, 64 (default) or 128")
+    sym = quantize.add_mutually_exclusive_group()
+    sym.add_argument("--symmetric", dest="symmetric", action="store_true", default=True,
+                     help="int4 without zero points (default)")
+    sym.add_argument("--asymmetric", dest="symmetric", action="store_false", help="int4 with a zero point per group")
+    quantize.add_argument("--include-head", action="store_true", help="also quantize lm_head.weight")
+    quantize.add_argument("--include-embedding", action="store_true", help="also quantize the input embedding")
+    quantize.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                          help="keep weights matching this fnmatch pattern in full precision (repeatable)")
+    quantize.add_argument("--key", default=None, help="state-dict key of the model (default: the only one)")
+    quantize.add_argument("--config", default=None,
+                          help="HF config.json (or its directory): written to DST/config.json with the "
+                               "quantization_config, so vLLM serves DST with load_format=plait_universal")
+    quantize.set_defaults(func=run_quantize)
     parser.set_defaults(func=lambda args: _usage(parser))
 
 
@@ -91,6 +112,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     if "tp" in layout.mesh or "pp" in layout.mesh or ep > 1 or sp > 1:  # a model-parallel producer
         print(f"model parallel: tp={layout.mesh.get('tp', 1)} pp={layout.mesh.get('pp', 1)} "
               f"dp={layout.mesh.get('dp', 1)} ep={ep} sp={sp}")
+    if "quantization" in manifest.user_meta:
+        from plait.universal_ckpt.quantize import describe
+
+        record = manifest.user_meta["quantization"]
+        print(f"quantized: {describe(record)}, {len(record.get('tensors', {}))} weights of key {record.get('key')!r} "
+              f"({len(record.get('kept', {}))} kept in full precision)")
     entries = sorted(manifest.tensors.values(), key=lambda e: e.full_name)
     shown = entries if args.limit == 0 else entries[:args.limit]
     rows = [(e.full_name, e.kind, e.dtype, "x".join(map(str, e.global_shape)) or "scalar", str(len(e.pieces)),
@@ -175,6 +202,25 @@ def _to_universal(src: Path, kind: str, dst: Path, key: str | None, update: Call
     return import_hf(src, dst, key=key or "model", progress=update)
 
 
+def _hf_config(path: str | None) -> dict | None:
+    """The JSON of ``--config`` (a config.json or a directory holding one), or None."""
+    import json
+
+    if path is None:
+        return None
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"--config {path}: no config.json there.")
+    return json.loads(file.read_text())
+
+
+def _quantized(ckpt: Path) -> bool:
+    from plait.universal_ckpt import directory
+    from plait.universal_ckpt.reader import read_manifest
+
+    return "quantization" in read_manifest(directory.resolve(ckpt)).user_meta
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; the source is never modified. Returns 1 on a refused conversion."""
     import torch
@@ -197,16 +243,52 @@ def run_convert(args: argparse.Namespace) -> int:
             universal = src
             if kind != "universal":
                 universal = _to_universal(src, kind, dst if args.to == "universal" else Path(scratch), args.key, update)
-            if args.to == "hf":
+            config = _hf_config(args.config)
+            if args.to == "hf" and _quantized(universal):
+                from plait.universal_ckpt.interop.hf_quantized import export_quantized_hf
+
+                if dtype is not None:
+                    raise CheckpointError(f"--dtype {args.dtype} with a quantized checkpoint: its codes and "
+                                          "scales are exported as they are; drop --dtype.")
+                export_quantized_hf(universal, dst, config=config, progress=update)
+            elif args.to == "hf":
                 from plait.universal_ckpt.interop.hf import export_hf
 
-                export_hf(universal, dst, key=args.key, dtype=dtype, progress=update)
+                export_hf(universal, dst, key=args.key, dtype=dtype, config=config, progress=update)
             elif args.to == "dcp":
                 from plait.universal_ckpt.interop.dcp import export_dcp
 
                 export_dcp(universal, dst, progress=update)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:
         print(f"plait ckpt convert: {exc}", file=sys.stderr)
         return 1
     print(f"plait ckpt convert: {kind} {src} -> {args.to} {dst}")
+    return 0
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    """Quantize SRC into the new root DST; 2 for bad options, 1 for a refused checkpoint (nothing written)."""
+    from plait.universal_ckpt.quantize import CheckpointQuantizeConfig, quantize_checkpoint
+
+    try:
+        config = CheckpointQuantizeConfig(bits=args.bits, group_size=args.group_size, symmetric=args.symmetric,
+                                          include_head=args.include_head, include_embedding=args.include_embedding,
+                                          skip=tuple(args.skip), key=args.key)
+    except ValueError as exc:
+        print(f"plait ckpt quantize: {exc}", file=sys.stderr)
+        return 2
+    try:
+        hf_config = _hf_config(args.config)
+        with _progress(None, "quantizing") as update:
+            report = quantize_checkpoint(args.src, args.dst, config, hf_config=hf_config, progress=update)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"plait ckpt quantize: {exc}", file=sys.stderr)
+        return 1
+    print(f"plait ckpt quantize: {report.path}: {len(report.quantized)} weights {config.scheme.kind}"
+          f"{'' if config.bits == 8 else f' group {config.scheme.group_size}'}, "
+          f"{_size(report.bytes_before)} -> {_size(report.bytes_after)}")
+    if report.kept:
+        print(_table([(name, why) for name, why in report.kept], ("kept in full precision", "why")))
+    if report.dropped:
+        print(f"not written (training state): {len(report.dropped)} entries, e.g. {', '.join(report.dropped[:3])}")
     return 0

@@ -5,6 +5,9 @@
 >>> revert(model)                                                        # the original modules back
 >>> with quantized(model, QuantizeConfig(kind="int8")): model.generate(...)
 
+A quantized HF export (compressed-tensors pack-quantized, ``plait ckpt convert --to hf``) loads with
+:func:`load_quantized_pretrained`.
+
 Families: those of :mod:`plait.inference_kernels.patching`. The formats and the matmul are the
 ``plait.kernels.ops.quant_matmul`` op unit. Listed in docs/patches.md.
 """
@@ -19,6 +22,7 @@ from plait.inference_kernels.quantization.apply import (
     revert,
 )
 from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from plait.inference_kernels.quantization.pretrained import load_quantized_pretrained
 
 __all__ = [
     "QuantizeConfig",
@@ -26,6 +30,7 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "is_quantized",
+    "load_quantized_pretrained",
     "quantize",
     "quantize_report",
     "quantized",

@@ -19,7 +19,9 @@ One run, CPU, one torch thread:
   more than 10% slower than fp32.
 * memory: bytes of the quantized weights in the state dict against the formula (exact).
 
-torchao rows say n/a with the reason when torchao is not installed.
+torchao rows (``Int8WeightOnlyConfig``, ``Int4WeightOnlyConfig(group_size=64)``, the same Linears
+as plait's row) run when torchao is importable and its config runs on CPU; otherwise they say n/a
+with the reason (torchao 0.18 has no CPU int4 weight-only format without its optional ``mslk``).
 """
 
 from __future__ import annotations
@@ -51,11 +53,31 @@ INT8 = QuantizeConfig(kind="int8", keep_original=False)
 FP6 = QuantizeConfig(kind="fp6", keep_original=False)
 
 
-def _torchao_note() -> str | None:
-    """None when torchao can run here, else why its rows are n/a."""
+def torchao_quantized(model: torch.nn.Module, label: str, *, head: bool) -> tuple[torch.nn.Module | None, str]:
+    """A copy of ``model`` under torchao's weight-only config for ``label``, or None and why not.
+
+    int8: ``Int8WeightOnlyConfig`` (per channel); int4: ``Int4WeightOnlyConfig(group_size=64)``.
+    ``head`` says whether ``lm_head`` is quantized too (as in plait's row it is compared with). The
+    copy runs one forward here, so a config torchao cannot run on CPU gives None with the reason.
+
+    Returns:
+        ``(model or None, note)``: the note names torchao's version, or why the row is n/a.
+    """
     if importlib.util.find_spec("torchao") is None:
-        return "torchao not installed (pip install torchao, matching the torch pin)"
-    return None
+        return None, "torchao not installed (pip install torchao, matching the torch pin)"
+    import torchao
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    out = copy.deepcopy(model)
+    config = Int8WeightOnlyConfig() if label.startswith("int8") else Int4WeightOnlyConfig(group_size=64)
+    try:
+        quantize_(out, config, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and (head or fqn != "lm_head"))
+        with torch.no_grad():
+            out(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except (ImportError, NotImplementedError, AssertionError, RuntimeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return None, f"torchao {torchao.__version__} {type(config).__name__} does not run on CPU: {reason}"
+    return out, f"torchao {torchao.__version__} {type(config).__name__}"
 
 
 def _llama(shape: dict, seed: int, dtype=torch.float32):
@@ -122,8 +144,15 @@ def quality_rows(base: torch.nn.Module, steps: int) -> list[BenchRow]:
                              target="" if target is None else f"<= {target:g}",
                              passed=None if target is None else ppl / ref <= target, note=note))
         if label != "fp6 e3m2":
+            theirs, why = torchao_quantized(base, label, head=False)
+            peer_ppl = None if theirs is None else perplexity(theirs)
             rows.append(BenchRow(benchmark=f"tiny-llama {label}, held-out text", figure="perplexity", ours=ppl,
-                                 peer=f"torchao {label.split()[0]} weight-only", note=_torchao_note() or ""))
+                                 peer=f"torchao {label.split()[0]} weight-only", peer_value=peer_ppl,
+                                 ratio=None if peer_ppl is None else ppl / peer_ppl,
+                                 target="" if peer_ppl is None else "<= 1",
+                                 passed=None if peer_ppl is None else ppl <= peer_ppl,
+                                 note=why + ("" if label == "int8" or peer_ppl is None else "; torchao quantizes "
+                                             "down_proj too")))
     return rows
 
 
@@ -206,6 +235,10 @@ def speed_rows(rounds: int) -> list[BenchRow]:
     for label, config in (("int8", INT8_FAST), ("int4 g64", INT4_FAST)):
         models[label] = copy.deepcopy(fp32)
         quantize(models[label], config)
+    torchao = {label: torchao_quantized(fp32, label, head=True) for label in ("int8", "int4 g64")}
+    for label, (model, _) in torchao.items():
+        if model is not None:
+            models[f"torchao {label}"] = model
     rows = []
     for batch in (1, 8):
         stats = _alternating({k: _decode_step(m, batch, 64) for k, m in models.items()}, warmup=2, rounds=rounds)
@@ -219,10 +252,18 @@ def speed_rows(rounds: int) -> list[BenchRow]:
                     target="" if goal is None else f">= {goal:g}",
                     passed=None if goal is None else ours / theirs >= goal,
                     note=f"step p10/median/p90 ms ours {_ms(stats[label])}, peer {_ms(stats[peer])}"))
+            peer = stats.get(f"torchao {label}")
+            ours = batch / stats[label].median
             rows.append(BenchRow(benchmark=f"Llama {params / 1e6:.0f}M decode batch {batch}, {label}",
-                                 figure="tokens/s", ours=batch / stats[label].median,
-                                 peer=f"torchao {label.split()[0]} weight-only", note=_torchao_note() or ""))
-    stats = _alternating({k: _prefill(m, 128) for k, m in models.items()}, warmup=1, rounds=max(4, rounds // 2))
+                                 figure="tokens/s", ours=ours, peer=f"torchao {label.split()[0]} weight-only",
+                                 peer_value=None if peer is None else batch / peer.median,
+                                 ratio=None if peer is None else ours * peer.median / batch,
+                                 target="" if peer is None else ">= 1",
+                                 passed=None if peer is None else ours * peer.median / batch >= 1,
+                                 note=torchao[label][1] + ("" if peer is None else
+                                                           f"; step p10/median/p90 ms peer {_ms(peer)}")))
+    stats = _alternating({k: _prefill(m, 128) for k, m in models.items() if not k.startswith("torchao")}, warmup=1,
+                         rounds=max(4, rounds // 2))
     for label in ("bf16 HF", "int8", "int4 g64"):
         ratio = stats[label].median / stats["fp32 HF"].median
         rows.append(BenchRow(benchmark=f"Llama {params / 1e6:.0f}M prefill 128 tokens, {label}", figure="time (ms)",

@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.kernels.ops.quant_matmul import (
     QuantScheme,
+    check_inputs,
     dequantize_weight,
     int4_cpu_packable,
     int4_matmul_cpu,
@@ -44,13 +45,16 @@ class _QuantizedWeight(nn.Module):
 
     def __init__(self, weight: torch.Tensor, scheme: QuantScheme) -> None:
         super().__init__()
-        codes, scales, zeros = quantize_weight(weight, scheme)
+        self._store(*quantize_weight(weight, scheme), scheme, tuple(weight.shape), weight.dtype, weight.device)
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, scheme: QuantScheme,
+               shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
         self.scheme = scheme
-        self.weight_shape = tuple(weight.shape)
-        self.dtype = weight.dtype
-        self.register_buffer("weight_codes", codes.to(weight.device))
-        self.register_buffer("weight_scales", scales.to(weight.device))
-        self.register_buffer("weight_zeros", None if zeros is None else zeros.to(weight.device))
+        self.weight_shape = shape
+        self.dtype = dtype
+        self.register_buffer("weight_codes", codes.to(device))
+        self.register_buffer("weight_scales", scales.to(device))
+        self.register_buffer("weight_zeros", None if zeros is None else zeros.to(device))
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ``[N, K]`` weight the codes stand for, in ``dtype`` (default: the original weight's)."""
@@ -82,12 +86,39 @@ class QuantizedLinear(_QuantizedWeight):
     def __init__(self, linear: nn.Linear, scheme: QuantScheme, *, cpu_kernels: bool = True,
                  bf16_decode: bool = False) -> None:
         super().__init__(linear.weight.detach(), scheme)
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        self._linear(linear.bias, cpu_kernels, bf16_decode)
+
+    def _linear(self, bias: torch.Tensor | None, cpu_kernels: bool, bf16_decode: bool) -> None:
+        self.out_features, self.in_features = self.weight_shape
         self.cpu_kernels = cpu_kernels
         self.bf16_decode = bf16_decode
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._cpu_int4: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, scheme: QuantScheme,
+                   *, in_features: int, dtype: torch.dtype, bias: torch.Tensor | None = None,
+                   cpu_kernels: bool = True, bf16_decode: bool = False) -> QuantizedLinear:
+        """A QuantizedLinear holding already quantized codes (a checkpoint's, a serving engine's).
+
+        Args:
+            codes, scales, zeros: as :func:`plait.kernels.ops.quant_matmul.quantize_weight` returns them.
+            scheme: their format.
+            in_features: K.
+            dtype: the dtype of the weight they stand for.
+            bias, cpu_kernels, bf16_decode: as the constructor.
+
+        Raises:
+            ValueError: codes, scales or zeros that do not fit ``[codes.shape[0], in_features]``
+                in the scheme (named).
+        """
+        shape = (codes.shape[0], in_features)
+        check_inputs(torch.empty(1, in_features, device=codes.device), codes, scales, zeros, scheme, bias)
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._store(codes, scales, zeros, scheme, shape, dtype, codes.device)
+        module._linear(bias, cpu_kernels, bf16_decode)
+        return module
 
     def drop_cpu_cache(self) -> None:
         """Free the int4 weight re-laid out for torch's CPU kernel (rebuilt on the next CPU forward)."""

@@ -97,12 +97,18 @@ def export_hf(src: str | os.PathLike, dst: str | os.PathLike, *, key: str | None
         ``dst``.
 
     Raises:
-        CheckpointLayoutError: no parameters, or several keys hold them and ``key`` is not given.
+        CheckpointLayoutError: no parameters, several keys hold them and ``key`` is not given, or a
+            weight-only quantized checkpoint (``export_quantized_hf`` writes those).
     """
     from plait.universal_ckpt.directory import resolve
 
     ckpt = resolve(src)
     manifest = read_manifest(ckpt)
+    if "quantization" in manifest.user_meta:
+        raise CheckpointLayoutError(
+            f"{ckpt} holds weight-only quantized weights ({manifest.user_meta['quantization'].get('scheme')}); "
+            "export_hf writes full-precision weights. Use plait.universal_ckpt.interop.hf_quantized."
+            "export_quantized_hf (what `plait ckpt convert --to hf` calls for such a checkpoint).")
     keys = sorted({e.key for e in manifest.tensors.values() if e.kind == "parameter"})
     if key is None:
         if len(keys) != 1:
