@@ -54,6 +54,27 @@ TRANSFORMERS_RANGE = ((5, 19), (5, 20))  # tested on 5.19 only (CI installs 5.19
 _classes: dict[tuple[type, PlaitConfig | None], type] = {}
 
 
+def compile_sharded(model: nn.Module, backend: str | None, mode: str | None) -> None:
+    """``TrainingArguments(torch_compile=True)`` for a plait-sharded model (once per model).
+
+    The Trainer compiles through Accelerate's ``prepare_model``, which the plait route does not
+    take (the sharded model is not handed to Accelerate to wrap), so the request is honoured here:
+    ``model.compile(...)`` in place, after ``zero_shard``, with the arguments' backend and mode. The
+    module keeps its identity and parameter names (checkpoints are unchanged); ZeRO's hooks are
+    excluded from the compiled graphs (``torch.compiler.disable``), so a stage-3 model breaks only
+    around its units' hook calls, never inside a block.
+
+    Args:
+        model: the sharded model (a ``ZeroModule``).
+        backend: ``TrainingArguments.torch_compile_backend`` (``None``: inductor).
+        mode: ``TrainingArguments.torch_compile_mode``.
+    """
+    if getattr(model, "_plait_compiled", False):
+        return
+    model.compile(backend=backend or "inductor", mode=mode)
+    model._plait_compiled = True
+
+
 class PlaitModel(nn.Module):
     """What the Trainer calls for every step in place of ``DistributedDataParallel(model)``.
 
@@ -314,6 +335,8 @@ class PlaitTrainerMixin:
             return model
         if not isinstance(self.model, ZeroModule):
             return super()._wrap_model(model, training, dataloader)  # type: ignore[misc]
+        if training and self.args.torch_compile:
+            compile_sharded(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         compute = self.model.zero_engine.config.compute_dtype
         return PlaitModel(self.model, autocast=None if compute == torch.float32 else compute)
 
