@@ -96,6 +96,12 @@ class PlaitConfig:
         ep_size: expert-parallel ranks (plait-moe-layers): a ``dp x ep`` mesh, ``E / ep``
             experts of every plait MoE layer per rank, experts sharded by ZeRO over the
             expert-data-parallel group under their global names. 1: off.
+        tp_size: tensor-parallel ranks (Trainer strategy only): a ``(data_parallel,
+            tensor_parallel)`` mesh given to the LightningModule as ``self.device_mesh`` before
+            ``configure_model``, which applies torch's ``parallelize_module`` on
+            ``device_mesh["tensor_parallel"]``; ZeRO shards over ``device_mesh["data_parallel"]``
+            (:mod:`plait.lightning.tensor_parallel`). Not with ``sp_size``/``ep_size`` above 1 yet.
+            1: off.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
@@ -106,11 +112,14 @@ class PlaitConfig:
     verify_on_load: bool = True
     sp_size: int = 1
     ep_size: int = 1
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         from plait.lightning.parallel import check_parallel_sizes  # (it imports this module)
+        from plait.lightning.tensor_parallel import check_tp_size
 
         check_parallel_sizes(self.sp_size, self.ep_size)
+        check_tp_size(self.tp_size, self.sp_size, self.ep_size)
         if not isinstance(self.zero, ZeroConfig):
             raise ValueError(f"PlaitConfig.zero={self.zero!r} must be a plait.zero_sharding.ZeroConfig, "
                              "e.g. ZeroConfig(stage=3).")

@@ -110,6 +110,10 @@ class PlaitFabricStrategy(DDPStrategy):
                  start_method: str = "popen", sp_size: int = 1, ep_size: int = 1) -> None:
         self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
                                          verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
+        if self.plait_config.tp_size > 1:
+            raise ValueError(f"PlaitConfig.tp_size={self.plait_config.tp_size} is supported by the Trainer strategy "
+                             "(PlaitStrategy) only; for Fabric, apply parallelize_module yourself and call "
+                             "plait.zero_sharding.zero_shard(..., mesh=mesh['dp']).")
         check_plan(self.plait_config, "32-true")
         self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built when the model is set up
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -17,6 +17,10 @@ imports deepspeed). What differs from DDP:
 * ``sp_size``/``ep_size`` (:mod:`plait.lightning.parallel`): a ``dp x sp`` or ``dp x ep`` mesh,
   Ulysses or expert parallelism applied as extensions before ZeRO, batches split along the
   sequence for the sp ranks (and the sampler sized to ``dp``).
+* ``tp_size`` (:mod:`plait.lightning.tensor_parallel`): as Lightning's ``ModelParallelStrategy``, a
+  ``(data_parallel, tensor_parallel)`` mesh is built before ``configure_model`` and given to the
+  LightningModule as ``self.device_mesh``; the user applies ``parallelize_module`` on its
+  ``"tensor_parallel"`` dimension and ZeRO shards over ``"data_parallel"``.
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
 * on SLURM with auto-requeue (Lightning's default there), the requeue signal's checkpoint is saved
@@ -55,7 +59,7 @@ from torch import nn
 from plait.kernels import collectives
 from plait.kernels.state_names import tied_aliases
 from plait.lightning import checkpoint as ckpt
-from plait.lightning import failures, parallel
+from plait.lightning import failures, parallel, tensor_parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
@@ -106,7 +110,8 @@ class ShardedRoot(nn.Module):
 
 
 def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload: Any, extensions: tuple,
-                 init_fn: Any, verify_on_load: bool, sp_size: int = 1, ep_size: int = 1) -> PlaitConfig:
+                 init_fn: Any, verify_on_load: bool, sp_size: int = 1, ep_size: int = 1,
+                 tp_size: int = 1) -> PlaitConfig:
     """One PlaitConfig from either ``config=`` or its fields.
 
     Raises:
@@ -114,12 +119,12 @@ def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload
     """
     if config is not None:
         if zero is not None or offload is not None or extensions or init_fn is not None or not verify_on_load \
-                or sp_size != 1 or ep_size != 1:
+                or sp_size != 1 or ep_size != 1 or tp_size != 1:
             raise ValueError("pass config=PlaitConfig(...) or zero=/offload=/extensions=/init_fn=/verify_on_load=/"
-                             "sp_size=/ep_size=, not both.")
+                             "sp_size=/ep_size=/tp_size=, not both.")
         return config
     return PlaitConfig(zero=zero or ZeroConfig(), offload=offload, extensions=tuple(extensions), init_fn=init_fn,
-                       verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
+                       verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size, tp_size=tp_size)
 
 
 def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple[PlaitConfig, Any, Any]:
@@ -218,6 +223,11 @@ class PlaitStrategy(DDPStrategy):
         verify_on_load: check checkpoint hashes on load.
         sp_size: Ulysses sequence parallelism over ``sp_size`` ranks (plait-ulysses-sp; 1: off).
         ep_size: expert parallelism over ``ep_size`` ranks (plait-moe-layers; 1: off).
+        tp_size: tensor parallelism over ``tp_size`` ranks (1: off). ``configure_model`` then
+            builds the model whole (no sliced construction) and applies
+            ``parallelize_module(model, self.device_mesh["tensor_parallel"], plan)``; ZeRO shards
+            the TP shards over ``self.device_mesh["data_parallel"]``. Checkpoints of such a model
+            are refused (``enable_checkpointing=False``); not with ``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for ``DDPStrategy``.
@@ -226,12 +236,16 @@ class PlaitStrategy(DDPStrategy):
         PieceMissingError: an offload setting without a usable plait-offload-io; ``sp_size > 1``
             without plait-ulysses-sp, ``ep_size > 1`` without plait-moe-layers.
         ValueError: contradictory settings (named, with the fix); ``sp_size``/``ep_size`` not
-            dividing the world size (before the launcher starts processes).
+            dividing the world size (before the launcher starts processes); ``tp_size`` with
+            ``sp_size``/``ep_size``.
+        NotImplementedError: ``tp_size > 1`` with checkpointing enabled (before processes start).
 
     Example::
 
         trainer = L.Trainer(strategy=PlaitStrategy(zero=ZeroConfig(stage=2)), devices=2)
         trainer = L.Trainer(strategy=PlaitStrategy(sp_size=2), devices=4)     # dp 2 x sp 2
+        trainer = L.Trainer(strategy=PlaitStrategy(tp_size=2), devices=4,     # dp 2 x tp 2
+                            enable_checkpointing=False)
     """
 
     strategy_name = "plait"
@@ -241,11 +255,13 @@ class PlaitStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1) -> None:
+                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1, tp_size: int = 1) -> None:
         self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
-                                         verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size)
+                                         verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size,
+                                         tp_size=tp_size)
         check_plan(self.plait_config, "32-true")
-        self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built in setup
+        # the dp x sp / dp x ep mesh (built in setup) or the dp x tp mesh (built in setup_environment)
+        self.device_mesh: Any = None
         self._slurm_requeue: SlurmRequeue | None = None  # on SLURM with auto-requeue, from on_train_start
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -291,12 +307,17 @@ class PlaitStrategy(DDPStrategy):
         check_plan(self.plait_config, self.precision_plugin.precision)
         parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
                                   self.num_processes * self.num_nodes)
+        tensor_parallel.check_world_size(self.plait_config.tp_size, self.num_processes * self.num_nodes)
+        tensor_parallel.check_no_checkpointing(trainer, self.plait_config.tp_size)
 
     # ---- sequence parallelism: sp groups share batches, each rank keeps its slice of the sequence
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """With ``sp_size > 1`` the sampler splits over the ``dp`` ranks only (an sp group shares its batches)."""
-        return parallel.sampler_kwargs(super().distributed_sampler_kwargs, self.plait_config.sp_size, self.global_rank)
+        """With ``sp_size > 1`` or ``tp_size > 1`` the sampler splits over the ``dp`` ranks only (an sp
+        or tp group shares its batches)."""
+        kwargs = parallel.sampler_kwargs(super().distributed_sampler_kwargs, self.plait_config.sp_size,
+                                         self.global_rank)
+        return tensor_parallel.sampler_kwargs(kwargs, self.plait_config.tp_size, self.global_rank)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch; with ``sp_size > 1`` keep this rank's slice of the sequence
@@ -308,10 +329,17 @@ class PlaitStrategy(DDPStrategy):
 
     # ---- failures: no orphans, named steps -------------------------------------------------------
     def setup_environment(self) -> None:
-        """Arm the die-with-rank-0 guard in launched ranks, then set up as DDP does."""
+        """Arm the die-with-rank-0 guard in launched ranks, then set up as DDP does. With
+        ``tp_size > 1``, build the ``(data_parallel, tensor_parallel)`` mesh and give it to the
+        LightningModule (``self.device_mesh`` in ``configure_model``), as ``ModelParallelStrategy`` does."""
         failures.die_with_launcher()
         super().setup_environment()
         collectives.ensure_publisher()  # report from the start, before this rank's first collective
+        if self.plait_config.tp_size > 1:
+            self.device_mesh = tensor_parallel.build_mesh(self.plait_config.tp_size, self.world_size,
+                                                          self.root_device.type)
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self.device_mesh
 
     def setup_distributed(self) -> None:
         """Join the process group restart-safely under torchrun (:func:`join_restart_safe`), then
@@ -363,8 +391,9 @@ class PlaitStrategy(DDPStrategy):
         every parameter as it is built (bitwise the weights of a plain build with the same seed);
         ZeRO then shards them. With ``init_fn`` set, parameters go to the meta device instead and
         ZeRO initialises each module with it. With ``ep_size > 1`` the model is built whole (expert
-        parallelism keeps a block of each layer's experts before ZeRO shards the rest)."""
-        if self.plait_config.ep_size > 1:
+        parallelism keeps a block of each layer's experts before ZeRO shards the rest), and so
+        with ``tp_size > 1`` (``parallelize_module`` needs whole weights to cut its TP shards)."""
+        if self.plait_config.ep_size > 1 or self.plait_config.tp_size > 1:
             yield
             return
         with sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct"):
@@ -382,7 +411,11 @@ class PlaitStrategy(DDPStrategy):
         self.precision_plugin.device_type = self.root_device.type
         module = self.lightning_module
         self.model_to_device()
-        plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type, self.world_size)
+        if self.plait_config.tp_size > 1:  # mesh from setup_environment; ZeRO over its data-parallel ranks
+            plan, group = self.plait_config, self.device_mesh["data_parallel"]
+        else:
+            plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type,
+                                                          self.world_size)
         clip = getattr(trainer, "gradient_clip_val", None) or None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -430,7 +463,16 @@ class PlaitStrategy(DDPStrategy):
         return ckpt.optimizer_options(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Save a universal-checkpoint directory at ``filepath`` (collective; every rank writes its shard)."""
+        """Save a universal-checkpoint directory at ``filepath`` (collective; every rank writes its shard).
+
+        Raises:
+            NotImplementedError: ``tp_size > 1`` (checkpoints of tensor-parallel models are not
+                written yet; the message names the workaround).
+            TypeError: ``storage_options`` given.
+        """
+        if self.plait_config.tp_size > 1:
+            raise NotImplementedError(f"PlaitStrategy(tp_size={self.plait_config.tp_size}) cannot save checkpoints of "
+                                      f"a tensor-parallel model yet; {tensor_parallel.CHECKPOINT_FIX}")
         if storage_options is not None:
             raise TypeError("the plait strategies save universal-checkpoint directories and take no storage_options.")
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
