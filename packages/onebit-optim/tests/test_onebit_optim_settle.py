@@ -176,14 +176,3 @@ def test_settle_block_translates_from_a_config_file():
     config = config_from_dict("OnebitAdam", {"freeze_step": "auto", "settle": {"threshold": 0.05, "window": 4}})
     assert config.settle == SettleConfig(threshold=0.05, window=4)
 
-
-def test_auto_is_refused_under_zero_naming_the_fix():
-    from plait.onebit_optim.zero_optimizer import compose_with_zero
-
-    class Stage2:
-        stage = 2
-        zeropp = None
-
-    with pytest.raises(ValueError, match="freeze_step='auto' is decided by the plain data-parallel optimizer only"):
-        compose_with_zero(OnebitAdam, Stage2(), param_groups=None, reducer=None,
-                          onebit_config=OnebitAdamConfig(freeze_step="auto"))

@@ -36,8 +36,8 @@ class OnebitAdamConfig:
             frozen and the momentum is exchanged in 1 bit (at least 1), or ``"auto"``: freeze
             once the variance has settled (``settle``; :mod:`plait.onebit_optim.settle`).
             DeepSpeed's papers use 15-25% of the run; a fixed step before the variance has
-            settled logs a WARNING with the measured change. ``"auto"`` is plain data parallel
-            only (under ZeRO it is refused: pass the step it chose).
+            settled logs a WARNING with the measured change. ``"auto"`` works in plain data
+            parallel and under ZeRO-1/2 (:mod:`plait.onebit_optim.zero_settle`).
         settle: how "settled" is measured, for ``"auto"`` and for the warning.
         max_grad_norm: clip the gradient to this global norm before the optimizer uses it
             (``None``: no clipping). During warm-up the averaged gradient, with
@@ -77,7 +77,8 @@ class OnebitLambConfig:
 
     Attributes:
         freeze_step: steps of plain LAMB before the variance and the scaling coefficient freeze
-            (at least 1), or ``"auto"`` as :class:`OnebitAdamConfig`'s (plain data parallel only).
+            (at least 1), or ``"auto"`` as :class:`OnebitAdamConfig`'s (plain data parallel and
+            ZeRO-1/2).
         settle: how "settled" is measured, for ``"auto"`` and the early-freeze warning.
         max_grad_norm: gradient clipping, as :class:`OnebitAdamConfig`'s (plain data parallel only).
         loss_scaling: dynamic fp16 loss scaling, as :class:`OnebitAdamConfig`'s (plain data

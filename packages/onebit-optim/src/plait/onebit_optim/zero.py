@@ -10,7 +10,9 @@ bucket, padded so rank ``r`` owns ``[r * shard, (r + 1) * shard)``):
 
 * warm-up (``step <= freeze_step``): the reducer is ZeRO's plain reduce-scatter and the inner
   optimizer is torch's AdamW kernel on the averaged shards, so parameters equal ZeRO +
-  ``torch.optim.AdamW`` bit for bit;
+  ``torch.optim.AdamW`` bit for bit; with ``freeze_step="auto"`` the step is chosen when the
+  variance has settled, from per-tensor sums completed by one small all-reduce after each
+  warm-up step (:mod:`plait.onebit_optim.zero_settle`);
 * after it the reducer receives this rank's local gradient bucket and runs the worker side of
   the compressed all-reduce on its local momentum ``beta1 m + (1 - beta1) g`` (``m`` the full
   synchronised momentum of the unit, decoded from the 1-bit form every rank kept from the last
@@ -28,9 +30,10 @@ param group) and the server chunks equal to the ZeRO shards: with the same group
 are bitwise equal (``tests/test_onebit_zero.py``).
 
 Checkpoints: the reducer's ``sharded_state_dict`` adds ``ext.onebit.*`` pieces (the step
-counter, each unit's worker error as rows of a ``[world, n]`` tensor, its server error, the
-momentum masks); the momentum itself is the optimizer's sharded ``exp_avg``. Resharding the
-worker error to another world size: :func:`expect_checkpoint_world`.
+counter, with ``"auto"`` the freeze decision and its observations, each unit's worker error as
+rows of a ``[world, n]`` tensor, its server error, the momentum masks); the momentum itself is
+the optimizer's sharded ``exp_avg``. Resharding the worker error to another world size:
+:func:`expect_checkpoint_world`.
 
 1-bit LAMB exchanges its momentum the same way (``zero_shard(model, OnebitLamb, ...)``); its inner
 optimizer is :class:`plait.onebit_optim.zero_lamb.ShardedOnebitLamb`, whose per-tensor
@@ -49,6 +52,8 @@ from plait.kernels import collectives
 from plait.kernels.ops.sign import compress_with_error_feedback, unpack_scaled_signs
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
+from plait.onebit_optim.settle import FreezePoint
+from plait.onebit_optim.zero_settle import freeze_pieces, load_freeze_pieces, shard_variance_sums
 
 if TYPE_CHECKING:
     from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
@@ -112,7 +117,8 @@ class OnebitZeroExchange:
     docstring).
 
     Args:
-        config: the ``OnebitAdamConfig`` or ``OnebitLambConfig`` (its ``freeze_step`` is read here).
+        config: the ``OnebitAdamConfig`` or ``OnebitLambConfig`` (its ``freeze_step``, an integer
+            or ``"auto"``, and ``settle`` are read here: :mod:`plait.onebit_optim.zero_settle`).
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
@@ -124,6 +130,10 @@ class OnebitZeroExchange:
         self.engine: Any = None
         self.units: dict[str, _UnitState] = {}
         self.steps = torch.zeros(1, dtype=torch.int64)  # updates taken (a tensor: a checkpoint piece)
+        # When the variance freezes (fixed or "auto"); 0/1 Adam's config has no freeze_step.
+        self.freeze_point = FreezePoint(
+            f"{'OnebitLamb' if isinstance(config, OnebitLambConfig) else 'OnebitAdam'} under ZeRO",
+            config.freeze_step, config.settle) if hasattr(config, "freeze_step") else None
         self.reduced: set[str] = set()
         self.checkpoint_world: int | None = None
         self._staged: dict[str, Any] = {}
@@ -161,11 +171,25 @@ class OnebitZeroExchange:
     @property
     def compressing(self) -> bool:
         """Whether the next step is past warm-up (the momentum is exchanged in 1 bit)."""
-        return int(self.steps[0]) + 1 > self.config.freeze_step
+        return self.freeze_point.frozen_after(int(self.steps[0]) + 1)
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warm-up step: the config's integer ``freeze_step``, or with ``"auto"`` the step
+        it chose (``None`` until the variance has settled; the same on every rank)."""
+        return self.freeze_point.step
 
     def on_step(self, step: int) -> None:
-        """An update was taken: count it (the freeze state) and forget this step's reductions."""
+        """An update was taken: count it (the freeze state), observe the variance after a warm-up
+        step (``"auto"`` and the early-freeze warning: one all-reduce of per-tensor sums when the
+        freeze point watches), and forget this step's reductions."""
+        taken = int(self.steps[0]) + 1
+        warmup = self.freeze_point is not None and not self.freeze_point.frozen_after(taken)
         self.steps += 1
+        if warmup:
+            units = [state.unit for state in self.units.values()]
+            self.freeze_point.after_warmup_step(taken, lambda: shard_variance_sums(
+                units, self.optimizer, self.engine.placement.masters(), name=self.freeze_point.owner))
         self.reduced.clear()
         for state in self.units.values():
             state.momentum = None
@@ -419,13 +443,16 @@ class OnebitZeroExchange:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def sharded_state_dict(self) -> dict[str, ShardedTensor]:
-        """``ext.onebit.*`` pieces: the step counter (freeze state), per unit the worker error
-        (row ``rank`` of ``[world, W x chunk]``) and server error (chunk ``rank`` of ``[W x chunk]``),
-        the momentum masks (whole, on every rank)."""
+        """``ext.onebit.*`` pieces: the step counter (freeze state), with ``freeze_step="auto"``
+        the freeze point's decision and observations (``ext.onebit.freeze.*``), per unit the worker
+        error (row ``rank`` of ``[world, W x chunk]``) and server error (chunk ``rank`` of
+        ``[W x chunk]``), the momentum masks (whole, on every rank)."""
         everyone = tuple(range(dist.get_world_size())) if dist.is_initialized() else (0,)
         me = dist.get_rank() if dist.is_initialized() else 0
         out = {"ext.onebit.steps": ShardedTensor(ShardSpec.full("ext.onebit.steps", self.steps, kind="other",
                                                                 replica_ranks=everyone), self.steps)}
+        if self.freeze_point is not None and self.freeze_point.auto:  # (a fixed step has nothing to decide)
+            out.update(freeze_pieces(self.freeze_point, sum(len(s.unit.slots) for s in self.units.values()), everyone))
         saved_world = self.checkpoint_world
         self._staged = {}
         for key, state in self.units.items():
@@ -467,7 +494,10 @@ class OnebitZeroExchange:
 
     def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
         """After a load filled the pieces: reshard staged errors, and re-derive the 1-bit momentum
-        from the loaded ``exp_avg`` shards at the next compressed step (one exact all-gather)."""
+        from the loaded ``exp_avg`` shards at the next compressed step (one exact all-gather);
+        restore ``"auto"``'s freeze point."""
+        if self.freeze_point is not None and self.freeze_point.auto:
+            load_freeze_pieces(self.freeze_point, state)
         for key, (old_shard, rows, server) in self._staged.items():
             unit_state = self.units[key]
             world_old = self.checkpoint_world

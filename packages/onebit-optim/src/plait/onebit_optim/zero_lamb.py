@@ -109,7 +109,7 @@ class ShardedOnebitLamb(ShardedInner):
         cfg, unit = self.config, self.exchange.units[key].unit
         self._ensure_coeff(key, len(unit.slots))
         state = _lamb_state(self.state[p], p)
-        if int(self.exchange.steps[0]) == cfg.freeze_step:  # the variance freezes now: floor it, and
+        if int(self.exchange.steps[0]) == self.exchange.freeze_step:  # the variance freezes now: floor it, and
             floor_shard_(unit, state["exp_avg_sq"], cfg.variance_floor, name="OnebitLamb")  # start the
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])  # fresh one from it, as OnebitLamb does
         weight_decay = group["weight_decay"]

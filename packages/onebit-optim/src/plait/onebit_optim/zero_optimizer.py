@@ -54,11 +54,6 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
         hyper = {k: optimizer.defaults[k] for k in HYPERPARAMETERS}
     else:
         config, masks, hyper = _class_options(name, kwargs)
-    if getattr(config, "freeze_step", None) == "auto":
-        raise ValueError(
-            f"{name} under ZeRO: {type(config).__name__}.freeze_step='auto' is decided by the plain data-parallel "
-            "optimizer only; pass an integer freeze_step (e.g. the step a plain run with 'auto' chose, its "
-            "optimizer.freeze_step).")
     for field, fix in (("max_grad_norm", "ZeroConfig.max_grad_norm"),
                        ("loss_scaling", "ZeroConfig's fp16 compute dtype")):
         if getattr(config, field, None) is not None:
@@ -159,8 +154,8 @@ class ShardedOnebitAdam(ShardedInner):
             if momentum is None:
                 continue
             state = self._state(p)
-            if int(self.exchange.steps[0]) == self.config.freeze_step:  # the variance freezes now
+            if int(self.exchange.steps[0]) == self.exchange.freeze_step:  # the variance freezes now
                 unit = self.exchange.units[keys[id(p)]].unit
                 floor_shard_(unit, state["exp_avg_sq"], self.config.variance_floor, name="OnebitAdam")
             state["exp_avg"].copy_(momentum)
-            frozen_variance_update(p, state, group, self.config.freeze_step)
+            frozen_variance_update(p, state, group, self.exchange.freeze_step)
