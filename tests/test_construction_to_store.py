@@ -171,9 +171,11 @@ def test_build_peak_is_the_largest_module_not_the_model(tmp_path) -> None:
     peaks = run_distributed(_build_peaks, 1, DEEP, str(tmp_path), timeout=90)[0]
     straight, plain = peaks["straight"], peaks["plain"]
     # two modules whole at once (the one finished and the next registering) and a fixed margin
-    # that does not grow with the model (measured 26-30 MiB over two modules at 24 and 48 layers:
-    # the I/O engine's threads and bounce buffers, the fingerprint's float64 blocks, allocator slack)
-    bound = 2 * largest + (48 << 20)
+    # that does not grow with the model (measured 26-30 MiB over two modules at 24 and 48 layers
+    # alone, 52 MiB once in a CI run beside the reliability suite's checkpoint writes: the I/O
+    # engine's threads and bounce buffers, the fingerprint's float64 blocks, allocator slack)
+    bound = 2 * largest + (64 << 20)
+    assert bound < 0.5 * model_bytes  # the margin stays well under the model: the claim still separates
     assert straight < bound, (straight, bound, model_bytes)
     assert plain > 0.8 * model_bytes > bound, (plain, model_bytes)
 

@@ -243,7 +243,8 @@ def run_convert(args: argparse.Namespace) -> int:
             universal = src
             if kind != "universal":
                 universal = _to_universal(src, kind, dst if args.to == "universal" else Path(scratch), args.key, update)
-            config = _hf_config(args.config)
+            # ``--config`` came later than ``convert`` itself: a caller's hand-built Namespace may lack it.
+            config = _hf_config(getattr(args, "config", None))
             if args.to == "hf" and _quantized(universal):
                 from plait.universal_ckpt.interop.hf_quantized import export_quantized_hf
 
