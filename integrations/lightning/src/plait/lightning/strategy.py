@@ -484,8 +484,8 @@ class PlaitStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a universal-checkpoint directory into the sharded model (any saved world size) and
         return Lightning's part of it. A checkpoint directory written by Lightning's
-        ``DeepSpeedStrategy`` (ZeRO 1-3) resumes too, at any world size; a regular ``.ckpt`` file is
-        read as usual (weights only)."""
+        ``DeepSpeedStrategy`` (ZeRO 1-3) resumes too (plait-universal-ckpt's importer reshards it to
+        this world size and stage); a regular ``.ckpt`` file is read as usual (weights only)."""
         tag_dir = ckpt.deepspeed_tag(checkpoint_path)
         if tag_dir is not None:
             loaded = ckpt.load_deepspeed_directory(self.lightning_module, tag_dir)
