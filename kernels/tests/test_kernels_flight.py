@@ -110,6 +110,9 @@ def test_a_rank_that_skips_a_labelled_collective_is_named(step):
 
 def _gathers_with_a_slow_rank() -> tuple[int | None, str, float]:
     fault = Fault(kind="slow", rank=1, step=2, seconds=0.2)
+    # line the ranks up first: otherwise rank 1 waits its first step for a rank 0 that started late
+    # (0.8 s was seen under CI load), which is start-up skew, not a straggler
+    dist.barrier()
     collectives.clear_history()
     value = torch.ones(16)
     for step in range(12):
