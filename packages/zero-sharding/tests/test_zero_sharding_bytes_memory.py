@@ -1,5 +1,6 @@
 """Logical bytes per step from the ledger against the ZeRO formulas, and model-state bytes per rank
-against the ZeRO memory formula (within 2%), at world sizes 2 and 4."""
+against the ZeRO memory formula and against ``plait estimate``'s row for the same setting (each within
+2%), at world sizes 2 and 4."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from zero_test_support import BATCH, OPT, SEQ, build_model
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.zero_sharding import ZeroConfig, model_state_bytes, zero_formula_bytes, zero_shard
+from plait.zero_sharding.estimate import estimate
 
 CONTROL_BYTES = 16  # one float64[2] all-reduce per step: global grad norm + overflow flag
 
@@ -57,7 +59,11 @@ def _rank_bytes_memory(jobs: list[tuple[int, torch.dtype]]) -> list[dict]:
         padding = sum(u.padded_numel - u.numel for u in model.zero_engine.units)
         formula = zero_formula_bytes(psi, stage=stage, world_size=world, compute_dtype=dtype,
                                      grad_dtype=config.effective_reduce_dtype, optimizer_state_bytes=8)
+        # `plait estimate`'s row for this setting (it reduces gradients in the compute dtype, the default).
+        estimated = next(row.device_bytes for row in estimate(psi, world_sizes=[world], dtype=dtype)
+                         if (row.stage, row.offload) == (stage, "none"))
         results.append({"stage": stage, "dtype": str(dtype), "by_op": ledger.by_op(), "volume": ledger.volume(),
+                        "estimate": estimated,
                         "expected": _expected_bytes(model), "psi": psi, "padding": padding,
                         "units": len(model.zero_engine.units), "measured": measured, "formula": formula,
                         "root": sum(u.padded_numel for u in model.zero_engine.partition.root_units)})
@@ -80,6 +86,7 @@ def _check(results: list[dict], world: int) -> None:
             assert r["volume"] - 2 * CONTROL_BYTES == 3 * padded - r["root"] * item, (what, r)
         total = r["measured"]["total"]
         assert abs(total - r["formula"]) <= 0.02 * r["formula"], (what, total, r["formula"], r["measured"])
+        assert abs(total - r["estimate"]) <= 0.02 * r["estimate"], (what, total, r["estimate"], r["measured"])
 
 
 @pytest.mark.timeout(200)

@@ -1,7 +1,7 @@
 """``plait estimate``: the table's rows are the formulas the memory ledger is tested against
-(``test_zero_sharding_bytes_memory.py`` checks :func:`zero_formula_bytes` against
-:func:`model_state_bytes` at W=2 and W=4), the offload split adds up, counts parse, an HF config is
-counted on the meta device, and bad input is refused by name."""
+(``test_zero_sharding_bytes_memory.py`` checks :func:`zero_formula_bytes` and the estimate's rows
+without offload against the measured :func:`model_state_bytes` at W=2 and W=4), the offload split
+adds up, counts parse, an HF config is counted on the meta device, and bad input is refused by name."""
 
 from __future__ import annotations
 
