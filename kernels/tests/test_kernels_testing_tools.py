@@ -1,5 +1,7 @@
 """tiny-llama, the corpus and the tokenizer are what benchmarks.md says they are."""
 
+import math
+
 import pytest
 import torch
 
@@ -7,9 +9,13 @@ from plait.kernels.testing import (
     ByteTokenizer,
     CorpusDataset,
     TinyLlamaConfig,
+    conditional_entropy,
     corpus_text,
+    corpus_tokens,
+    corpus_words,
     global_batch,
     rank_slice,
+    text_words,
     tiny_llama,
     tiny_llama_moe,
 )
@@ -69,6 +75,27 @@ def test_tokenizer_round_trips_the_corpus():
     assert len(text) > 5000 and tok.decode(tok.encode(text)) == text
     assert tok.encode("a", add_bos=True) == [tok.bos_id, 97]
     assert len(CorpusDataset(64)) > 50
+
+
+def test_conditional_entropy_of_known_sequences_and_the_corpus():
+    assert conditional_entropy([1, 2] * 50) == pytest.approx(math.log(2))  # two letters, equally often
+    assert conditional_entropy([1, 2] * 50, context=1) == 0.0  # each letter fixes the next
+    assert conditional_entropy([7, 7, 7]) == 0.0
+    tokens = corpus_tokens().tolist()
+    unigram, bigram = conditional_entropy(tokens), conditional_entropy(tokens, context=1)
+    assert 2.5 < unigram < 3.5 and bigram < unigram  # English letters: about 4.1 bits = 2.9 nats
+    with pytest.raises(ValueError, match="context=-1"):
+        conditional_entropy(tokens, context=-1)
+    with pytest.raises(ValueError, match="context=3"):
+        conditional_entropy([1, 2, 3], context=3)
+
+
+def test_words_of_a_text_and_of_the_corpus():
+    assert text_words("The loom's warp, 3 threads") == ["the", "loom", "s", "warp", "threads"]
+    assert text_words("a weaver cou", drop_cut_off=True) == ["a", "weaver"]
+    assert text_words("a weaver.", drop_cut_off=True) == ["a", "weaver"]
+    assert text_words("", drop_cut_off=True) == []
+    assert {"the", "weaver", "ledger"} <= corpus_words() and "checkpoint" not in corpus_words()
 
 
 def test_bad_config_names_the_field():

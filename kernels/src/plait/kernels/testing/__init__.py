@@ -4,10 +4,13 @@ tiny-llama and data."""
 from plait.kernels.testing.data import (
     ByteTokenizer,
     CorpusDataset,
+    conditional_entropy,
     corpus_text,
     corpus_tokens,
+    corpus_words,
     global_batch,
     rank_slice,
+    text_words,
 )
 from plait.kernels.testing.distributed import (
     DistributedTestError,
@@ -23,8 +26,9 @@ from plait.kernels.testing.train import train_losses
 __all__ = [
     "ByteTokenizer", "CausalLMOutput", "CorpusDataset", "DistributedTestError", "DistributedTimeoutError", "Fault",
     "InjectedFaultError",
-    "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "corpus_text", "corpus_tokens",
+    "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "conditional_entropy", "corpus_text",
+    "corpus_tokens", "corpus_words",
     "free_port", "global_batch", "lift_disk_full", "rank_slice", "run_distributed", "state_digest", "tensor_digest",
-    "tiny_llama",
+    "text_words", "tiny_llama",
     "tiny_llama_moe", "train_losses",
 ]

@@ -9,6 +9,10 @@ each rank can take its own slice of it.
 from __future__ import annotations
 
 import functools
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
 from importlib import resources
 
 import torch
@@ -42,6 +46,62 @@ def corpus_text() -> str:
 def corpus_tokens() -> torch.Tensor:
     """The corpus as a 1-D int64 tensor of byte tokens."""
     return torch.tensor(ByteTokenizer().encode(corpus_text()), dtype=torch.long)
+
+
+def conditional_entropy(tokens: Sequence[int], *, context: int = 0) -> float:
+    """Entropy in nats of the next token given the ``context`` tokens before it, measured on ``tokens``.
+
+    ``context=0`` is the unigram entropy: the loss of a model that knows only how often each token
+    occurs (for text, the letter frequencies). ``context=1`` is the bigram entropy: the best a model
+    that looks at one previous token can do. A language model's mean loss on the same text falls
+    below these only once it uses more than that.
+
+    Args:
+        tokens: the token sequence.
+        context: tokens of history (>= 0).
+
+    Returns:
+        ``-sum p(h, t) ln p(t | h)`` over the (history, token) pairs of ``tokens``.
+
+    Raises:
+        ValueError: ``context`` is negative, or ``tokens`` has no more than ``context`` tokens.
+    """
+    values = list(tokens)
+    if context < 0 or len(values) <= context:
+        raise ValueError(f"context={context} needs 0 <= context < len(tokens)={len(values)}.")
+    pairs = Counter(tuple(values[i - context: i + 1]) for i in range(context, len(values)))
+    histories: Counter[tuple[int, ...]] = Counter()
+    for pair, count in pairs.items():
+        histories[pair[:-1]] += count
+    total = sum(pairs.values())
+    return -sum(count / total * math.log(count / histories[pair[:-1]]) for pair, count in pairs.items())
+
+
+_WORD = re.compile(r"[a-z]+")
+
+
+def text_words(text: str, *, drop_cut_off: bool = False) -> list[str]:
+    """The lower-case words of ``text`` (runs of ASCII letters), in order.
+
+    Args:
+        text: any text.
+        drop_cut_off: leave out a last word that runs to the end of ``text`` (a generated sample
+            stops mid-word; only words something follows are complete).
+
+    Returns:
+        The words, repeats included.
+    """
+    lowered = text.lower()
+    words = _WORD.findall(lowered)
+    if drop_cut_off and words and _WORD.fullmatch(lowered[-1]):
+        words.pop()
+    return words
+
+
+@functools.cache
+def corpus_words() -> frozenset[str]:
+    """Every distinct word of the built-in corpus, lower-case (see :func:`text_words`)."""
+    return frozenset(text_words(corpus_text()))
 
 
 def global_batch(step: int, batch_size: int, seq_len: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
