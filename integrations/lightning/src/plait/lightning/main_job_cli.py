@@ -19,8 +19,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--precision", default=None, help="Lightning precision (default: 32-true on CPU, "
                                                           "bf16-mixed on GPU)")
     parser.add_argument("--devices", type=int, default=2, help="processes of the first phase (default 2)")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps before the checkpoint")
-    parser.add_argument("--resume-steps", type=int, default=10, help="steps after resuming on 1 process")
+    parser.add_argument("--steps", type=int, default=180, help="optimizer steps before the checkpoint")
+    parser.add_argument("--resume-steps", type=int, default=60, help="steps after resuming on 1 process")
     parser.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--cpu", action="store_true", help="ignore GPUs")

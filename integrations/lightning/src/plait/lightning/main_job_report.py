@@ -2,7 +2,10 @@
 
 Every figure is computed from what the two training phases measured (``phase-*.json``) plus the
 checkpoint on disk; the formulas are the ZeRO paper's, generalised to the dtypes in use by
-:func:`plait.zero_sharding.zero_formula_bytes`.
+:func:`plait.zero_sharding.zero_formula_bytes`. Two rows show that the model learns more than
+letter frequencies: its final loss against the corpus's unigram entropy (the loss of a model that
+knows only how often each byte occurs), and the share of the sample's words that are words of the
+corpus, against a sample drawn from those letter frequencies alone.
 """
 
 from __future__ import annotations
@@ -15,13 +18,28 @@ from typing import Any
 import torch
 
 from plait.kernels.bench import BenchRow, format_table
-from plait.kernels.testing import tiny_llama
+from plait.kernels.testing import (
+    ByteTokenizer,
+    conditional_entropy,
+    corpus_tokens,
+    corpus_words,
+    text_words,
+    tiny_llama,
+)
 from plait.lightning.checkpoint import checkpoint_bytes, consolidated_state_dict, export_weights
 from plait.lightning.config import NAMES, PRECISIONS
 from plait.lightning.demo import sample_text
 from plait.zero_sharding import zero_formula_bytes
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+# The learning targets of a full run (not --quick). A model that has learned only the letter
+# frequencies sits at the unigram entropy (2.92 nats on the built-in corpus); one that has learned
+# only letter pairs at the bigram entropy (2.15). Ending a full nat below the unigram entropy is
+# below both, so the model uses more than the previous byte.
+LEARNED_NATS = 1.0
+SAMPLE_BYTES = 128  # about 20 words: enough for the share of corpus words to mean something
+SAMPLE_WORD_SHARE = 0.5  # a letter-frequency sample of the same length scores about 0.05
+MIN_SAMPLE_WORDS = 10
 
 
 def _losses(phase: dict[str, Any]) -> list[tuple[int, float]]:
@@ -46,12 +64,58 @@ def _row(*values: Any, **named: Any) -> BenchRow:
     return BenchRow(**dict(zip(_FIELDS, values)), **named)
 
 
+def letter_frequency_sample(length: int, *, seed: int = 0) -> str:
+    """``length`` bytes drawn independently from the built-in corpus's byte frequencies: what a model
+    that learned only the letter frequencies would write (the peer of the sample row).
+
+    Args:
+        length: bytes to draw.
+        seed: sampling seed.
+
+    Returns:
+        The bytes as text (broken UTF-8 replaced).
+    """
+    counts = torch.bincount(corpus_tokens(), minlength=256)[:256].double()
+    generator = torch.Generator().manual_seed(seed)
+    return ByteTokenizer().decode(torch.multinomial(counts, length, replacement=True, generator=generator))
+
+
+def word_counts(text: str) -> tuple[int, int]:
+    """(complete words of ``text`` that are words of the built-in corpus, complete words in all)."""
+    words = text_words(text, drop_cut_off=True)
+    vocabulary = corpus_words()
+    return sum(word in vocabulary for word in words), len(words)
+
+
+def _learning_rows(m: dict[str, Any]) -> list[BenchRow]:
+    """Final loss against the unigram entropy, and the sample's corpus words against a
+    letter-frequency sample's; without targets in a --quick run (too few steps to hold one)."""
+    targets = m["learning_targets"]
+    below = m["unigram_entropy"] - m["loss_end"]
+    hits, words = m["sample_corpus_words"], m["sample_words"]
+    peer_hits, peer_words = m["letters_corpus_words"], m["letters_words"]
+    share, peer_share = hits / max(1, words), peer_hits / max(1, peer_words)
+    quick = "" if targets else "; --quick: no target"
+    return [
+        _row("learning past letter frequencies", "final loss (nats)", m["loss_end"], "unigram entropy",
+             m["unigram_entropy"], m["loss_end"] / m["unigram_entropy"],
+             f"<= unigram - {LEARNED_NATS:g}" if targets else "", below >= LEARNED_NATS if targets else None,
+             f"{below:.2f} below; letter pairs (bigram) {m['bigram_entropy']:.3f}{quick}"),
+        _row("sample, resumed checkpoint", "corpus words (share)", share, "letter frequencies", peer_share,
+             share / peer_share if peer_share else None,
+             f">= {SAMPLE_WORD_SHARE:g} of >= {MIN_SAMPLE_WORDS} words" if targets else "",
+             share >= SAMPLE_WORD_SHARE and words >= MIN_SAMPLE_WORDS if targets else None,
+             f"{hits} of {words} words (peer: {peer_hits} of {peer_words}){quick}"),
+    ]
+
+
 def _rows(report: dict[str, Any]) -> list[BenchRow]:
     m = report
     ok_loss = m["loss_end"] < m["loss_start"]
     return [
         _row("tiny-llama, built-in corpus", "loss (end vs start)", m["loss_end"], "start", m["loss_start"],
                  m["loss_end"] / m["loss_start"], "< 1", ok_loss, f"steps 0-{m['last_step']}"),
+        *_learning_rows(m),
         _row(f"train, {m['train_world']} x {m['accelerator']}", "tokens/s", m["tokens_per_s_train"],
                  note=f"median step {m['step_time_train_s'] * 1e3:.0f} ms"),
         _row("resumed, 1 process", "tokens/s", m["tokens_per_s_resume"],
@@ -73,7 +137,7 @@ def _rows(report: dict[str, Any]) -> list[BenchRow]:
 
 
 def build_report(phases: dict[str, dict[str, Any]], checkpoint: Path, out: Path, *, model: dict[str, Any],
-                 prompt: str, walls: dict[str, float], total_s: float) -> dict[str, Any]:
+                 prompt: str, walls: dict[str, float], total_s: float, learning_targets: bool = True) -> dict[str, Any]:
     """Every figure of the table, the sample and the pass/fail verdict as one JSON-able dict.
 
     Args:
@@ -84,6 +148,10 @@ def build_report(phases: dict[str, dict[str, Any]], checkpoint: Path, out: Path,
         prompt: the generation prompt.
         walls: wall seconds of each phase (launch included).
         total_s: seconds since the job started.
+        learning_targets: hold the learning rows to their targets (off for ``--quick``).
+
+    Returns:
+        The report (JSON-able); ``report["ok"]`` is the verdict.
     """
     train, resume = phases["train"], phases["resume"]
     stage = NAMES[train["strategy"]][0] if train["strategy"] in NAMES else 3
@@ -115,16 +183,29 @@ def build_report(phases: dict[str, dict[str, Any]], checkpoint: Path, out: Path,
         "comm_bytes_ddp": float(2 * psi * 4) if world > 1 else 0.0,
         "checkpoint_bytes": checkpoint_bytes(checkpoint), "raw_state_bytes": float(psi * (4 + ADAM_STATE_BYTES)),
         "hf_export_bytes": sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors")),
-        "sample_prompt": prompt, "sample": sample_text(net, prompt, 64),
+        "sample_prompt": prompt, "sample": sample_text(net, prompt, SAMPLE_BYTES),
         "losses_train": dict(train_losses), "losses_resume": dict(resume_losses),
         "phase_wall_s": walls, "job_wall_s": round(total_s, 1),
     }
+    report.update(_learning_figures(report["sample"][len(prompt):], learning_targets))
     if world == 1:
         report["comm_bytes_formula"] = report["comm_bytes_ddp"] = 1.0  # nothing to communicate; avoid 0/0
     finite = all(math.isfinite(v) for _, v in train_losses + resume_losses)
     report["rows"] = [dataclasses.asdict(row) for row in _rows(report)]
     report["ok"] = verdict(report["rows"], finite=finite)
     return report
+
+
+def _learning_figures(continuation: str, targets: bool) -> dict[str, Any]:
+    """The corpus's entropies and the word counts of the sample's continuation and of its peer."""
+    tokens = corpus_tokens().tolist()
+    hits, words = word_counts(continuation)
+    letters = letter_frequency_sample(len(continuation.encode("utf-8")))
+    peer_hits, peer_words = word_counts(letters)
+    return {"learning_targets": targets, "unigram_entropy": conditional_entropy(tokens),
+            "bigram_entropy": conditional_entropy(tokens, context=1), "sample_words": words,
+            "sample_corpus_words": hits, "letters_sample": letters, "letters_words": peer_words,
+            "letters_corpus_words": peer_hits}
 
 
 def verdict(rows: list[dict[str, Any]], *, finite: bool = True) -> bool:
@@ -142,8 +223,14 @@ def print_report(report: dict[str, Any]) -> None:
           + ", ".join(f"{k} {v:.0f} s" for k, v in report["phase_wall_s"].items()) + ")")
 
 
-def plot_losses(phases: dict[str, dict[str, Any]], path: Path) -> Path | None:
+def plot_losses(phases: dict[str, dict[str, Any]], path: Path, *,
+                references: dict[str, float] | None = None) -> Path | None:
     """The loss curve: the train phase, the checkpoint, and the resumed phase on 1 process.
+
+    Args:
+        phases: the ``train`` and ``resume`` phase results.
+        path: where to write the PNG.
+        references: horizontal lines to draw, label -> loss (the corpus's entropies).
 
     Returns:
         ``path``, or ``None`` when matplotlib is not installed (the JSON has the same numbers).
@@ -161,6 +248,8 @@ def plot_losses(phases: dict[str, dict[str, Any]], path: Path) -> Path | None:
     ax.plot([s for s, _ in train], [v for _, v in train], label=f"{phases['train']['world_size']} processes")
     ax.plot([s for s, _ in resume], [v for _, v in resume], label="resumed on 1 process")
     ax.axvline(train[-1][0] + 0.5, color="grey", linestyle=":", label="universal checkpoint")
+    for (label, value), style in zip((references or {}).items(), ("--", "-.", ":")):
+        ax.axhline(value, color="black", linewidth=0.8, linestyle=style, label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title(f"tiny-llama, {phases['train']['strategy']}, {phases['train']['precision']}")
