@@ -17,6 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# The reliability tests import the process scan from here, as they did before it moved to the shared module.
+from plait.kernels.testing import live_processes_mentioning as live_processes_mentioning
+
 JOB = Path(__file__).with_name("reliability_restart_job.py")
 
 
@@ -55,22 +58,6 @@ def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int
         output, _ = proc.communicate()
         raise TimeoutError(f"torchrun still ran after {limit_s:.0f} s:\n{output[-4000:]}") from None
     return JobRun(proc.returncode, output, time.time())
-
-
-def live_processes_mentioning(token: str) -> list[str]:
-    """``pid: command line`` of every live (not zombie) process whose command line holds ``token``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # it ended while we looked
-            continue
-        if token in cmdline and state != "Z":
-            found.append(f"{entry.name}: {cmdline.strip()}")
-    return found
 
 
 def losses(outdir: Path, rank: int) -> dict[int, dict[int, str]]:

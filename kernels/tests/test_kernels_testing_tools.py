@@ -1,6 +1,9 @@
 """tiny-llama, the corpus and the tokenizer are what benchmarks.md says they are."""
 
 import math
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from plait.kernels.testing import (
     corpus_tokens,
     corpus_words,
     global_batch,
+    live_processes_mentioning,
     rank_slice,
     text_words,
     tiny_llama,
@@ -103,3 +107,16 @@ def test_bad_config_names_the_field():
         TinyLlamaConfig(hidden_size=64, num_heads=3)
     with pytest.raises(ValueError, match="top_k"):
         TinyLlamaConfig(num_experts=2, top_k=3)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_process_scan_finds_a_live_process_by_its_command_line_and_not_once_it_is_reaped():
+    token = f"plait-scan-{uuid.uuid4().hex}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", token])
+    try:
+        found = live_processes_mentioning(token)
+        assert len(found) == 1 and found[0].startswith(f"{child.pid}: ") and token in found[0]
+    finally:
+        child.kill()
+        child.wait()
+    assert live_processes_mentioning(token) == []

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from plait.kernels.testing import live_processes_mentioning
+
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
 JOB = Path(__file__).with_name("torchrun_fault_job.py")
@@ -29,22 +31,6 @@ TIMEOUT_S = 6.0
 def _torchrun() -> list[str]:
     found = Path(sys.executable).with_name("torchrun")
     return [str(found)] if found.is_file() else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _live_processes_mentioning(token: str) -> list[str]:
-    """``pid: command line`` of every live (not zombie) process whose command line holds ``token``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # it ended while we looked
-            continue
-        if token in cmdline and state != "Z":
-            found.append(f"{entry.name}: {cmdline.strip()}")
-    return found
 
 
 def _run_job(fault: str, outdir: Path, limit_s: float) -> tuple[int, str, float]:
@@ -67,7 +53,7 @@ def test_a_hanging_rank_under_torchrun_is_named_and_nothing_is_left(tmp_path):
     outdir.mkdir()
     rc, output, ended = _run_job("hang:rank=1:step=3", outdir, limit_s=TIMEOUT_S + 60)
     fault_time = float((outdir / "fault_time").read_text())
-    left = _live_processes_mentioning(str(outdir))
+    left = live_processes_mentioning(str(outdir))
     pids = [int((outdir / f"pid{rank}").read_text()) for rank in (0, 1)]
     error = (outdir / "error0").read_text()
     print(f"torchrun: fault to torchrun's exit {ended - fault_time:.1f} s, rc {rc}; processes left: {left}")
@@ -84,7 +70,7 @@ def test_a_killed_rank_under_torchrun_ends_the_job(tmp_path):
     outdir.mkdir()
     rc, output, ended = _run_job("kill:rank=1:step=3", outdir, limit_s=TIMEOUT_S + 60)
     fault_time = float((outdir / "fault_time").read_text())
-    left = _live_processes_mentioning(str(outdir))
+    left = live_processes_mentioning(str(outdir))
     error = (outdir / "error0").read_text() if (outdir / "error0").exists() else "(rank 0 wrote no error)"
     print(f"torchrun: rank 1 killed; torchrun exited {ended - fault_time:.1f} s later, rc {rc}; left: {left}; "
           f"rank 0: {error.strip()}")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from plait.kernels.testing import live_processes_mentioning
+
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
 JOB = Path(__file__).with_name("lightning_preemption_job.py")
@@ -48,22 +50,6 @@ def _losses(outdir: Path, mode: str, rank: int) -> dict[int, str]:
     return {int(step): bits for step, bits in (line.split() for line in lines if line)}
 
 
-def _left(token: str) -> list[str]:
-    """Live (not zombie) processes whose command line holds ``token``, from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if token in cmdline and state != "Z":
-            found.append(f"{entry.name}: {cmdline}")
-    return found
-
-
 def test_sigterm_on_one_rank_saves_exits_cleanly_and_resumes_bit_for_bit(tmp_path):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     straight.mkdir()
@@ -82,7 +68,7 @@ def test_sigterm_on_one_rank_saves_exits_cleanly_and_resumes_bit_for_bit(tmp_pat
           f"{max(e['save_s'] for e in exits):.2f} s), rank 0 exited {ended - fault_at:.1f} s after SIGTERM")
     assert code == 0, err[-3000:]
     assert exits[0]["children"] == [0]  # rank 1 exited 0 by itself, before rank 0
-    assert _left(str(preempted)) == []
+    assert live_processes_mentioning(str(preempted)) == []
     saved = preempted / "checkpoints" / "preempted-v1.ckpt"
     assert exits[0]["saved"] == exits[1]["saved"] == str(saved) and saved.is_dir()
     assert hashlib.sha256(user_file.read_bytes()).digest() == hashlib.sha256(b"the user's own checkpoint").digest()

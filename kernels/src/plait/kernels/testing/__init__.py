@@ -20,6 +20,7 @@ from plait.kernels.testing.distributed import (
 )
 from plait.kernels.testing.faults import Fault, InjectedFaultError, lift_disk_full
 from plait.kernels.testing.parity import assert_close_maps, assert_replicas_equal, state_digest, tensor_digest
+from plait.kernels.testing.processes import live_processes_mentioning
 from plait.kernels.testing.tiny_llama import CausalLMOutput, TinyLlama, TinyLlamaConfig, tiny_llama, tiny_llama_moe
 from plait.kernels.testing.train import train_losses
 
@@ -28,7 +29,8 @@ __all__ = [
     "InjectedFaultError",
     "TinyLlama", "TinyLlamaConfig", "assert_close_maps", "assert_replicas_equal", "conditional_entropy", "corpus_text",
     "corpus_tokens", "corpus_words",
-    "free_port", "global_batch", "lift_disk_full", "rank_slice", "run_distributed", "state_digest", "tensor_digest",
+    "free_port", "global_batch", "lift_disk_full", "live_processes_mentioning",
+    "rank_slice", "run_distributed", "state_digest", "tensor_digest",
     "text_words", "tiny_llama",
     "tiny_llama_moe", "train_losses",
 ]
