@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 mkdir -p build
+rm -rf build/junit  # every pytest run below writes its JUnit XML here; ci/slowest.py reads them at the end
 # The whole run: the vLLM environment is needed only by the vLLM tests, so it is built in the
 # background (mostly downloads and unpacking) while the lint, install-alone and main test stages
 # run; its exit status lands in build/setup-vllm.rc. With arguments, ci/setup.sh builds it as usual.
@@ -31,11 +32,11 @@ if [ "$#" -eq 0 ]; then
   reliability=(tests/test_reliability_*.py)
   echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests"
   second_lane() {
-    python -m pytest -q -ra --durations=10 --basetemp=build/pytest-reliability "${reliability[@]}" || return 1
+    python -m pytest -q -ra --durations=10 --junitxml=build/junit/reliability.xml --basetemp=build/pytest-reliability "${reliability[@]}" || return 1
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
-      .venv-vllm/bin/python -m pytest -q -ra --durations=5 --basetemp=build/pytest-vllm integrations/vllm/tests \
+      .venv-vllm/bin/python -m pytest -q -ra --durations=5 --junitxml=build/junit/vllm.xml --basetemp=build/pytest-vllm integrations/vllm/tests \
         tests/test_vllm_serving.py
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
@@ -45,7 +46,7 @@ if [ "$#" -eq 0 ]; then
   lane=$!
   main_rc=0
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
-    python -m pytest -q -ra --durations=40 -p passed_alone "${reliability[@]/#/--ignore=}" || main_rc=$?
+    python -m pytest -q -ra --durations=40 --junitxml=build/junit/main.xml -p passed_alone "${reliability[@]/#/--ignore=}" || main_rc=$?
   lane_rc=0
   wait "$lane" || lane_rc=$?
   echo "== reliability suite, then vllm tests (.venv-vllm): ran beside the tests above"; cat build/second-lane.log
@@ -55,4 +56,5 @@ else
 fi
 # The main job itself, end to end, as the README's first command runs it.
 if [ "$#" -eq 0 ]; then echo "== main job"; plait train --out build/main-job-ci; fi
+if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; fi
 echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"
