@@ -2,6 +2,8 @@
 results file, pasted verbatim: the table's header, a few of its rows (in the file's order), and its
 date/machine/command line, nothing edited by hand. The full tables live on the results pages of the
 documentation site, generated from the same files; a README keeps a short summary and links there.
+Each README is also checked for the shape of a front door: title, install line, limits, then
+the results summary last.
 
 Reads files only (no suite runs, no other plait package imported), so it is fast and runs wherever
 the source tree is.
@@ -83,6 +85,22 @@ def test_readme_links_to_its_results_page(readme):
     package_dir = readme_path.parent.name
     page = "../docs/results/kernels.md" if package_dir == "kernels" else f"../../docs/results/{package_dir}.md"
     assert f"]({page})" in readme_path.read_text(), f"{readme} does not link to its results page {page}"
+
+
+@pytest.mark.parametrize("readme", sorted({r for r, _ in TABLES}))
+def test_readme_is_a_front_door(readme):
+    """What it is and how to install it come first; its limits, then the results summary, last."""
+    readme_path = ROOT / readme
+    if not readme_path.is_file():
+        pytest.skip(f"{readme} is not in this tree")
+    text = readme_path.read_text()
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert text.startswith(f"# plait-{readme_path.parent.name}\n"), f"{readme}: the title is the distribution's name"
+    limits = [i for i, line in enumerate(sections) if line.startswith("## Limits")]
+    assert limits, f"{readme}: no '## Limits' section"
+    assert sections[-1].startswith("## Results"), f"{readme}: the results summary is the last section"
+    assert limits[0] < len(sections) - 1, f"{readme}: the limits come before the results"
+    assert 0 <= text.find("pip install") < text.find("\n## Limits"), f"{readme}: say how to install before the limits"
 
 
 def test_summary_rows_are_checked_against_the_committed_rows(tmp_path):
