@@ -83,6 +83,30 @@ def check_model(model: Any, tp_size: int) -> dict[str, str]:
     return plan
 
 
+def check_start(model: Any, tp_size: int, world_size: int) -> None:
+    """Everything :func:`parallelize` would refuse, checked when the Trainer is built.
+
+    Raises:
+        ValueError: see :func:`check_world_size` and :func:`check_model`.
+    """
+    check_world_size(tp_size, world_size)
+    if tp_size > 1:
+        check_model(model, tp_size)
+
+
+def parallelize(model: Any, tp_size: int, device_type: str) -> Any:
+    """Build the mesh (collective), apply the model's plan on ``mesh["tp"]`` (in place).
+
+    Returns:
+        ``mesh["dp"]``, what ZeRO shards over.
+    """
+    import torch.distributed as dist
+
+    mesh = build_mesh(tp_size, dist.get_world_size(), device_type)
+    apply_tp_plan(model, mesh)
+    return mesh["dp"]
+
+
 def build_mesh(tp_size: int, world_size: int, device_type: str) -> Any:
     """The ``("dp", "tp")`` mesh of ``world_size // tp_size`` x ``tp_size`` ranks. Collective.
 
