@@ -299,8 +299,8 @@ def _whole_and_sharded_state(mesh, dp_group: dist.ProcessGroup) -> dict:
 
 def _check_state(out: dict) -> None:
     expected = build("mlp").state_dict()
-    for got in (out["initial"], ):
-        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    initial = out["initial"]
+    assert initial.keys() == expected.keys() and all(torch.equal(initial[k], expected[k]) for k in initial)
     assert all(torch.equal(out["reloaded"][k], out["other"][k]) for k in out["other"])
     torch.testing.assert_close(*out["forward"], rtol=1e-6, atol=1e-6)
     assert out["boxes"] > 0  # the row-wise weight (Shard(1)) is described by boxes, not flat ranges
