@@ -49,6 +49,8 @@ TABLES = [
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-nodes.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-quick.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile-quick.json"),
 ]
 
 
