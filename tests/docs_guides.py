@@ -10,8 +10,8 @@ A guide marks what a test runs with HTML comments, which Markdown renderers do n
   with ``bash -e`` in that directory, exactly as a user types it, and must exit 0 with ``TEXT``
   in its output. ``TEXT`` may repeat (``expect: A | expect: B``); each must appear.
 
-The runner puts the interpreter that runs the tests first on ``PATH`` (so ``python`` and
-``torchrun`` are that environment's) and gives ``torchrun`` a free rendezvous port through
+The runner puts the interpreter that runs the tests first on ``PATH`` (so ``python``,
+``torchrun`` and ``plait`` are that environment's) and gives ``torchrun`` a free rendezvous port through
 ``PET_MASTER_PORT``, torchrun's own environment form of ``--master-port``, so runs never collide.
 """
 
@@ -105,7 +105,8 @@ def _environment(tmp: Path) -> dict[str, str]:
     # Wrappers, not symlinks: a virtual environment's interpreter finds its packages from the
     # path it was started by, so a symlink elsewhere would lose them.
     wrappers = {"python": f'exec "{sys.executable}" "$@"',
-                "torchrun": f'exec "{sys.executable}" -m torch.distributed.run "$@"'}
+                "torchrun": f'exec "{sys.executable}" -m torch.distributed.run "$@"',
+                "plait": f'exec "{sys.executable}" -m plait.kernels.cli.main "$@"'}
     for name, line in wrappers.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{line}\n")
         (bin_dir / name).chmod(0o755)
