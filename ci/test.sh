@@ -26,17 +26,20 @@ echo "== install alone"; python ci/check_install_alone.py
 if [ "$#" -eq 0 ]; then
   # A second lane beside the main test run: the reliability suite (fault injection, hang detection,
   # restarts: it mostly waits on timeouts and restarts, and docs/reliability.md measures it passing
-  # beside a load generator), then plait-vllm's tests and the training-to-vLLM test inside the vLLM
-  # environment (.venv-vllm, built in the background above; in .venv they skip).
+  # beside a load generator) and the guides' examples (docs/guides, each run as written: mostly process
+  # start-up), then plait-vllm's tests, the training-to-vLLM test and the vLLM guide's example inside the
+  # vLLM environment (.venv-vllm, built in the background above; in .venv they skip).
   reliability=(tests/test_reliability_*.py)
-  echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests"
+  guides=(tests/test_docs_guides.py)
+  echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]} ${guides[*]}, then the vLLM tests"
   second_lane() {
-    python -m pytest -q -ra --durations=10 --basetemp=build/pytest-reliability "${reliability[@]}" || return 1
+    python -m pytest -q -ra --durations=10 --basetemp=build/pytest-reliability "${reliability[@]}" "${guides[@]}" \
+      || return 1
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
       .venv-vllm/bin/python -m pytest -q -ra --durations=5 --basetemp=build/pytest-vllm integrations/vllm/tests \
-        tests/test_vllm_serving.py
+        tests/test_vllm_serving.py tests/test_docs_guide_vllm.py
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
     fi
@@ -45,10 +48,11 @@ if [ "$#" -eq 0 ]; then
   lane=$!
   main_rc=0
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
-    python -m pytest -q -ra --durations=40 -p passed_alone "${reliability[@]/#/--ignore=}" || main_rc=$?
+    python -m pytest -q -ra --durations=40 -p passed_alone "${reliability[@]/#/--ignore=}" \
+      "${guides[@]/#/--ignore=}" || main_rc=$?
   lane_rc=0
   wait "$lane" || lane_rc=$?
-  echo "== reliability suite, then vllm tests (.venv-vllm): ran beside the tests above"; cat build/second-lane.log
+  echo "== reliability suite and guides, then vllm tests (.venv-vllm): ran beside the tests above"; cat build/second-lane.log
   [ "$main_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ] || { echo "test.sh: tests failed"; exit 1; }
 else
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"

@@ -59,6 +59,7 @@ def test_every_relative_link_resolves(path: Path) -> None:
     assert not broken, f"{path.name}: links to missing files: {broken}"
 
 
+@pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("example", _runnable())
 def test_example_runs_as_written(example, tmp_path: Path) -> None:
     run_example(example, tmp_path, TIMEOUT_S)
