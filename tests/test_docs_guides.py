@@ -63,3 +63,19 @@ def test_every_relative_link_resolves(path: Path) -> None:
 @pytest.mark.parametrize("example", _runnable())
 def test_example_runs_as_written(example, tmp_path: Path) -> None:
     run_example(example, tmp_path, TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("<!-- example: a -->\n```python\nprint(1)\n```\n", 'needs title="FILE"'),
+    ('<!-- example: a -->\n```python title="a.py"\nprint(1)\n```\n<!-- run: a -->\n```bash\npython a.py\n```\n',
+     "needs 'expect: TEXT'"),
+    ("<!-- run: b | expect: 1 -->\n```bash\npython b.py\n```\n", "writes no file"),
+    ('<!-- example: a -->\n```python title="a.py"\nprint(1)\n```\n<!-- run: a | expect: 1 -->\n```text\nx\n```\n',
+     "must be a bash block"),
+])
+def test_a_malformed_marker_is_refused_naming_the_example(tmp_path: Path, text: str, message: str) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    with pytest.raises(ValueError, match=message) as caught:
+        examples(page)
+    assert "page.md" in str(caught.value)
