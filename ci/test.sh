@@ -42,15 +42,14 @@ if [ "$#" -eq 0 ]; then
   wait "$reliability_lane" || reliability_rc=$?
   echo "== reliability suite (ran beside install-alone)"; cat build/reliability-lane.log
   [ "$alone_rc" -eq 0 ] && [ "$reliability_rc" -eq 0 ] || { echo "test.sh: install-alone or reliability failed"; exit 1; }
-  guides=(tests/test_docs_guide*.py)
-  [ -e "${guides[0]}" ] || guides=()
+  guides=(tests/test_docs_guides.py)  # the guides' examples (tests/test_docs_guide_vllm.py runs in .venv-vllm)
   echo "== tests (what did not already pass installed alone); beside them: the vLLM tests${guides:+, then ${guides[*]}}"
   second_lane() {
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
       .venv-vllm/bin/python -m pytest -q -ra --durations=5 --junitxml=build/junit/vllm.xml --basetemp=build/pytest-vllm \
-        integrations/vllm/tests tests/test_vllm_serving.py || return 1
+        integrations/vllm/tests tests/test_vllm_serving.py tests/test_docs_guide_vllm.py || return 1
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
     fi
@@ -63,7 +62,7 @@ if [ "$#" -eq 0 ]; then
   main_rc=0
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
     python -m pytest -q -ra --durations=40 --junitxml=build/junit/main.xml -p passed_alone \
-    "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py || main_rc=$?
+    "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
   lane_rc=0
   wait "$lane" || lane_rc=$?
   echo "== vllm tests (.venv-vllm), then the guides: ran beside the tests above"; cat build/second-lane.log
