@@ -229,8 +229,14 @@ class PlaitStrategy(DDPStrategy):
             the TP shards over ``self.device_mesh["data_parallel"]``. Checkpoints of such a model
             are refused (``enable_checkpointing=False``); not with ``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+        accelerator: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``.
+        precision_plugin: as for ``DDPStrategy``.
+        process_group_backend: as for ``DDPStrategy``.
+        timeout: as for ``DDPStrategy``.
+        start_method: as for ``DDPStrategy``.
 
     Raises:
         PieceMissingError: an offload setting without a usable plait-offload-io; ``sp_size > 1``
