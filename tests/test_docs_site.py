@@ -54,7 +54,7 @@ def test_a_plot_belongs_to_the_results_file_with_the_longest_matching_stem(tmp_p
 
 def test_provenance_names_date_machine_and_command_without_machine_paths():
     payload = {"meta": {"date": "2026-01-02T03:04:05+00:00", "machine": "Linux-x86_64", "cpus": 2,
-                        "command": "plait train --out /scratch/run1 --steps 40"}, "rows": []}
+                        "command": "plait train --out /tmp/run1 --steps 40"}, "rows": []}
     line = gen_results.provenance(payload)
     assert "2026-01-02T03:04:05+00:00" in line and "Linux-x86_64, 2 CPUs" in line
     assert "`plait train --out DIR --steps 40`" in line
