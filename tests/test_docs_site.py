@@ -94,3 +94,27 @@ def test_a_blank_screenshot_is_told_from_a_rendered_page(tmp_path):
     rendered.putdata([(x * 4, y * 4, (x + y) * 2) for y in range(64) for x in range(64)])
     rendered.save(page)
     assert build_docs.distinct_colours(blank) == 1 < build_docs.MIN_COLOURS <= build_docs.distinct_colours(page)
+
+
+def test_site_links_to_repository_files_resolve_to_pages_images_or_text(tmp_path):
+    pytest.importorskip("mkdocs")
+    hooks = _load(ROOT / "docs" / "site_hooks.py")
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import Files
+
+    files, config = Files([]), load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path))
+    config.plugins._current_plugin = None  # set by mkdocs while it runs an event; here no event runs
+    guide = ROOT / "docs" / "guides" / "torch.md"
+    text = ("[zero](../../packages/zero-sharding/README.md#usage) [concept](../concepts/zero.md) "
+            "[test](../../tests/test_docs_site.py) [gone](../nowhere.md) ACT2FN[silu](gate)\n"
+            "```\n[code](../../tests/test_docs_site.py)\n```\n")
+    out = hooks._rewrite(text, guide, "guides/torch.md", files, config)
+    assert "[zero](../packages/zero-sharding.md#usage)" in out and "[concept](../concepts/zero.md)" in out
+    assert " test " in out and "[gone](../nowhere.md)" in out and "ACT2FN[silu]\\(gate)" in out
+    assert "[code](../../tests/test_docs_site.py)" in out  # fenced code is left alone
+    readme = ROOT / "packages" / "zero-sharding" / "README.md"
+    pngs = sorted(readme.parent.glob("benchmarks/results/*.png"))
+    out = hooks._rewrite(f"![plot](benchmarks/results/{pngs[0].name})", readme, "packages/zero-sharding.md",
+                         files, config)
+    assert out == f"![plot](../assets/repo/packages/zero-sharding/benchmarks/results/{pngs[0].name})"
+    assert files.get_file_from_path(f"assets/repo/packages/zero-sharding/benchmarks/results/{pngs[0].name}")
