@@ -118,3 +118,11 @@ def test_site_links_to_repository_files_resolve_to_pages_images_or_text(tmp_path
                          files, config)
     assert out == f"![plot](../assets/repo/packages/zero-sharding/benchmarks/results/{pngs[0].name})"
     assert files.get_file_from_path(f"assets/repo/packages/zero-sharding/benchmarks/results/{pngs[0].name}")
+
+
+def test_the_estimate_table_on_the_zero_page_is_what_plait_estimate_prints():
+    estimate = pytest.importorskip("plait.zero_sharding.estimate")
+    printed = estimate.table(estimate.estimate(7 * 10**9, world_sizes=[8]), num_params=7 * 10**9, ranks_per_node=8)
+    rows = [line for line in printed.splitlines() if line.startswith("| 8 ")]
+    page = (ROOT / "docs" / "concepts" / "zero.md").read_text()
+    assert len(rows) == 6 and all(row in page.splitlines() for row in rows), printed
