@@ -166,6 +166,8 @@ def browse(browser: str, url: str, *, screenshot: Path, timeout: float) -> str:
     with tempfile.TemporaryDirectory(prefix="plait-chromium-") as profile:
         command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                    "--no-first-run", "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1280,1600",
+                   # wait (in virtual time) until the page and its scripts settled, however loaded the machine
+                   "--virtual-time-budget=5000",
                    f"--screenshot={screenshot}", "--dump-dom", url]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0 or not screenshot.is_file():
