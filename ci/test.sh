@@ -15,11 +15,16 @@ if [ "$#" -eq 0 ]; then
     echo "$rc" > build/setup-vllm.rc.tmp && mv build/setup-vllm.rc.tmp build/setup-vllm.rc ) &
   export PLAIT_VLLM_SETUP_ELSEWHERE=1
 fi
+# The documentation site's tools and Chromium (ci/setup.sh installs them when asked).
+export PLAIT_DOCS="${PLAIT_DOCS:-1}"
 # shellcheck disable=SC1091
 . ci/setup.sh
 start=$(date +%s)
 echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
+# The documentation site: results pages current, mkdocs build --strict, every internal link, and
+# the home page, a guide and a results page opened in headless Chromium (screenshots in build/site-shots/).
+if [ "$PLAIT_DOCS" = "1" ]; then echo "== docs site"; python ci/build_docs.py; fi
 # With no arguments, two lanes run at once, each pairing a stage that keeps the CPUs busy with one
 # that mostly waits:
 #   1. install-alone (each distribution in its own venv, its tests alone) beside the reliability

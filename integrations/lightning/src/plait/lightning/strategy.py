@@ -230,8 +230,14 @@ class PlaitStrategy(DDPStrategy):
             piece by its place in the global tensor, so they resume at another ``tp_size`` or
             world size too; not with ``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+        accelerator: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``.
+        precision_plugin: as for ``DDPStrategy``.
+        process_group_backend: as for ``DDPStrategy``.
+        timeout: as for ``DDPStrategy``.
+        start_method: as for ``DDPStrategy``.
 
     Raises:
         PieceMissingError: an offload setting without a usable plait-offload-io; ``sp_size > 1``
