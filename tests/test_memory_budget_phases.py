@@ -19,7 +19,7 @@ import pytest
 
 from plait.kernels.testing import run_distributed
 
-BUDGET = 288 << 20
+BUDGET = 296 << 20
 PLAIN = dict(vocab=4096, dim=256, layers=24, heads=4)
 LLAMA = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=24, num_attention_heads=4,
              num_key_value_heads=4, tie_word_embeddings=False)
@@ -45,7 +45,10 @@ def _phases(root: str, family: str) -> dict:
     from plait.offload_io import OffloadConfig
     from plait.offload_io.benchmarks.plain_decoder import phase_peaks
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: freed tensors go back (see construction test)
+    # M_MMAP_THRESHOLD: tensors of 64 KiB and more get their own mappings, returned when freed, so
+    # the peak counts what is live rather than glibc's heap keeping freed blocks (the HF Llama's
+    # 256 KiB-700 KiB weights otherwise left a build rise anywhere between 39 and 78 MiB)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
     config = OffloadConfig(memory_budget=BUDGET, path=root)
     shape = {"vocab": PLAIN["vocab"]}
     build, loss = _build_and_loss(family, layers=1)  # warm-up: libraries, I/O engine, first kernels
@@ -69,8 +72,8 @@ def test_every_phase_stays_in_the_budget(tmp_path, family) -> None:
     # values per width per token in every layer: small at this batch, counted so the bound is honest
     activations = 4 * BATCH * SEQ * PLAIN["vocab"] * 4 + PLAIN["layers"] * 16 * BATCH * SEQ * PLAIN["dim"] * 4
     bound = BUDGET - RUNTIME_BYTES + activations
-    # measured (MiB, bound 60, models 80): plain build 24, forward 23, backward 32, step 12;
-    # HF Llama build 39, forward 26, backward 23, step 2; zero_shard 91 for both
+    # measured (MiB, bound 69, models 80): decoder build 22, forward 39, backward 20, step 8;
+    # HF Llama build 22, forward 48, backward 20, step 5; zero_shard 83 and 84
     assert model_bytes > bound, (model_bytes, bound)  # the model does not fit the bound: the claim separates
     for phase in ("build", "forward", "backward", "step"):
         assert peaks[phase] < bound, (phase, peaks, bound)

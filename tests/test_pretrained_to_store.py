@@ -98,7 +98,7 @@ def _load_peak(root: str, directory: str, shape: dict) -> dict:
 
     from plait.kernels.bench import reset_peak_rss, rss_bytes
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: freed tensors go back (see construction test)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed tensors go back (see the phases test)
     placement = _placement(root)
     config = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
     with sharded_init(placement=placement):
