@@ -140,8 +140,9 @@ def run_tests(dist: Distribution) -> str | None:
     # What passes here is recorded, and ci/test.sh's full run does not run it again (ci/passed_alone.py).
     env = {**os.environ, "PYTHONPATH": str(ROOT / "ci"), "PLAIT_RECORD_PASSED": str(PASSED / f"{dist.name}.txt")}
     env.pop("PLAIT_SKIP_PASSED", None)
+    junit = ROOT / "build" / "junit" / f"alone-{dist.name}.xml"  # ci/slowest.py lists the slowest at the end
     result = subprocess.run([str(WORK / dist.name / "bin" / "python"), "-m", "pytest", "-q", "-ra",
-                             "-p", "passed_alone", str(tests.relative_to(ROOT))],
+                             "-p", "passed_alone", f"--junitxml={junit}", str(tests.relative_to(ROOT))],
                             capture_output=True, text=True, cwd=ROOT, env=env)
     summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"install-alone: {dist.name} tests alone: {summary} ({time.monotonic() - start:.0f}s)", flush=True)

@@ -1,4 +1,5 @@
-"""Layout check: every distribution has the parts design.md names, and names map as it says.
+"""Layout check: every distribution has the parts docs/conventions.md names ("Layout of a
+distribution"), and names map as it says.
 
 For each of kernels/, packages/*, integrations/*: pyproject.toml, README.md, src/plait/<name>/,
 tests/; the distribution name is ``plait-<folder>``; no ``src/plait/__init__.py`` (PEP 420); no
@@ -28,7 +29,7 @@ def problems() -> list[str]:
         rel = dist.folder.relative_to(ROOT)
         expected_name = f"plait-{dist.folder.name}"
         if dist.name != expected_name:
-            found.append(f"{rel}: distribution is named {dist.name!r}; design.md wants {expected_name!r}")
+            found.append(f"{rel}: distribution is named {dist.name!r}; docs/conventions.md wants {expected_name!r}")
         module = dist.folder / "src" / "plait" / dist.import_name.split(".", 1)[1]
         parts = (("README.md", (dist.folder / "README.md").is_file()),
                  ("tests/", (dist.folder / "tests").is_dir()),

@@ -20,7 +20,7 @@ class Distribution:
 
     @property
     def import_name(self) -> str:
-        """design.md: the first ``-`` becomes ``.``, the rest ``_``."""
+        """docs/conventions.md's rule: the first ``-`` becomes ``.``, the rest ``_``."""
         head, _, tail = self.name.partition("-")
         return f"{head}.{tail.replace('-', '_')}"
 

@@ -44,6 +44,34 @@ build_deepspeed_ops() {
   fi
 }
 
+# The documentation site's tools (ci/requirements-docs.txt, with their own stamp) and a headless
+# Chromium for its browser check (ci/build_docs.py). ci/test.sh asks for them (PLAIT_DOCS=1); the
+# main job does not need them, so by default they are left out. Chromium is Debian's package,
+# installed with apt-get only when no chromium binary is on PATH.
+install_docs_tools() {
+  [ "${PLAIT_DOCS:-0}" = "1" ] || return 0
+  local stamp="$VENV/.plait-docs-stamp" want
+  want="$(sha256sum < "$ROOT/ci/requirements-docs.txt" | cut -c1-16)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    pipq install -q -r "$ROOT/ci/requirements-docs.txt"
+    echo "$want" > "$stamp"
+  fi
+  if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null; then
+    return 0
+  fi
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  if ! command -v apt-get >/dev/null || { [ -n "$sudo" ] && ! command -v sudo >/dev/null; }; then
+    echo "setup: no chromium binary, and apt-get${sudo:+ with sudo} is not available to install Debian's chromium;" \
+      "install Chromium (or google-chrome) for the docs browser check, or run with PLAIT_DOCS=0 to skip the docs tools" >&2
+    return 1
+  fi
+  echo "setup: installing Debian's chromium for the docs browser check (apt-get, once per machine) ..."
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium \
+    >/dev/null || { echo "setup: apt-get install chromium failed; the docs browser check needs it" >&2; return 1; }
+}
+install_docs_tools
+
 DISTS=("$ROOT/kernels")
 for d in "$ROOT"/packages/* "$ROOT"/integrations/*; do [ -f "$d/pyproject.toml" ] && DISTS+=("$d"); done
 

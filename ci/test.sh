@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 mkdir -p build
+rm -rf build/junit  # every pytest run below writes its JUnit XML here; ci/slowest.py reads them at the end
 # The whole run: the vLLM environment is needed only by the vLLM tests, so it is built in the
 # background (mostly downloads and unpacking) while the lint, install-alone and main test stages
 # run; its exit status lands in build/setup-vllm.rc. With arguments, ci/setup.sh builds it as usual.
@@ -14,45 +15,68 @@ if [ "$#" -eq 0 ]; then
     echo "$rc" > build/setup-vllm.rc.tmp && mv build/setup-vllm.rc.tmp build/setup-vllm.rc ) &
   export PLAIT_VLLM_SETUP_ELSEWHERE=1
 fi
+# The documentation site's tools and Chromium (ci/setup.sh installs them when asked).
+export PLAIT_DOCS="${PLAIT_DOCS:-1}"
 # shellcheck disable=SC1091
 . ci/setup.sh
 start=$(date +%s)
 echo "== ruff"; ruff check .
 echo "== layout"; python ci/check_layout.py
-echo "== install alone"; python ci/check_install_alone.py
-# With no arguments, the tests that already passed where their distribution was installed alone are
-# not run again here (ci/passed_alone.py): what runs is the cross-package suite and whatever needed
-# an extra the lone install lacked. With arguments, exactly what was asked runs.
+# The documentation site: results pages current, mkdocs build --strict, every internal link, and
+# the home page, a guide and a results page opened in headless Chromium (screenshots in build/site-shots/).
+if [ "$PLAIT_DOCS" = "1" ]; then echo "== docs site"; python ci/build_docs.py; fi
+# With no arguments, two lanes run at once, each pairing a stage that keeps the CPUs busy with one
+# that mostly waits:
+#   1. install-alone (each distribution in its own venv, its tests alone) beside the reliability
+#      suite (fault injection, hang detection, restarts: mostly waiting on timeouts and torchrun
+#      restarts; docs/reliability.md measures it passing beside `stress-ng --cpu 4`);
+#   2. the main test run beside the vLLM tests (.venv-vllm, built in the background above) and the
+#      guides' examples.
+# The main run skips the tests that already passed where their distribution was installed alone
+# (ci/passed_alone.py): what runs is the cross-package suite and whatever needed an extra the lone
+# install lacked. With arguments, exactly what was asked runs.
 if [ "$#" -eq 0 ]; then
-  # A second lane beside the main test run: the reliability suite (fault injection, hang detection,
-  # restarts: it mostly waits on timeouts and restarts, and docs/reliability.md measures it passing
-  # beside a load generator), then plait-vllm's tests and the training-to-vLLM test inside the vLLM
-  # environment (.venv-vllm, built in the background above; in .venv they skip).
   reliability=(tests/test_reliability_*.py)
-  echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests"
+  echo "== install alone; beside it: ${reliability[*]}"
+  python -m pytest -q -ra --durations=10 --junitxml=build/junit/reliability.xml \
+    --basetemp=build/pytest-reliability "${reliability[@]}" > build/reliability-lane.log 2>&1 &
+  reliability_lane=$!
+  alone_rc=0
+  python ci/check_install_alone.py || alone_rc=$?
+  reliability_rc=0
+  wait "$reliability_lane" || reliability_rc=$?
+  echo "== reliability suite (ran beside install-alone)"; cat build/reliability-lane.log
+  [ "$alone_rc" -eq 0 ] && [ "$reliability_rc" -eq 0 ] || { echo "test.sh: install-alone or reliability failed"; exit 1; }
+  guides=(tests/test_docs_guides.py)  # the guides' examples (tests/test_docs_guide_vllm.py runs in .venv-vllm)
+  echo "== tests (what did not already pass installed alone); beside them: the vLLM tests${guides:+, then ${guides[*]}}"
   second_lane() {
-    python -m pytest -q -ra --durations=10 --basetemp=build/pytest-reliability "${reliability[@]}" || return 1
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
-      .venv-vllm/bin/python -m pytest -q -ra --durations=5 --basetemp=build/pytest-vllm integrations/vllm/tests \
-        tests/test_vllm_serving.py
+      .venv-vllm/bin/python -m pytest -q -ra --durations=5 --junitxml=build/junit/vllm.xml --basetemp=build/pytest-vllm \
+        integrations/vllm/tests tests/test_vllm_serving.py tests/test_docs_guide_vllm.py || return 1
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
+    fi
+    if [ "${#guides[@]}" -gt 0 ]; then
+      python -m pytest -q -ra --durations=5 --junitxml=build/junit/guides.xml --basetemp=build/pytest-guides "${guides[@]}" || return 1
     fi
   }
   second_lane > build/second-lane.log 2>&1 &
   lane=$!
   main_rc=0
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
-    python -m pytest -q -ra --durations=40 -p passed_alone "${reliability[@]/#/--ignore=}" || main_rc=$?
+    python -m pytest -q -ra --durations=40 --junitxml=build/junit/main.xml -p passed_alone \
+    "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
   lane_rc=0
   wait "$lane" || lane_rc=$?
-  echo "== reliability suite, then vllm tests (.venv-vllm): ran beside the tests above"; cat build/second-lane.log
+  echo "== vllm tests (.venv-vllm), then the guides: ran beside the tests above"; cat build/second-lane.log
   [ "$main_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ] || { echo "test.sh: tests failed"; exit 1; }
 else
+  echo "== install alone"; python ci/check_install_alone.py
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
 fi
 # The main job itself, end to end, as the README's first command runs it.
 if [ "$#" -eq 0 ]; then echo "== main job"; plait train --out build/main-job-ci; fi
+if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; fi
 echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

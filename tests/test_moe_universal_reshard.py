@@ -1,5 +1,5 @@
 """An expert-parallel MoE model under ZeRO resharded across ep sizes through universal checkpoints
-(cross-package: plait-moe-layers + plait-zero-sharding + plait-universal-ckpt; issues 12 and 15).
+(cross-package: plait-moe-layers + plait-zero-sharding + plait-universal-ckpt).
 
 tiny-llama-MoE with plait MoE layers (4 experts, stacked gated MLPs) trains 2 AdamW steps under
 ZeRO-3 at W=4 with ``dp=2 x ep=2`` (each rank 2 of the 4 experts, sharded over its expert-data-

@@ -15,32 +15,54 @@ import torch
 from plait.kernels.testing import run_distributed, tiny_llama, train_losses
 from plait.offload_io.benchmarks import capacity
 
-SHAPE = dict(vocab_size=512, hidden_size=128, num_heads=2, intermediate_size=256, max_seq_len=256)
+SHAPE = dict(vocab=512, dim=128, heads=2, ffn=256)
 
 
 @pytest.mark.timeout(300)
 def test_capacity_rows_on_a_small_family(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(capacity, "QUICK_SHAPE", SHAPE)
-    monkeypatch.setattr(capacity, "QUICK_LADDER", (1, 2))
+    monkeypatch.setattr(capacity, "QUICK_START", 1)
+    monkeypatch.setattr(capacity, "QUICK_CLIMB", (2,))
     monkeypatch.setattr(capacity, "QUICK_CAP_BYTES", 2 << 30)
+    monkeypatch.setattr(capacity, "FAMILIES", ("hf",))  # the other families run the same code path
     monkeypatch.setenv("PLAIT_OFFLOAD_BENCH_DIR", str(tmp_path))
+    pytest.importorskip("transformers")
     rows = capacity.run(True)
-    largest = [r for r in rows if r.figure == "largest model (M params)"]
-    assert [r.benchmark.split(": ", 1)[1] for r in largest] == [capacity.LABELS[v] for v in capacity.VARIANTS]
-    for row in largest:  # 2 GiB holds the 2-layer model in every variant
-        assert row.ours > 0 and "2 layers" in row.note and "losses" in row.note, row
+    largest = {r.benchmark.split(": ", 1)[1]: r for r in rows if r.figure == "largest model (M params)"}
+    budget = largest[f"{capacity.FAMILY_LABELS['hf']}, {capacity.VARIANT_LABELS['budget']}"]
+    plain = largest[f"{capacity.FAMILY_LABELS['bench']}, {capacity.VARIANT_LABELS['memory']}"]
+    for row in (budget, plain):  # 2 GiB holds these models in every variant
+        assert row.ours > 0 and "losses" in row.note, row
+    assert "2 layers" in budget.note and "chose sub_group_size" in budget.note, budget
     ratio = next(r for r in rows if r.figure == "peak RSS (GiB)")
     assert ratio.ratio == pytest.approx(ratio.ours / ratio.peer_value) and ratio.passed is False
     step = next(r for r in rows if r.figure == "time (s)")
     assert step.ours > 0 and math.isfinite(step.ratio)
+    overall = largest["largest model trained, any family"]
+    assert overall.ours == budget.ours and overall.passed is False
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not capacity._cgroup_available(), reason="needs root and a cgroup v1 memory controller")
 def test_a_cgroup_cap_stops_a_model_that_does_not_fit(tmp_path) -> None:
-    assert capacity._try("memory", 1, SHAPE, str(tmp_path), 64 << 20) is None
-    fitted = capacity._try("memory", 1, SHAPE, str(tmp_path), 2 << 30)
+    assert capacity._try("bench", "memory", 1, SHAPE, str(tmp_path), 64 << 20) is None
+    fitted = capacity._try("bench", "memory", 1, SHAPE, str(tmp_path), 2 << 30)
     assert fitted is not None and fitted["falling"] and fitted["peak_rss"] < 2 << 30
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not capacity._cgroup_available(), reason="needs root and a cgroup v1 memory controller")
+def test_a_fractional_budget_reads_the_process_own_cgroup() -> None:
+    """A process inside a child cgroup (not the one a container shows at the mount point) sizes
+    ``memory_budget="0.5"`` from its own group's limit."""
+    import subprocess
+    import sys
+
+    code = "from plait.offload_io.budget import parse_budget; print(parse_budget('0.5'))"
+    with capacity._capped(768 << 20) as enter:
+        out = subprocess.run(enter + [sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == 384 << 20
 
 
 # A decoder whose embedding and head (16000 x 512 = 32 MiB each) dominate, as in the benchmark's

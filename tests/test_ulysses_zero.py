@@ -2,8 +2,8 @@
 and plait-offload-io for the offload case).
 
 ZeRO shards over ``dp x sp`` (zero-sharding's default ``shard_dims``) and averages gradients over
-those 4 ranks; Ulysses ranks therefore scale their loss share by ``sp`` (the loss contract of
-shared/engine-notes.md). The reference is DDP's arithmetic in one process: the mean of the two
+those 4 ranks; Ulysses ranks therefore scale their loss share by ``sp`` (the loss contract in the
+ulysses-sp README, "With ZeRO"). The reference is DDP's arithmetic in one process: the mean of the two
 dp batches' losses, one AdamW step on the mean gradient.
 """
 

@@ -1,4 +1,4 @@
-"""Cross-package (issue 20): a DeepSpeed tensor-parallel run (AutoTP=2 + ZeRO-1 at W=2), converted
+"""Cross-package: a DeepSpeed tensor-parallel run (AutoTP=2 + ZeRO-1 at W=2), converted
 by plait-universal-ckpt, resumes under plait-zero-sharding ZeRO-3 at W=3 and follows DeepSpeed
 continuing in its own layout for 20 steps; a DeepSpeed PipelineModule run (2 stages) loads into
 ZeRO-3 at W=3 with every tensor bitwise.

@@ -1,4 +1,4 @@
-"""Cross-package (issue 20): HF GPT-2 and BLOOM trained under torch tensor parallelism at TP=2 (the
+"""Cross-package: HF GPT-2 and BLOOM trained under torch tensor parallelism at TP=2 (the
 fused-QKV layouts of plait-universal-ckpt's own tests) load into plait-zero-sharding ZeRO-3 at W=3:
 every parameter and AdamW tensor bitwise the TP run's, assembled by hand."""
 

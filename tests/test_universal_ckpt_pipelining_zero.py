@@ -1,4 +1,4 @@
-"""Cross-package (issue 20): a torch.distributed.pipelining PP=2 checkpoint (plait-universal-ckpt's
+"""Cross-package: a torch.distributed.pipelining PP=2 checkpoint (plait-universal-ckpt's
 ``model_parallel`` per stage) loads into plait-zero-sharding ZeRO-3 at W=3: every tensor bitwise
 after the load, and the next steps follow the pipeline run continuing."""
 

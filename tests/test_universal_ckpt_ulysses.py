@@ -1,4 +1,4 @@
-"""Cross-package (issue 20): sequence parallelism shards activations, not state, so a plait-ulysses-sp
+"""Cross-package: sequence parallelism shards activations, not state, so a plait-ulysses-sp
 run's checkpoint (Ulysses sp=2 x dp=2 under plait ZeRO-3, W=4) loads at another sp size (sp=1 x
 dp=2, W=2) with every tensor bitwise, and training goes on along the sp=2 run's own continuation."""
 

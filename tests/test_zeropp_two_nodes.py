@@ -1,4 +1,4 @@
-"""ZeRO-3 and ZeRO++ on two nodes, launched as ``torchrun --nnodes 2 --nproc-per-node 2`` (issue 23).
+"""ZeRO-3 and ZeRO++ on two nodes, launched as ``torchrun --nnodes 2 --nproc-per-node 2``.
 
 Two torchrun agents, one per "node", rendezvous on localhost; ZeRO++ takes the node layout from
 what torchrun sets (``GROUP_RANK``), as on two machines. Checks: plain ZeRO-3 equals one process;

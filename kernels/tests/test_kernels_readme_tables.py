@@ -1,5 +1,9 @@
-"""Every README benchmark table is ``plait bench NAME [--quick] --table`` of a committed results file,
-pasted verbatim (issue 18): the table, its date/machine/command line, nothing edited by hand.
+"""Every README results summary is rows of ``plait bench NAME [--quick] --table`` of a committed
+results file, pasted verbatim: the table's header, a few of its rows (in the file's order), and its
+date/machine/command line, nothing edited by hand. The full tables live on the results pages of the
+documentation site, generated from the same files; a README keeps a short summary and links there.
+Each README is also checked for the shape of a front door: title, install line, limits, then
+the results summary last.
 
 Reads files only (no suite runs, no other plait package imported), so it is fast and runs wherever
 the source tree is.
@@ -13,6 +17,7 @@ import pytest
 
 from plait.kernels.bench import BenchRow, write_json
 from plait.kernels.cli.bench import results_markdown
+from plait.kernels.testing.readme_tables import assert_results_summary, assert_rows_of, table_above
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +49,8 @@ TABLES = [
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-nodes.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-quick.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile-quick.json"),
 ]
 
 
@@ -56,14 +63,11 @@ SELFTEST_TABLES = [("packages/zero-sharding/README.md", "zero-sharding/"),
 
 
 @pytest.mark.parametrize(("readme", "results"), TABLES, ids=[r for _, r in TABLES])
-def test_readme_table_is_the_committed_results_table(readme, results):
+def test_readme_summary_rows_are_the_committed_results_rows(readme, results):
     readme_path, results_path = ROOT / readme, ROOT / results
     if not readme_path.is_file() or not results_path.is_file():
         pytest.skip(f"{readme} or {results} is not in this tree (an installed copy, not the checkout)")
-    expected = results_markdown(results_path)
-    assert expected in readme_path.read_text(), (
-        f"{readme} does not carry `plait bench ... --table` of {results} verbatim; regenerate its table "
-        f"from that command's output (or update the results with --update-results first)")
+    assert_results_summary(readme_path.read_text(), results_markdown(results_path), f"{readme} ({results})")
 
 
 @pytest.mark.parametrize(("readme", "prefix"), SELFTEST_TABLES, ids=[p for _, p in SELFTEST_TABLES])
@@ -72,8 +76,52 @@ def test_package_readme_carries_its_selftest_rows(readme, prefix):
     if not readme_path.is_file() or not SELFTEST.is_file():
         pytest.skip(f"{readme} or {SELFTEST.name} is not in this tree (no GPU run committed yet, or an installed copy)")
     expected = results_markdown(SELFTEST, keep=lambda name: name.startswith(prefix))
-    assert expected in readme_path.read_text(), (
-        f"{readme} does not carry `plait selftest --table --only {prefix}` verbatim; paste that command's output")
+    assert_results_summary(readme_path.read_text(), expected, f"{readme} (`plait selftest --table --only {prefix}`)")
+
+
+@pytest.mark.parametrize("readme", sorted({r for r, _ in TABLES}))
+def test_readme_links_to_its_results_page(readme):
+    readme_path = ROOT / readme
+    if not readme_path.is_file():
+        pytest.skip(f"{readme} is not in this tree")
+    package_dir = readme_path.parent.name
+    page = "../docs/results/kernels.md" if package_dir == "kernels" else f"../../docs/results/{package_dir}.md"
+    assert f"]({page})" in readme_path.read_text(), f"{readme} does not link to its results page {page}"
+
+
+@pytest.mark.parametrize("readme", sorted({r for r, _ in TABLES}))
+def test_readme_is_a_front_door(readme):
+    """What it is and how to install it come first; its limits, then the results summary, last."""
+    readme_path = ROOT / readme
+    if not readme_path.is_file():
+        pytest.skip(f"{readme} is not in this tree")
+    text = readme_path.read_text()
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert text.startswith(f"# plait-{readme_path.parent.name}\n"), f"{readme}: the title is the distribution's name"
+    limits = [i for i, line in enumerate(sections) if line.startswith("## Limits")]
+    assert limits, f"{readme}: no '## Limits' section"
+    assert sections[-1].startswith("## Results"), f"{readme}: the results summary is the last section"
+    assert limits[0] < len(sections) - 1, f"{readme}: the limits come before the results"
+    assert 0 <= text.find("pip install") < text.find("\n## Limits"), f"{readme}: say how to install before the limits"
+
+
+def test_summary_rows_are_checked_against_the_committed_rows(tmp_path):
+    rows = [BenchRow(benchmark=f"b{i}", figure="f", ours=float(i), target="<= 9", passed=True) for i in range(4)]
+    expected = results_markdown(write_json(rows, tmp_path / "r.json", meta={"date": "d", "machine": "M",
+                                                                             "command": "c"}))
+    lines = expected.splitlines()
+    summary = "\n".join(["# x", "", *lines[:2], lines[3], lines[5], "", lines[-1], ""])
+    assert_results_summary(summary, expected, "ok")
+    edited = summary.replace(lines[3], lines[3].replace("| 1 |", "| 1.5 |"))
+    with pytest.raises(AssertionError, match="not a row of the committed results"):
+        assert_results_summary(edited, expected, "edited")
+    reordered = "\n".join(["# x", "", *lines[:2], lines[5], lines[3], "", lines[-1], ""])
+    with pytest.raises(AssertionError, match="out of order"):
+        assert_results_summary(reordered, expected, "reordered")
+    with pytest.raises(AssertionError, match="no table with this generated line"):
+        assert_results_summary("# nothing here\n", expected, "missing")
+    with pytest.raises(AssertionError, match="1 to 1 rows, found 2"):
+        assert_rows_of(table_above(summary, lines[-1]), lines[:-2], "long", max_rows=1)
 
 
 def test_results_markdown_keeps_only_the_rows_asked_for(tmp_path):

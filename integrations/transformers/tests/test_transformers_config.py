@@ -180,7 +180,7 @@ def test_a_config_file_cannot_give_extensions(tmp_path: Path) -> None:
         load_config(path)
     assert str(path) in str(info.value)
     with pytest.raises(ValueError, match=r"the known keys are \['ep_size', 'offload', 'offload_path', 'optimizer', "
-                                         r"'sp_size', 'verify_on_load', 'zero'\]"):
+                                         r"'sp_size', 'tp_size', 'verify_on_load', 'zero'\]"):
         load_config({"zeros": {}})
 
 

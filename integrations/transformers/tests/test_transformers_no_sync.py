@@ -1,4 +1,4 @@
-"""Gradient accumulation through the Trainer sends no gradient bytes until the last micro-batch (issue 16).
+"""Gradient accumulation through the Trainer sends no gradient bytes until the last micro-batch.
 
 The byte ledger is open for the whole run; a callback reads it at each optimizer step's start,
 after each non-final micro-batch (``on_substep_end``) and at the step's end. Between the step's

@@ -1,4 +1,4 @@
-"""The Trainer's weight-decay groups survive sharding (issue 16).
+"""The Trainer's weight-decay groups survive sharding.
 
 HF's Trainer decays every weight except biases and normalisation weights. Under plait the
 Trainer still builds that optimizer and ZeRO keeps its groups, so with a weight decay large

@@ -1,4 +1,4 @@
-"""A Megatron-style pipeline x tensor-parallel model that DeepSpeed trains and saves on CPU (issue 20).
+"""A Megatron-style pipeline x tensor-parallel model that DeepSpeed trains and saves on CPU.
 
 ``ParallelMLP`` is one pipeline layer holding tensor-parallel shards the way Megatron-DeepSpeed's
 blocks do: a replicated LayerNorm, a column-parallel ``dense_h_to_4h`` (weight and bias split on

@@ -1,6 +1,6 @@
 """A torch DCP checkpoint of a sharded HF model -> universal -> HF export that `from_pretrained` loads.
 
-Issue 18: an export must carry the model's own tensor names for every source. This is the DCP source
+An export must carry the model's own tensor names for every source. This is the DCP source
 as users write it: FSDP2 (`fully_shard`) at W=2, `get_state_dict` for model and optimizer, `dcp.save`
 under one `"model"`/`"optim"` key each. The export must load with no missing or unexpected keys and
 give the trained model's logits bitwise.

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO run of an HF model -> `plait ckpt convert --to hf` -> `from_pretrained` (issue 18).
+"""A DeepSpeed ZeRO run of an HF model -> `plait ckpt convert --to hf` -> `from_pretrained`.
 
 DeepSpeed's own `zero_to_fp32` is the oracle: the export must hold exactly its fp32 weights under the
 model's own names, so `LlamaForCausalLM.from_pretrained` finds every weight (no missing or unexpected

@@ -1,4 +1,4 @@
-"""Import model-parallel DeepSpeed checkpoints written here on CPU by deepspeed itself (issue 20).
+"""Import model-parallel DeepSpeed checkpoints written here on CPU by deepspeed itself.
 
 Megatron-DeepSpeed 3-D: a pp=2 x tp=2 PipelineModule of Megatron-style parallel MLP blocks
 (``ds_3d_models``), which DeepSpeed saves as ``layer_LL-model_TT-model_states.pt``; the client's

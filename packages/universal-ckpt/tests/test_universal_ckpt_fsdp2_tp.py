@@ -1,6 +1,6 @@
 """FSDP2 + torch TP on a 2-D mesh (dp=2 x tp=2): column-parallel weights carry FSDP2's
 ``_StridedShard`` placement (FSDP shards the TP-local rows), row-parallel ones ``(Shard(0), Shard(1))``,
-norms ``Shard(0)`` over dp only (issue 20).
+norms ``Shard(0)`` over dp only.
 
 An HF Llama trained 3 steps this way saves with ``uc.save``; one process, torch TP=2 alone and a
 fresh FSDP2 + TP model load it with every parameter and AdamW tensor bitwise the saved run's

@@ -1,5 +1,5 @@
 """HF BLOOM and GPT-2 trained under torch tensor parallelism (``parallelize_module``, DTensor) at TP=2,
-saved with ``uc.save``, loaded at TP=1 and TP=4 and exported to HF (issue 20).
+saved with ``uc.save``, loaded at TP=1 and TP=4 and exported to HF.
 
 Every parameter and AdamW moment loaded at TP=1 is bitwise the TP=2 run's, assembled by hand
 (``hf_torch_tp.consolidated``, which undoes GPT-2's per-part c_attn split itself); logits at TP=1,

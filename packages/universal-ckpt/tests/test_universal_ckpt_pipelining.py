@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining stages saved and loaded through universal checkpoints (issue 20).
+"""torch.distributed.pipelining stages saved and loaded through universal checkpoints.
 
 A traced PP=2 split (GPipe, 2 micro-batches, AdamW) trains 3 steps and saves each stage's
 submodule and optimizer; the checkpoint loads into one process and into a manual PP=4 split

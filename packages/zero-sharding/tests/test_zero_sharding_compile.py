@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
-import logging
 import os
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 from plait.kernels import collectives  # noqa: E402
 from plait.kernels.testing import run_distributed  # noqa: E402
+from plait.kernels.testing.dynamo import breaks_inside, code_spans, graph_break_sites  # noqa: E402
 from plait.kernels.tolerances import tolerance  # noqa: E402
 from plait.zero_sharding import ZeroConfig, zero_shard  # noqa: E402
 from plait.zero_sharding.units import FlatUnit  # noqa: E402
@@ -46,7 +44,6 @@ BACKEND = os.environ.get("PLAIT_TEST_COMPILE_BACKEND", "aot_eager")
 FULL_OPT_IN = "PLAIT_TEST_COMPILE_FULL"  # stages 1 and 2, the whole model, the graphs without ZeRO
 FULL = os.environ.get(FULL_OPT_IN) == "1"
 SHORT = datetime.timedelta(seconds=2)  # the collective timeout of the hang case
-BREAK_AT = re.compile(r"in user code at (\S+):(\d+)")
 
 
 def _model() -> torch.nn.Module:
@@ -58,30 +55,6 @@ def _model() -> torch.nn.Module:
 
 def _ids(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
-
-
-@contextlib.contextmanager
-def _graph_breaks() -> Iterator[list[tuple[str, int]]]:
-    """(file, line) of every graph break dynamo logs inside the scope."""
-    found: list[tuple[str, int]] = []
-
-    class Handler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            match = BREAK_AT.search(record.getMessage())
-            if match:
-                found.append((match.group(1), int(match.group(2))))
-
-    torch._logging.set_logs(graph_breaks=True)
-    logger = logging.getLogger("torch._dynamo.symbolic_convert.__graph_breaks")
-    handler, propagate = Handler(), logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False  # recorded, not printed
-    try:
-        yield found
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
-        torch._logging.set_logs()
 
 
 @contextlib.contextmanager
@@ -129,7 +102,7 @@ def _train(stage: int, how: str, *, hang: bool = False) -> dict[str, Any]:
     _compile(model, how)
     collectives.clear_history()
     losses, graphs = [], []
-    with _graph_breaks() as breaks, _unit_trace() as trace:
+    with graph_break_sites() as breaks, _unit_trace() as trace:
         for step in range(STEPS):
             ids = _ids(step, rank)
             loss = model(input_ids=ids, labels=ids).loss
@@ -140,19 +113,10 @@ def _train(stage: int, how: str, *, hang: bool = False) -> dict[str, Any]:
             graphs.append(counters["stats"]["unique_graphs"])
     run = dict(losses=losses, graphs=graphs, breaks=breaks, trace=trace,
                history=[(event.op, event.label) for event in collectives.history()],
-               reasons=list(counters["graph_break"]), block_code=_block_code(model))
+               reasons=list(counters["graph_break"]), block_code=code_spans(model.model.layers[0]))
     if hang:
         run["hang"] = _stop_rank_one(model)
     return run
-
-
-def _block_code(model: torch.nn.Module) -> list[tuple[str, int, int]]:
-    """(file, first line, last line) of the forward of every module class inside a block."""
-    spans = set()
-    for module in model.model.layers[0].modules():
-        lines, first = inspect.getsourcelines(type(module).forward)
-        spans.add((inspect.getsourcefile(type(module).forward), first, first + len(lines) - 1))
-    return sorted(spans)
 
 
 def _stop_rank_one(model: torch.nn.Module) -> str:
@@ -225,8 +189,7 @@ def test_graph_breaks_only_at_hook_calls_and_no_recompiles(campaign, run):
         # Every break dynamo counted is a call into a disabled ZeRO hook ...
         assert all("ZeroEngine._" in reason for reason in compiled["reasons"]), compiled["reasons"]
         # ... and none is reported at a line of a block's own code.
-        inside = [(path, line) for path, line in compiled["breaks"]
-                  for source, first, last in compiled["block_code"] if path == source and first <= line <= last]
+        inside = breaks_inside(compiled["breaks"], compiled["block_code"])
         assert not inside, f"{run}: graph breaks inside a block: {inside}"
         if run.startswith("3"):
             assert compiled["reasons"], "stage 3's hooks run eagerly, as a break at their call"

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +39,9 @@ from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding import ZeroConfig, model_state_bytes, zero_shard
 from plait.zero_sharding.zeropp import ZeroPPConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_zero_sharding_identity import _read_safetensors
 
 STEPS = 5
 BATCH, SEQ, FEATURES, DIM, HEADS = 4, 4, 8, 16, 4
@@ -212,6 +218,7 @@ def _sharded_runs() -> dict:
     out["clipped"] = _train(model, opt, dp_group, CLIP)
     out["accumulated"] = _accumulate(mesh, dp_group)
     _bad_input(mesh)
+    out["state_dicts"] = _whole_and_sharded_state(mesh, dp_group)
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -259,14 +266,65 @@ def _bad_input(mesh) -> None:
     if dist.get_rank() < 3:
         with pytest.raises(ValueError, match=r"3 ranks, which does not divide the world of 4"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=three)
-    model, _ = zero_shard(tp_mlp(), torch.optim.AdamW, ZeroConfig(stage=2), mesh=mesh["dp"])
-    with pytest.raises(NotImplementedError, match=r"state_dict\(\) does not support tensor-parallel"):
-        model.state_dict()
-    with model.gathered_parameters():  # the documented way to whole weights: DTensor assembles the TP shards
-        full = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
-                for name, p in model.named_parameters()}
+
+
+def _whole_and_sharded_state(mesh, dp_group: dist.ProcessGroup) -> dict:
+    """state_dict / load_state_dict / export_full_weights / sharded_state_dict of a TP model under
+    ZeRO-3: whole tensors equal the unsharded model's, and every rank's written pieces, placed at
+    their boxes / flat ranges, tile each global tensor exactly once with the right values."""
+    model, opt = zero_shard(parallelize_module(build("mlp"), mesh["tp"], plan("mlp")), torch.optim.AdamW,
+                            ZeroConfig(stage=3), mesh=mesh["dp"], **OPT)
+    out = {"initial": model.state_dict()}  # collective over dp and tp: every rank gets whole tensors
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, FEATURES), nn.Linear(FEATURES, FEATURES))
+    model.load_state_dict(other.state_dict())
+    out["reloaded"], out["other"] = model.state_dict(), other.state_dict()
+    x, y = data()
+    out["forward"] = (model(x).detach(), other(x).detach())
+    _train(model, opt, dp_group, None)  # optimizer state exists and differs from the masters
+    pieces = model.sharded_state_dict()
+    mine = [(piece.spec, piece.local.clone()) for piece in pieces.values()
+            if piece.spec.writer_rank == dist.get_rank() and piece.spec.kind != "other"]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out["boxes"] = sum(1 for piece in pieces.values() if piece.spec.slices is not None)
+    out["pieces"] = [entry for theirs in everyone for entry in theirs]
+    out["trained"] = model.state_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "w.safetensors"
+        written = model.export_full_weights(path)
+        out["exported"] = _read_safetensors(written) if written is not None else None
+    return out
+
+
+def _check_state(out: dict) -> None:
     expected = build("mlp").state_dict()
-    assert full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
+    initial = out["initial"]
+    assert initial.keys() == expected.keys() and all(torch.equal(initial[k], expected[k]) for k in initial)
+    assert all(torch.equal(out["reloaded"][k], out["other"][k]) for k in out["other"])
+    torch.testing.assert_close(*out["forward"], rtol=1e-6, atol=1e-6)
+    assert out["boxes"] > 0  # the row-wise weight (Shard(1)) is described by boxes, not flat ranges
+    trained = out["trained"]
+    assert trained.keys() == expected.keys() and not torch.equal(trained["0.weight"], expected["0.weight"])
+    if out["exported"] is not None:
+        assert all(torch.equal(out["exported"][k], trained[k]) for k in trained)
+    tiled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    unique: dict[tuple, torch.Tensor] = {}  # plain parameters: each tp rank names itself (a checkpoint keeps one)
+    for spec, local in out["pieces"]:
+        where = (spec.name, spec.flat_range, spec.slices)
+        if where in unique:
+            assert torch.equal(unique[where], local), spec.name
+            continue
+        unique[where] = local
+        values, counts = tiled.setdefault(spec.name, (torch.zeros(spec.global_shape, dtype=spec.dtype),
+                                                     torch.zeros(spec.global_shape, dtype=torch.int32)))
+        spec.index_into(values).copy_(local.reshape(spec.index_into(values).shape))
+        spec.index_into(counts).add_(1)
+    for name, tensor in trained.items():
+        values, counts = tiled[f"model.{name}"]
+        assert torch.equal(counts, torch.ones_like(counts)), name  # each element written exactly once
+        assert torch.equal(values, tensor), name
+        assert torch.equal(tiled[f"optim.exp_avg.{name}"][1], counts), name
 
 
 def _strided():
@@ -292,6 +350,8 @@ def test_zero_over_tensor_parallel_matches_one_process_and_fsdp2():
                 assert measured == expected, msg
                 state, formula, unit_numel, local_numel = out["state"][kind, stage]
                 assert state == formula and unit_numel == local_numel, msg  # 1/dp of each TP shard
+    for out in results:
+        _check_state(out["state_dicts"])
     print(f"ranks' time in the cases: {max(out['seconds'] for out in results):.1f} s, load {os.getloadavg()[0]:.1f}")
     ref = reference("transformer", None)[0]
     for out in results:
@@ -301,3 +361,20 @@ def test_zero_over_tensor_parallel_matches_one_process_and_fsdp2():
         losses, norms = out["clipped"]
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_flat_range_boxes_tile_the_range_in_order():
+    """Every flat range of 1- to 3-D tensors splits into boxes whose elements, read box by box in
+    row-major order, are exactly the range (the views checkpoint pieces are made of)."""
+    from plait.zero_sharding.tensor_parallel_state import flat_range_boxes
+
+    for shape in ((7,), (3, 5), (2, 3, 4), (1, 6), (4, 1, 3)):
+        numbers = torch.arange(torch.Size(shape).numel()).view(shape)
+        for lo in range(numbers.numel() + 1):
+            for hi in range(lo, numbers.numel() + 1):
+                boxes = flat_range_boxes(shape, lo, hi)
+                assert len(boxes) <= 2 * len(shape) - 1 or hi == lo, (shape, lo, hi, boxes)
+                got = [numbers[tuple(slice(a, b) for a, b in box)].reshape(-1) for box, _, _ in boxes]
+                assert torch.equal(torch.cat(got) if got else torch.zeros(0, dtype=torch.long),
+                                   torch.arange(lo, hi)), (shape, lo, hi, boxes)
+                assert [start for _, start, _ in boxes] == [lo] + [stop for _, _, stop in boxes][:-1] or not boxes

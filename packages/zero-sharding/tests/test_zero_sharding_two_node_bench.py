@@ -121,7 +121,7 @@ def test_summary_table_from_a_results_file(tmp_path, capsys):
 
 def test_readme_summary_is_the_committed_results_summary():
     """The README's two-node summary is `python -m plait.zero_sharding.benchmarks.two_node` of the
-    committed results file, verbatim (issue 18: every README table comes from a committed file)."""
+    committed results file, verbatim (every README table comes from a committed file)."""
     from plait.kernels.bench import read_json
 
     root = pathlib.Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""ZeRO++ as one field of ZeroConfig, and hpZ/qgZ sized by the launcher's nodes (issue 23).
+"""ZeRO++ as one field of ZeroConfig, and hpZ/qgZ sized by the launcher's nodes.
 
 ``ZeroConfig(zeropp=...)`` is what every route reads (plain ``zero_shard``, Lightning, Fabric,
 the HF Trainer backend). Here: its accepted forms and refusals, DeepSpeed's three fields mapped

@@ -4,8 +4,8 @@ Lightning's script launcher (``devices=N`` with no external launcher) starts ran
 children of rank 0 (``subprocess.Popen``). Its observer thread kills everything when a *child*
 exits non-zero, and its signal handlers pass Ctrl-C and SIGTERM on; but when rank 0 itself fails
 (an exception, a collective's timeout) it exits and leaves its children running: a child waiting
-in a collective, or hung, keeps its GPU until someone kills it by hand (Lightning issues 8130 and
-9303). Two guards close that gap, without a launcher of plait's own:
+in a collective, or hung, keeps its GPU until someone kills it by hand (see Lightning's
+GitHub issues #8130 and #9303). Two guards close that gap, without a launcher of plait's own:
 
 * rank 0's strategy, told of the exception by Lightning's ``on_exception`` hook, SIGKILLs the
   ranks it launched and reaps them, before Lightning's teardown (which could itself wait in a

@@ -226,11 +226,18 @@ class PlaitStrategy(DDPStrategy):
         tp_size: tensor parallelism over ``tp_size`` ranks (1: off). ``configure_model`` then
             builds the model whole (no sliced construction) and applies
             ``parallelize_module(model, self.device_mesh["tensor_parallel"], plan)``; ZeRO shards
-            the TP shards over ``self.device_mesh["data_parallel"]``. Checkpoints of such a model
-            are refused (``enable_checkpointing=False``); not with ``sp_size``/``ep_size`` yet.
+            the TP shards over ``self.device_mesh["data_parallel"]``. Its checkpoints name every
+            piece by its place in the global tensor, so they resume at another ``tp_size`` or
+            world size too; not with ``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for ``DDPStrategy``.
+        accelerator: as for ``DDPStrategy``.
+        parallel_devices: as for ``DDPStrategy``.
+        cluster_environment: as for ``DDPStrategy``.
+        checkpoint_io: as for ``DDPStrategy``.
+        precision_plugin: as for ``DDPStrategy``.
+        process_group_backend: as for ``DDPStrategy``.
+        timeout: as for ``DDPStrategy``.
+        start_method: as for ``DDPStrategy``.
 
     Raises:
         PieceMissingError: an offload setting without a usable plait-offload-io; ``sp_size > 1``
@@ -238,14 +245,12 @@ class PlaitStrategy(DDPStrategy):
         ValueError: contradictory settings (named, with the fix); ``sp_size``/``ep_size`` not
             dividing the world size (before the launcher starts processes); ``tp_size`` with
             ``sp_size``/``ep_size``.
-        NotImplementedError: ``tp_size > 1`` with checkpointing enabled (before processes start).
 
     Example::
 
         trainer = L.Trainer(strategy=PlaitStrategy(zero=ZeroConfig(stage=2)), devices=2)
         trainer = L.Trainer(strategy=PlaitStrategy(sp_size=2), devices=4)     # dp 2 x sp 2
-        trainer = L.Trainer(strategy=PlaitStrategy(tp_size=2), devices=4,     # dp 2 x tp 2
-                            enable_checkpointing=False)
+        trainer = L.Trainer(strategy=PlaitStrategy(tp_size=2), devices=4)     # dp 2 x tp 2
     """
 
     strategy_name = "plait"
@@ -308,7 +313,6 @@ class PlaitStrategy(DDPStrategy):
         parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
                                   self.num_processes * self.num_nodes)
         tensor_parallel.check_world_size(self.plait_config.tp_size, self.num_processes * self.num_nodes)
-        tensor_parallel.check_no_checkpointing(trainer, self.plait_config.tp_size)
 
     # ---- sequence parallelism: sp groups share batches, each rank keeps its slice of the sequence
     @property
@@ -466,13 +470,8 @@ class PlaitStrategy(DDPStrategy):
         """Save a universal-checkpoint directory at ``filepath`` (collective; every rank writes its shard).
 
         Raises:
-            NotImplementedError: ``tp_size > 1`` (checkpoints of tensor-parallel models are not
-                written yet; the message names the workaround).
             TypeError: ``storage_options`` given.
         """
-        if self.plait_config.tp_size > 1:
-            raise NotImplementedError(f"PlaitStrategy(tp_size={self.plait_config.tp_size}) cannot save checkpoints of "
-                                      f"a tensor-parallel model yet; {tensor_parallel.CHECKPOINT_FIX}")
         if storage_options is not None:
             raise TypeError("the plait strategies save universal-checkpoint directories and take no storage_options.")
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}

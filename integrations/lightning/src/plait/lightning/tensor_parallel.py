@@ -11,9 +11,13 @@ shard over ``device_mesh["data_parallel"]`` (:mod:`plait.zero_sharding.tensor_pa
 ``[i * tp, (i + 1) * tp)`` and shares its batches: the sampler splits over the ``dp`` ranks only
 (:func:`sampler_kwargs`).
 
-Not yet composed: ``tp_size`` with ``sp_size``/``ep_size`` and checkpoints of a TP model (the
-universal-checkpoint writer would name TP shards by global names); both are refused before any
-work with the fix (:func:`check_tp_size`, :func:`check_no_checkpointing`).
+Checkpoints are universal-checkpoint directories as without ``tp_size``: plait-zero-sharding
+describes each TP shard's ZeRO pieces by their place in the global tensor, so a checkpoint saved
+at ``dp x tp`` resumes at the same layout or at another ``tp_size`` / world size, and
+``plait ckpt convert --to hf`` (or the module's ``state_dict()``) gives whole tensors.
+
+Not yet composed: ``tp_size`` with ``sp_size``/``ep_size``, refused before any work with the fix
+(:func:`check_tp_size`).
 """
 
 from __future__ import annotations
@@ -21,12 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")
-# What a user can do instead of saving a checkpoint of a TP model today (named in every refusal).
-CHECKPOINT_FIX = ("pass Trainer(enable_checkpointing=False) and do not call trainer.save_checkpoint; to keep the "
-                  "weights, gather them on every rank and let DTensor assemble the TP shards: inside "
-                  "`with module.gathered_parameters():` take p.full_tensor() of each DTensor parameter.")
-__all__ = ["CHECKPOINT_FIX", "MESH_DIM_NAMES", "build_mesh", "check_no_checkpointing", "check_tp_size",
-           "check_world_size", "sampler_kwargs"]
+__all__ = ["MESH_DIM_NAMES", "build_mesh", "check_tp_size", "check_world_size", "sampler_kwargs"]
 
 
 def check_tp_size(tp_size: Any, sp_size: int, ep_size: int) -> None:
@@ -54,18 +53,6 @@ def check_world_size(tp_size: int, world_size: int) -> None:
         choices = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"tp_size={tp_size} does not divide the world size {world_size} (devices x num_nodes); "
                          f"use one of {choices}.")
-
-
-def check_no_checkpointing(trainer: Any, tp_size: int) -> None:
-    """Refuse a Trainer that would save checkpoints of a TP model (a ``ModelCheckpoint``
-    callback, which ``enable_checkpointing=True`` adds by default).
-
-    Raises:
-        NotImplementedError: ``tp_size > 1`` and the Trainer has a checkpoint callback.
-    """
-    if tp_size > 1 and getattr(trainer, "checkpoint_callbacks", None):
-        raise NotImplementedError(f"PlaitStrategy(tp_size={tp_size}) cannot save checkpoints of a tensor-parallel "
-                                  f"model yet, and this Trainer has a ModelCheckpoint callback; {CHECKPOINT_FIX}")
 
 
 def build_mesh(tp_size: int, world_size: int, device_type: str) -> Any:

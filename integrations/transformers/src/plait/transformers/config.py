@@ -56,6 +56,10 @@ class PlaitConfig:
             1: off); must divide the world size. See :mod:`plait.transformers.parallel`.
         ep_size: expert parallelism over this many ranks for MoE models (plait-moe-layers; HF
             Mixtral / Qwen2-MoE / Qwen3-MoE blocks are converted); 1: off.
+        tp_size: tensor parallelism over this many consecutive ranks with the model's own
+            ``tp_plan`` (transformers' styles), ZeRO over the ``world / tp_size`` data-parallel
+            ranks; 1: off. Not with ``sp_size``/``ep_size`` above 1. See
+            :mod:`plait.transformers.tensor_parallel`.
         onebit: a 1-bit optimizer, given by its plait config (``plait.onebit_optim.OnebitAdamConfig``,
             ``OnebitLambConfig`` or ``ZeroOneAdamConfig``; in JSON, DeepSpeed's ``"optimizer"``
             block). It replaces ``TrainingArguments.optim``; see :mod:`plait.transformers.onebit`.
@@ -68,6 +72,7 @@ class PlaitConfig:
     extensions: tuple[Any, ...] = ()
     sp_size: int = 1
     ep_size: int = 1
+    tp_size: int = 1
     onebit: Any = None
 
     def __post_init__(self) -> None:
@@ -95,6 +100,9 @@ class PlaitConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PlaitConfig.{field}={value!r} must be a positive int (1: off) dividing the world "
                                  "size.")
+        from plait.transformers.tensor_parallel import check_tp_size
+
+        check_tp_size(self.tp_size, self.sp_size, self.ep_size)
         if self.onebit is not None and type(self.onebit).__name__ not in CONFIG_CLASSES:
             raise ValueError(f"PlaitConfig.onebit={self.onebit!r}; give a plait.onebit_optim OnebitAdamConfig, "
                              "OnebitLambConfig or ZeroOneAdamConfig (or DeepSpeed's 'optimizer' block in JSON).")

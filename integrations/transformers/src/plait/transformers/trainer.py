@@ -20,6 +20,7 @@ collectives, and takes over what sharding changes; each override is listed, with
   a 1-bit optimizer past its warm-up: the shards hold no gradients then).
 * ``compute_loss`` / ``prediction_step``: with ``sp_size > 1``, each rank's slice of its sp group's
   micro-batch (:mod:`plait.transformers.parallel`); predictions (sliced logits) refused.
+* ``_get_dataloader``: under ``tp_size`` a tp group shares batches (:mod:`.tensor_parallel`).
 * checkpoints and ``save_model``: see :mod:`plait.transformers.checkpoint`.
 """
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.transformers import checkpoint as ckpt
-from plait.transformers import ds_route, loading, onebit, parallel, settings
+from plait.transformers import ds_route, loading, onebit, parallel, settings, tensor_parallel
 from plait.transformers.config import (
     PlaitConfig,
     check_features,
@@ -185,6 +186,7 @@ class PlaitTrainerMixin:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         # The launcher's world is known now (the process group may not exist yet).
         parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size, self.args.world_size)
+        tensor_parallel.check_start(self.model, self.plait_config.tp_size, self.args.world_size)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
@@ -278,14 +280,14 @@ class PlaitTrainerMixin:
         return self.lr_scheduler
 
     def _plait_parallel(self) -> tuple[list[Any], Any]:
-        """The config's extensions plus sequence/expert parallelism on their mesh (collective), and
-        what ZeRO shards over: the ``dp x sp`` mesh with sp alone, else the world (with ep, experts
-        get their own groups through the parameter groups)."""
+        """Extensions plus sp/ep on their mesh (collective), and ZeRO's group: tp's dp, sp's dp x sp, or the world."""
         config = self.plait_config
+        self._plait_sp = self._plait_ep = None
+        if config.tp_size > 1:  # the model's tp_plan on "tp", ZeRO over "dp" (plait.transformers.tensor_parallel)
+            return [*config.extensions], tensor_parallel.parallelize(self.model, config.tp_size, self.args.device.type)
         parallel.check_world_size(config.sp_size, config.ep_size, dist.get_world_size())
         mesh = parallel.build_mesh(config.sp_size, config.ep_size, self.args.device.type)
         added: list[Any] = []
-        self._plait_sp = self._plait_ep = None
         if config.sp_size > 1:
             self._plait_sp = parallel.SequenceParallel(mesh)
             added.append(self._plait_sp)
@@ -323,6 +325,11 @@ class PlaitTrainerMixin:
         wrapper = self.optimizer  # Accelerate's AcceleratedOptimizer around ``optimizer`` once prepared
         if wrapper is not optimizer and hasattr(wrapper, "_is_overflow"):
             wrapper._is_overflow = skipped
+
+    def _get_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loader; under ``tp_size`` a tp group shares batches (``share_batches``)."""
+        loader = super()._get_dataloader(*args, **kwargs)  # type: ignore[misc]
+        return tensor_parallel.share_batches(loader, self.plait_config.tp_size, self.args.process_index)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if loading.pending_weights(model) is not None:

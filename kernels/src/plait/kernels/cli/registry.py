@@ -25,7 +25,7 @@ class PlaitDistribution:
 
 
 def import_name_of(distribution: str) -> str:
-    """design.md's rule: the first ``-`` becomes ``.``, the rest ``_``.
+    """docs/conventions.md's rule: the first ``-`` becomes ``.``, the rest ``_``.
 
     ``plait-zero-sharding`` -> ``plait.zero_sharding``.
     """

@@ -43,6 +43,7 @@ from plait.kernels.collectives.ops import (
 from plait.kernels.collectives.peers import count_ddp, count_torch_distributed
 from plait.kernels.collectives.preemption import PreemptionGuard, any_rank
 from plait.kernels.collectives.restarts import init_process_group, restart_count
+from plait.kernels.collectives.rows_op import all_to_all_rows
 from plait.kernels.collectives.stragglers import WaitSummary, wait_summary
 
 __all__ = [
@@ -51,7 +52,8 @@ __all__ = [
     "ensure_publisher", "group_timeout",
     "history", "named", "set_step", "wait_seconds", "wait_summary",
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce",
-    "all_to_all_single", "barrier", "broadcast", "compressed_allreduce", "compressed_allreduce_nbytes",
+    "all_to_all_rows", "all_to_all_single", "barrier", "broadcast", "compressed_allreduce",
+    "compressed_allreduce_nbytes",
     "compressed_allreduce_reference", "compressed_numel", "count_ddp", "count_torch_distributed", "group_name",
     "irecv", "isend", "recv", "reduce_scatter_tensor", "send", "tensor_nbytes",
 ]

@@ -9,7 +9,7 @@ the GIL, and a thread that asks for the GIL after finalization has begun is ende
 ``pthread_exit``, whose forced unwind through torch's ``noexcept`` destructors calls
 ``std::terminate``. The worker drops its reference to the work just *after* marking it complete,
 so ``wait()`` can return, the program can end, and the worker's drop can still come later on a
-loaded machine (4 of 50 runs at load 25; torch issue 190489 is the same race, open upstream).
+loaded machine (pytorch/pytorch#190489 is the same race, open upstream).
 
 The remedy: the caller keeps the last work of each process group (by its flight-log name) until
 the next collective on that group, or until the process ends. Then the worker's drop is never

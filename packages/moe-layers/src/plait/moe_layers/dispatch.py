@@ -20,7 +20,8 @@ Every exchange is named in plait's flight log (``MoE layer `layers.1.mlp` token 
 all-to-all``; backward adds ``(backward)``), so a rank that never enters one is named, with the
 exchange, in the others' :class:`~plait.kernels.collectives.CollectiveError`.
 
-Both all-to-alls are autograd functions whose backward is the reverse exchange, so each rank's
+Both all-to-alls are ``plait.kernels.collectives.all_to_all_rows`` (a custom op, one node of a
+compiled graph) whose backward is the reverse exchange, so each rank's
 backward returns gradient rows to where the tokens came from and the experts' weight gradients
 collect every rank's contribution. Logical bytes per layer and rank (counted by the ledger):
 forward ``8 E + (S + R) H b``, backward ``(S + R) H b``, with ``S`` the rows this rank sends
@@ -38,27 +39,6 @@ from plait.kernels.ops import combine_rows, permute_by_expert, permute_tokens
 from plait.moe_layers.router import Routing
 
 
-class _AllToAll(torch.autograd.Function):
-    """Uneven all-to-all of dim-0 rows; backward is the exchange with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int], group: Any,
-                name: str) -> torch.Tensor:
-        # The name travels with the node: backward may run on another thread, outside named blocks.
-        ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
-        out = rows.new_empty(sum(recv), *rows.shape[1:])
-        collectives.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                      group=group, name=name)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        collectives.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send,
-                                      input_split_sizes=ctx.recv, group=ctx.group, name=f"{ctx.name} (backward)")
-        return out, None, None, None, None
-
-
 def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group: Any,
                     name: str = "MoE all-to-all") -> torch.Tensor:
     """Differentiable uneven all-to-all: send ``send[i]`` rows to rank ``i``, receive ``recv[i]``.
@@ -73,17 +53,27 @@ def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group:
     Returns:
         ``[sum(recv), ...]`` rows, rank 0's block first.
     """
-    return _AllToAll.apply(rows, send, recv, group, name)
+    return collectives.all_to_all_rows(rows, send, recv, group, name)
+
+
+# Not traced: the split sizes of the row exchange are the other ranks' routing decisions, known only
+# after this exchange, as Python ints. Under torch.compile this is a graph break inside the MoE
+# layer (the rows exchanged after it are sized by data no graph can specialise on).
+@torch.compiler.disable
+def _exchange_counts(counts: torch.Tensor, group: Any, ep_size: int,
+                     label: str) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Step 1: per-expert counts from every rank, and the rows to send to / receive from each."""
+    local = counts.numel() // ep_size
+    recv_counts = torch.empty_like(counts)
+    collectives.all_to_all_single(recv_counts, counts, group=group, name=f"{label} token-count exchange")
+    return recv_counts, counts.view(ep_size, local).sum(1).tolist(), recv_counts.view(ep_size, local).sum(1).tolist()
 
 
 def _expert_parallel(rows: torch.Tensor, counts: torch.Tensor, experts: torch.nn.Module, group: Any,
                      ep_size: int, label: str) -> torch.Tensor:
     """Steps 1-3 of the module docstring: rows sorted by global expert in, their outputs out."""
     local = counts.numel() // ep_size
-    recv_counts = torch.empty_like(counts)
-    collectives.all_to_all_single(recv_counts, counts, group=group, name=f"{label} token-count exchange")
-    send = counts.view(ep_size, local).sum(1).tolist()
-    recv = recv_counts.view(ep_size, local).sum(1).tolist()
+    recv_counts, send, recv = _exchange_counts(counts, group, ep_size, label)
     received = all_to_all_rows(rows, send, recv, group, f"{label} token dispatch all-to-all")
     local_ids = torch.arange(local, device=rows.device).repeat(ep_size)
     order, local_counts = permute_by_expert(torch.repeat_interleave(local_ids, recv_counts), local)

@@ -109,7 +109,7 @@ class MoE(nn.Module):
         self.last_losses = MoELosses(
             load_balancing=load_balancing_loss(routing.probs, self._counted(routing.expert_ids)),
             z_loss=router_z_loss(routing.logits), expert_load=load,
-            dropped=int(routing.kept.numel() - int(routing.kept.sum())),
+            kept=routing.kept,
         )
         out = out.view(x.shape)
         return (out, self.last_losses) if return_losses else out

@@ -58,13 +58,22 @@ class MoELosses:
         load_balancing: the Switch load-balancing loss (see the module docstring), a scalar tensor.
         z_loss: the router z-loss, a scalar tensor.
         expert_load: ``[E]`` int64 assignments each expert computed (after capacity drops).
-        dropped: assignments dropped for capacity in this forward (0 when dropless).
+        kept: ``[T, k]`` bool, the assignments kept after capacity drops.
     """
 
     load_balancing: torch.Tensor
     z_loss: torch.Tensor
     expert_load: torch.Tensor
-    dropped: int
+    kept: torch.Tensor
+
+    @property
+    def dropped(self) -> int:
+        """Assignments dropped for capacity in this forward (0 when dropless).
+
+        Counted when read, not in the forward: reading a count is a device sync (and, under
+        torch.compile, a graph break), which a forward that nobody asks this of should not pay.
+        """
+        return int(self.kept.numel() - int(self.kept.sum()))
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -80,7 +89,11 @@ def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.
     num_experts = probs.shape[1]
     if probs.shape[0] == 0:
         return probs.sum() * 0
-    fraction = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype) / expert_ids.numel()
+    # index_add_ instead of bincount: bincount sizes its output from the data (a graph break under
+    # torch.compile); the counts are the same integers.
+    ids = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    fraction = counts.to(probs.dtype) / expert_ids.numel()
     return num_experts * (fraction * probs.mean(dim=0)).sum()
 
 

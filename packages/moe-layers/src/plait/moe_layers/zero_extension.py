@@ -53,7 +53,7 @@ class ExpertParallelExtension:
             converted); checkpoints and exports use the HF names.
     """
 
-    order = 20  # the design's order: sequence parallel (10) -> MoE -> checkpointing/offload -> ZeRO
+    order = 20  # docs/architecture.md's order: sequence parallel (10) -> MoE -> checkpointing/offload -> ZeRO
 
     def __init__(self, mesh: Any, *, setting: str = "ep_size") -> None:
         self.mesh, self.setting = mesh, setting

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 from typing import Any
 
@@ -46,19 +47,47 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def detected_memory_bytes() -> int:
-    """The memory this process may use: its cgroup's limit (v2, then v1) when one is set, else
-    the machine's RAM (0 when nothing says)."""
+    """The memory this process may use: the tightest limit of its own cgroup and the cgroups above
+    it (v2 ``memory.max``, v1 ``memory.limit_in_bytes``, found through ``/proc/self/cgroup``) when
+    one is set, else the machine's RAM (0 when nothing says)."""
     ram = physical_memory_bytes()
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
+    limits = [limit for path in _cgroup_limit_files() if (limit := _read_limit(path)) is not None]
+    # "max" (v2) or a huge number (v1) means no limit: the machine's RAM then
+    bounded = [limit for limit in limits if not ram or limit < ram]
+    return min(bounded) if bounded else ram
+
+
+def _cgroup_limit_files() -> list[str]:
+    """The memory limit files of this process's cgroup and its ancestors, own first. A process in
+    a child cgroup (a container's job, the capacity benchmark's worker) is limited by its own
+    group, not only by the root's file that a container usually shows at the mount point."""
+    files = []
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            root, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
             continue
-        # "max" (v2) or a huge number (v1) means no limit: the machine's RAM then
-        if text.isdigit() and (not ram or int(text) < ram):
-            return int(text)
-    return ram
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            files.append(os.path.join(root, *parts[:depth], name))
+    return files + ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def parse_budget(value: int | float | str) -> int:

@@ -7,9 +7,12 @@ and :func:`heads_to_seq` turns the attention output back.
 
 Why it is built this way:
 
-* One primitive, :class:`_AllToAllRows`, exchanges rows (dim 0) with uneven split sizes through
+* One primitive, ``plait.kernels.collectives.all_to_all_rows`` (the custom op
+  ``plait::all_to_all_rows``), exchanges rows (dim 0) with uneven split sizes through
   ``plait.kernels.collectives.all_to_all_single``; its backward is the same exchange with the
-  split sizes swapped, so the ledger sees forward and backward traffic alike. Everything else
+  split sizes swapped, so the ledger sees forward and backward traffic alike. Being a custom op,
+  it stays one node of a compiled block's graph (no graph break under ``torch.compile``) while
+  its flight-log and ledger bookkeeping runs eagerly. Everything else
   (head selection, permutes, reshapes) is ordinary differentiable torch.
 * Every exchange is named in plait's flight log (``Ulysses all-to-all of q, sequence to heads,
   layer 7``; its backward adds ``(backward)``), so a rank that never enters one is named, with
@@ -120,29 +123,6 @@ class HeadLayout:
         return rows * local_tokens * head_dim * itemsize
 
 
-class _AllToAllRows(torch.autograd.Function):
-    """All-to-all of dim-0 rows with split sizes; backward swaps the splits."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any,
-                name: str) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group, ctx.name = send, recv, group, name
-        return _exchange(rows, send, recv, group, name)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        back = _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group, f"{ctx.name} (backward)")
-        return back, None, None, None, None
-
-
-def _exchange(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any, name: str) -> torch.Tensor:
-    rows = rows.contiguous()
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    collectives.all_to_all_single(out, rows, output_split_sizes=list(recv), input_split_sizes=list(send),
-                                  group=group, name=name)
-    return out
-
-
 def all_to_all_rows(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, ...], group: Any,
                     name: str = "Ulysses all-to-all") -> torch.Tensor:
     """Differentiable all-to-all of dim-0 rows: ``send[j]`` rows go to rank ``j``, ``recv[j]`` come from it.
@@ -157,7 +137,7 @@ def all_to_all_rows(rows: torch.Tensor, send: tuple[int, ...], recv: tuple[int, 
     Returns:
         ``[sum(recv), ...]``, the received rows in rank order.
     """
-    return _AllToAllRows.apply(rows, tuple(send), tuple(recv), group, name)
+    return collectives.all_to_all_rows(rows, send, recv, group, name)
 
 
 def seq_to_heads(x: torch.Tensor, heads_per_rank: list[tuple[int, ...]], rank: int, group: Any,

@@ -145,7 +145,7 @@ class SequenceParallelExtension:
             ``UlyssesConfig``.
     """
 
-    order = 10  # the design's order: sequence parallel -> MoE (20) -> checkpointing/offload -> ZeRO
+    order = 10  # docs/architecture.md's order: sequence parallel -> MoE (20) -> checkpointing/offload -> ZeRO
 
     def __init__(self, mesh: Any, config: UlyssesConfig | None = None, *, setting: str = "sp_size",
                  batches: str = "shared") -> None:

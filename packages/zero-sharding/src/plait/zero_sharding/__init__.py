@@ -28,16 +28,18 @@ from plait.zero_sharding.memory import model_state_bytes, zero_formula_bytes
 from plait.zero_sharding.module import ZeroModule
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
 from plait.zero_sharding.optimizer import ZeroOptimizer
+from plait.zero_sharding.pretrained import LoadedWeights, load_safetensors
 from plait.zero_sharding.profiling import StepBreakdown
 from plait.zero_sharding.replicas import ReplicaMismatchError, check_replicas
 from plait.zero_sharding.whole_tensor import WholeTensorPlacement, register_whole_tensor
 
 __all__ = [
     "ConstructedParameter", "DefaultGatherer", "DefaultReducer", "GradientReducer", "LocalPlacement",
-    "LowPrecisionOptimizer", "MuonWithAdamW", "ParamGatherer",
+    "LoadedWeights", "LowPrecisionOptimizer", "MuonWithAdamW", "ParamGatherer",
     "ReplicaMismatchError", "ShardingExtension", "ShardStorage", "StatePlacement", "StepBreakdown",
     "TensorPrecision", "WholeTensorPlacement",
     "ZeroConfig", "ZeroModule", "ZeroOptimizer", "apply_extensions", "check_extensions", "check_replicas",
-    "export_full_weights", "gathered_parameters", "iter_full_parameters", "model_state_bytes", "muon_param_groups",
+    "export_full_weights", "gathered_parameters", "iter_full_parameters", "load_safetensors", "model_state_bytes",
+    "muon_param_groups",
     "register_whole_tensor", "resolve_group", "resolve_groups", "sharded_init", "zero_formula_bytes", "zero_shard",
 ]

@@ -42,6 +42,8 @@ from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 from plait.kernels.state_names import tied_aliases
 from plait.zero_sharding.composition import extension_objects
 from plait.zero_sharding.low_precision import refuse_sharded_state
+from plait.zero_sharding.tensor_parallel import is_dtensor
+from plait.zero_sharding.tensor_parallel_state import full_value, local_part, tp_pieces
 from plait.zero_sharding.units import FlatUnit
 from plait.zero_sharding.whole_tensor import whole_state_pieces
 
@@ -82,7 +84,7 @@ def iter_full_parameters(engine: Any, *, dtype: torch.dtype | None = None,
             continue
         flat = gather_unit_masters(engine, unit)
         for slot in unit.slots:
-            value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            value = full_value(slot.param, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
             out_dtype = slot.param.dtype if parameter_dtype else dtype or torch.float32
             yield slot.name, value.to(device="cpu", dtype=out_dtype, copy=True)
         del flat
@@ -114,10 +116,12 @@ def load_full_parameters(engine: Any, state: dict[str, torch.Tensor], *, strict:
                 continue
             value = state[name]
             expected = slot.global_shape if name == slot.global_name else slot.shape
+            if is_dtensor(slot.param):  # a whole tensor; this rank keeps its TP shard of it
+                expected = tuple(slot.param.shape)
             if tuple(value.shape) != expected:
                 raise ValueError(f"load_state_dict: {name!r} has shape {tuple(value.shape)}, the model "
                                  f"expects {expected}; load a checkpoint of the same architecture.")
-            flat = value.reshape(-1)
+            flat = local_part(slot.param, value).reshape(-1)
             if name == slot.global_name and not slot.is_global:
                 flat = flat[slot.global_offset:slot.global_offset + slot.numel]  # this rank's rows
             start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -198,6 +202,9 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
             # A parameter's step counter is shared by every rank holding any piece of it, so the
             # holders are those of the whole parameter, not of this rank's piece.
             holders = _holders(engine, unit, slot.offset, slot.offset + slot.numel)
+            if is_dtensor(slot.param):  # a TP shard: boxes of the global tensor
+                out.update(_tp_slot_pieces(slot, master.detach(), state, (plo, phi), (slo, shi), holders))
+                continue
             base = slot.global_offset  # global identity: rows of a larger tensor (experts under EP)
             spec = dict(global_shape=slot.global_shape, flat_range=(base + plo, base + phi),
                         replica_ranks=(dist.get_rank(),))
@@ -227,6 +234,24 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
     scaler = optimizer.scaler.as_tensor()
     out["zero.loss_scaler"] = ShardedTensor(ShardSpec.full("zero.loss_scaler", scaler, kind="other",
                                                            replica_ranks=tuple(range(dist.get_world_size()))), scaler)
+    return out
+
+
+def _tp_slot_pieces(slot: Any, master: torch.Tensor, state: dict[str, Any], param_range: tuple[int, int],
+                    shard_range: tuple[int, int], holders: tuple[int, ...]) -> dict[str, ShardedTensor]:
+    """Master and optimizer-state pieces of one tensor-parallel parameter (see
+    :mod:`.tensor_parallel_state`); step counters as for any parameter."""
+    slo, shi = shard_range
+    out = tp_pieces(f"model.{slot.global_name}", "parameter", slot.param, master[slo:shi], param_range)
+    for state_name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = f"optim.{state_name}.{slot.global_name}"
+        if value.shape == master.shape:
+            out.update(tp_pieces(name, "optimizer_state", slot.param, value[slo:shi], param_range))
+        elif value.numel() == 1:
+            spec_full = ShardSpec.full(name, value.view(()), kind="optimizer_state", replica_ranks=holders)
+            out[name] = ShardedTensor(spec_full, value.view(1))
     return out
 
 
@@ -402,7 +427,8 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
     spread_state = spread_pieces(engine, [u for u in engine.units if spread(u, world)])
     spread_state.check("export_full_weights")
     pieces, values, shapes = spread_state.pieces, spread_state.values, spread_state.shapes()
-    entries = [(s.name, out_dtype, s.shape) for u in dense for s in u.slots if s.numel]
+    # A tensor-parallel parameter is written whole (its global shape); DTensor assembles the TP shards.
+    entries = [(s.name, out_dtype, tuple(s.param.shape)) for u in dense for s in u.slots if s.param.numel()]
     entries += [(name, out_dtype, shape) for name, shape in shapes.items() if math.prod(shape)]
     buffers = {name: b for name, b in model.named_buffers() if name in model.persistent_buffer_names() and b.numel()}
     entries += [(name, b.dtype, tuple(b.shape)) for name, b in buffers.items()]
@@ -421,9 +447,12 @@ def export_full_weights(model: Any, path: str | Path, *, dtype: torch.dtype | No
         for unit in dense:
             flat = gather_unit_masters(engine, unit)
             for slot in unit.slots:
-                if handle is not None and slot.numel:
-                    _write(handle, _keep(kept, slot.name, aliases, flat[slot.offset:slot.offset + slot.numel]
-                                         .to(out_dtype)))
+                if not slot.param.numel():
+                    continue
+                # collective over the TP mesh for a DTensor parameter: every rank assembles it
+                value = full_value(slot.param, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                if handle is not None:
+                    _write(handle, _keep(kept, slot.name, aliases, value.to(out_dtype)))
         for name, shape in shapes.items():
             whole = torch.empty(math.prod(shape)) if rank == 0 else None
             for _name, _shape, offset, numel, src in (p for p in pieces if p[0] == name):

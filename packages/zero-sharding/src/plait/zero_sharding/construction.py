@@ -46,6 +46,7 @@ _WRITE_ONLY = {getattr(torch.Tensor, name) for name in (
     "normal_", "uniform_", "zero_", "fill_", "random_", "exponential_", "geometric_", "log_normal_",
     "cauchy_", "bernoulli_",
 )}
+_KEYS = itertools.count()  # construction storage keys (``init-<n>``)
 # Questions about shape and type, answered from a meta tensor of the whole shape (no gather).
 _SHAPE_QUERIES = {torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
                   torch.Tensor.layout.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
@@ -75,7 +76,6 @@ class ConstructionGroup:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.storage = storage
-        self.spilled = 0  # keys handed out to the storage (``init-<n>``)
 
     def chunk(self, numel: int) -> int:
         """Elements of a parameter of ``numel`` elements each rank keeps."""
@@ -137,8 +137,9 @@ def _store_slice(param: ConstructedParameter, value: torch.Tensor) -> None:
     # Straight to the store: the slice (on one rank the constructor's tensor itself) is written
     # and dropped, so the memory of building the model is one module, not the model.
     if not hasattr(param, "_plait_key"):
-        param._plait_key = f"init-{group.spilled}"
-        group.spilled += 1
+        # Unique in the process, not per build: two models built with the same placement must not
+        # write over each other's construction files.
+        param._plait_key = f"init-{next(_KEYS)}"
     piece = piece.contiguous()
     _wait(group.storage.write(param._plait_key, piece))
     param._plait_slice = None

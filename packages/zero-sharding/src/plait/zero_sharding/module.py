@@ -28,7 +28,6 @@ from plait.kernels.sharded_state import ShardedTensor
 from plait.kernels.state_names import tied_aliases, with_aliases
 from plait.zero_sharding import checkpoint
 from plait.zero_sharding.loss_scaler import ScaleGrad
-from plait.zero_sharding.tensor_parallel import refuse_checkpoint
 
 _classes: dict[type, type] = {}
 
@@ -84,7 +83,6 @@ class ZeroModule:
         Raises:
             ValueError: identities given by ``zero_global`` collide or leave a tensor uncovered.
         """
-        refuse_checkpoint(self.zero_engine, "state_dict()")
         out: dict[str, torch.Tensor] = OrderedDict()
         for name, value in checkpoint.iter_full_parameters(self.zero_engine, parameter_dtype=True):
             out[name] = value
@@ -105,7 +103,6 @@ class ZeroModule:
             KeyError: ``strict`` and parameters or buffers are missing, or keys are unexpected.
         """
         engine = self.zero_engine
-        refuse_checkpoint(engine, "load_state_dict()")
         aliases = tied_aliases(self)  # type: ignore[arg-type]
         # A tied tensor is one parameter: it loads from its first name (or, without it, from an alias);
         # its further names are the same values in any dict the model's own state_dict() wrote.
@@ -136,7 +133,6 @@ class ZeroModule:
 
     def sharded_state_dict(self) -> dict[str, ShardedTensor]:
         """The :class:`~plait.kernels.sharded_state.ShardedStateful` view (see :mod:`.checkpoint`)."""
-        refuse_checkpoint(self.zero_engine, "sharded_state_dict()")
         return checkpoint.sharded_state_dict(self.zero_engine, self.zero_optimizer)
 
     def checkpoint_aliases(self) -> dict[str, str]:
@@ -152,12 +148,10 @@ class ZeroModule:
 
     def load_sharded_state_dict(self, state: dict[str, ShardedTensor]) -> None:
         """Accept pieces filled in place (refreshes parameters from masters)."""
-        refuse_checkpoint(self.zero_engine, "load_sharded_state_dict()")
         checkpoint.load_sharded_state_dict(self.zero_engine, self.zero_optimizer, state)
 
     def export_full_weights(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
         """See :func:`plait.zero_sharding.checkpoint.export_full_weights`."""
-        refuse_checkpoint(self.zero_engine, "export_full_weights()")
         return checkpoint.export_full_weights(self, path, dtype=dtype)
 
 

@@ -17,6 +17,9 @@ local tensor over the data-parallel group only, as FSDP2 does in torchtitan:
   ``Replicate`` gradient (DTensor autograd reduced it), so nothing more is sent for them.
 * The global gradient norm counts a TP-sharded element once per TP shard and a replicated one
   once in all (see :func:`slot_norm_weight`).
+* Checkpoints name every piece by its place in the global tensor (boxes of it for a TP shard), and
+  the whole-tensor paths assemble TP shards through DTensor (:mod:`.tensor_parallel_state`), so a
+  checkpoint saved at ``(dp, tp)`` loads at any other layout, or into an unsharded model.
 
 Anything else (``Partial`` or ``_StridedShard`` parameters, a DTensor already sharded over the
 data-parallel ranks by ``fully_shard``, ZeRO++ or offload) is refused by
@@ -222,23 +225,3 @@ def _check_param(name: str, param: nn.Parameter, dp_ranks: set[int]) -> None:
                              "Replicate() only (not Partial or _StridedShard); redistribute it to one of those "
                              "or leave it out of the tensor-parallel plan.")
 
-
-def refuse_checkpoint(engine: Any, what: str) -> None:
-    """Refuse a whole-model save or load of a model with tensor-parallel parameters.
-
-    The full-tensor and sharded state paths name each flat piece by its parameter and assume the
-    parameter is the whole tensor (or whole rows of it); a TP shard is neither, so a dict written
-    today would silently hold one TP rank's half under the global name.
-
-    Args:
-        engine: the model's :class:`~plait.zero_sharding.engine.ZeroEngine`.
-        what: the method called, for the message.
-
-    Raises:
-        NotImplementedError: the model has DTensor parameters.
-    """
-    if any(unit.tensor_parallel for unit in engine.units):
-        raise NotImplementedError(
-            f"{what} does not support tensor-parallel (DTensor) parameters yet: it would write TP shards under "
-            "global names. To read whole weights, gather them and let DTensor assemble the TP shards: inside "
-            "`with model.gathered_parameters():` take p.full_tensor() of each DTensor parameter.")

@@ -82,11 +82,12 @@ def largest_module_bytes(model: nn.Module) -> int:
 
 
 def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, steps: int = 2, batch: int = 2,
-                seq: int = 64, straight_to_store: bool = True) -> dict[str, Any]:
-    """Build, shard and train :class:`PlainDecoder` at world size 1, the peak of each phase.
+                seq: int = 64, straight_to_store: bool = True, build: Any = None, loss: Any = None) -> dict[str, Any]:
+    """Build, shard and train :class:`PlainDecoder` (or ``build()``'s model) at world size 1, the
+    peak of each phase.
 
     Args:
-        shape: the decoder's keyword arguments.
+        shape: the decoder's keyword arguments (``vocab`` is also the token range with ``build``).
         root: directory for the offload files.
         placement_config: the ``OffloadConfig`` (its ``path`` is replaced by ``root``).
         steps: training steps (forward, backward, step each; each phase's largest peak over
@@ -94,6 +95,8 @@ def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, step
         batch, seq: tokens per step.
         straight_to_store: pass the placement to ``sharded_init`` (construction straight to the
             store) or build under a plain ``sharded_init()``.
+        build: optional; makes another model (an HF Llama, say) instead of ``PlainDecoder(**shape)``.
+        loss: optional; ``loss(model, tokens)`` for ``build``'s model (default ``model(tokens)``).
 
     Returns:
         ``{"peak_bytes": {phase: bytes over the level at the phase's start}, "model_bytes",
@@ -111,7 +114,7 @@ def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, step
     start = reset_peak_rss()
     torch.manual_seed(0)
     with sharded_init(placement=placement if straight_to_store else None):
-        model = PlainDecoder(**shape)
+        model = build() if build is not None else PlainDecoder(**shape)
     peaks["build"] = rss_bytes()[1] - start
     numel = sum(p.numel() for p in model.parameters())  # constructed parameters answer with the whole shape
     start = reset_peak_rss()
@@ -121,19 +124,21 @@ def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, step
     losses = []
     for _ in range(steps):
         start = reset_peak_rss()
-        loss = model(tokens)
+        value = loss(model, tokens) if loss is not None else model(tokens)
         _record(peaks, "forward", start)
-        losses.append(loss.item())
+        losses.append(value.item())
         start = reset_peak_rss()
-        loss.backward()
+        value.backward()
         _record(peaks, "backward", start)
         start = reset_peak_rss()
         optimizer.step()
         optimizer.zero_grad()
         _record(peaks, "step", start)
     placement.close()
+    largest = _largest_from_shape(shape) if build is None else max(
+        unit.numel * 4 for unit in model.zero_engine.partition.units)
     return {"peak_bytes": peaks, "model_bytes": numel * 4, "losses": losses, "baseline_bytes": baseline,
-            "largest_module_bytes": _largest_from_shape(shape)}
+            "largest_module_bytes": largest}
 
 
 def _record(peaks: dict[str, int], phase: str, start: int) -> None:

@@ -14,7 +14,8 @@ Rows, each a ratio against a peer measured in the same run, alternating A B A B:
    one process with parameter shards, fp32 masters and optimizer state on disk) against in memory
    when plait-zero-sharding is installed;
 4. resident memory of each variant, each in its own process (target <= 0.35x);
-5. (full run) bigger than memory: the largest decoder each variant trains inside a memory cap
+5. (full run) bigger than memory: the largest decoder of each model family trained with
+   ``memory_budget`` alone inside a memory cap
    (:mod:`plait.offload_io.benchmarks.capacity`).
 
 Reads are cold: pages are evicted with ``posix_fadvise`` before every read (io_bench.py).

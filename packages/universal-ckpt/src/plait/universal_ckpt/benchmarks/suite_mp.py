@@ -24,7 +24,7 @@ import torch
 
 from plait.kernels.bench import BenchRow, TimingStats, interleaved_timing, timing_row
 
-TARGET_RATIO = 0.5  # issue 20: plait's conversion at most half ds_to_universal's time
+TARGET_RATIO = 0.5  # the target: plait's conversion at most half ds_to_universal's time
 
 
 def _deepspeed():
@@ -220,7 +220,7 @@ if __name__ == "__main__":
 
     from plait.kernels.bench import format_table
 
-    parser = argparse.ArgumentParser(description="online load vs convert-then-load (issue 20)")
+    parser = argparse.ArgumentParser(description="online load vs convert-then-load")
     parser.add_argument("--quick", action="store_true")
     with tempfile.TemporaryDirectory() as workdir:
         print(format_table(online_load_rows(Path(workdir), parser.parse_args().quick)))

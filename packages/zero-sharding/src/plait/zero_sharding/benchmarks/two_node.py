@@ -13,7 +13,7 @@ hops across nodes), plus, informational, ZeRO++ with qgZ's one flat all-to-all.
 Figures per mode: bytes crossing nodes per measured step (the veth counters of both ends, the
 barriers' share taken off: wire bytes, TCP/IP headers included; the median step, on the
 unthrottled pass), median step time on each link,
-and the final loss (the global batch's, every mode must learn). Targets (issue 23): ZeRO++ bytes
+and the final loss (the global batch's, every mode must learn). Targets: ZeRO++ bytes
 <= 1/10 of plait ZeRO-3's, ZeRO++ step at 1 Gbit/s <= 0.8x DDP's, hpZ alone <= 0.70x ZeRO-3's bytes.
 Without root or iproute2 it says why and exits non-zero. DeepSpeed's ZeRO++ needs CUDA and is not
 compared here.
