@@ -25,31 +25,23 @@ echo "== layout"; python ci/check_layout.py
 # The documentation site: results pages current, mkdocs build --strict, every internal link, and
 # the home page, a guide and a results page opened in headless Chromium (screenshots in build/site-shots/).
 if [ "$PLAIT_DOCS" = "1" ]; then echo "== docs site"; python ci/build_docs.py; fi
-# With no arguments, two lanes run at once, each pairing a stage that keeps the CPUs busy with one
-# that mostly waits:
-#   1. install-alone (each distribution in its own venv, its tests alone) beside the reliability
-#      suite (fault injection, hang detection, restarts: mostly waiting on timeouts and torchrun
-#      restarts; docs/reliability.md measures it passing beside `stress-ng --cpu 4`);
-#   2. the main test run beside the vLLM tests (.venv-vllm, built in the background above) and the
-#      guides' examples.
-# The main run skips the tests that already passed where their distribution was installed alone
-# (ci/passed_alone.py): what runs is the cross-package suite and whatever needed an extra the lone
-# install lacked. With arguments, exactly what was asked runs.
+echo "== install alone"; python ci/check_install_alone.py
+# With no arguments, the tests that already passed where their distribution was installed alone are
+# not run again here (ci/passed_alone.py): what runs is the cross-package suite and whatever needed
+# an extra the lone install lacked. With arguments, exactly what was asked runs.
 if [ "$#" -eq 0 ]; then
+  # A second lane beside the main test run: the reliability suite (fault injection, hang detection,
+  # restarts: it mostly waits on timeouts and restarts, and docs/reliability.md measures it passing
+  # beside a load generator), then plait-vllm's tests and the training-to-vLLM test inside the vLLM
+  # environment (.venv-vllm, built in the background above; in .venv they skip), then the guides'
+  # examples (tests/test_docs_guides.py; the vLLM guide runs in .venv-vllm). The reliability suite
+  # does not run beside install-alone: that stage's 4-rank tests then lost gloo connections.
   reliability=(tests/test_reliability_*.py)
-  echo "== install alone; beside it: ${reliability[*]}"
-  python -m pytest -q -ra --durations=10 --junitxml=build/junit/reliability.xml \
-    --basetemp=build/pytest-reliability "${reliability[@]}" > build/reliability-lane.log 2>&1 &
-  reliability_lane=$!
-  alone_rc=0
-  python ci/check_install_alone.py || alone_rc=$?
-  reliability_rc=0
-  wait "$reliability_lane" || reliability_rc=$?
-  echo "== reliability suite (ran beside install-alone)"; cat build/reliability-lane.log
-  [ "$alone_rc" -eq 0 ] && [ "$reliability_rc" -eq 0 ] || { echo "test.sh: install-alone or reliability failed"; exit 1; }
-  guides=(tests/test_docs_guides.py)  # the guides' examples (tests/test_docs_guide_vllm.py runs in .venv-vllm)
-  echo "== tests (what did not already pass installed alone); beside them: the vLLM tests${guides:+, then ${guides[*]}}"
+  guides=(tests/test_docs_guides.py)
+  echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests, then ${guides[*]}"
   second_lane() {
+    python -m pytest -q -ra --durations=10 --junitxml=build/junit/reliability.xml --basetemp=build/pytest-reliability \
+      "${reliability[@]}" || return 1
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
@@ -58,9 +50,7 @@ if [ "$#" -eq 0 ]; then
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
     fi
-    if [ "${#guides[@]}" -gt 0 ]; then
-      python -m pytest -q -ra --durations=5 --junitxml=build/junit/guides.xml --basetemp=build/pytest-guides "${guides[@]}" || return 1
-    fi
+    python -m pytest -q -ra --durations=5 --junitxml=build/junit/guides.xml --basetemp=build/pytest-guides "${guides[@]}"
   }
   second_lane > build/second-lane.log 2>&1 &
   lane=$!
@@ -70,10 +60,9 @@ if [ "$#" -eq 0 ]; then
     "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
   lane_rc=0
   wait "$lane" || lane_rc=$?
-  echo "== vllm tests (.venv-vllm), then the guides: ran beside the tests above"; cat build/second-lane.log
+  echo "== reliability suite, then vllm tests (.venv-vllm), then the guides: ran beside the tests above"; cat build/second-lane.log
   [ "$main_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ] || { echo "test.sh: tests failed"; exit 1; }
 else
-  echo "== install alone"; python ci/check_install_alone.py
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
 fi
 # The main job itself, end to end, as the README's first command runs it.
