@@ -36,6 +36,17 @@ def _sleep_forever() -> None:
         time.sleep(0.1)
 
 
+def _store_used_after_rank_zero_is_done() -> int:
+    # rank 0 has nothing to do; rank 1 still talks to the store rank 0 hosts (as a slow rank's
+    # subgroup creation does) after rank 0 has returned
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+        store = dist.distributed_c10d._get_default_store()
+        store.set("late", b"1")
+        return int(store.get("late") == b"1")
+    return 0
+
+
 def _skip_everywhere() -> None:
     pytest.skip("not on this machine")
 
@@ -69,6 +80,12 @@ def test_a_hanging_rank_fails_within_timeout_and_is_named():
     assert "rank(s) [0, 1] still running" in message or "rank(s) [1]" in message
     assert "_sleep_forever" in message  # the stuck rank's stack names where it was
     assert elapsed < 8 + 60  # the timeout, then stack dumps and teardown on a busy machine; not forever
+
+
+def test_a_rank_done_early_does_not_take_the_store_from_a_slower_one():
+    # rank 0 hosts the store: before it waited for the others, its early exit reset rank 1's
+    # connection ("Connection reset by peer", seen in CI when a 4-rank test built subgroups)
+    assert run_distributed(_store_used_after_rank_zero_is_done, 2, timeout=60) == [0, 1]
 
 
 def test_skips_are_carried_back():

@@ -101,8 +101,27 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def _leave_together(rank: int, world_size: int, timeout: float, expect_dead: tuple[int, ...]) -> None:
+    """Rank 0 hosts the store that every rank's group creation talks through, and destroying its
+    process group takes the store away: so it waits (bounded by the test's timeout) until each
+    other rank has said it is done with the store. Without this, a rank whose own work needed no
+    collective with the others (a mesh dimension of size 1, a subgroup it is not in) could finish
+    first and leave a slower rank's next store request to fail with "Connection reset by peer"."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"plait-test-done/{rank}", b"1")
+        others = [f"plait-test-done/{r}" for r in range(1, world_size) if r not in expect_dead]
+        if rank == 0 and others:
+            store.wait(others, datetime.timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - a group the test tore down (or a broken one) has nothing to wait for
+        pass
+
+
 def _rank_main(ref: _FunctionRef, rank: int, world_size: int, port: int, backend: str, threads: int,
-               timeout: float, environ: dict[str, str], workdir: str, args: tuple, kwargs: dict) -> None:
+               timeout: float, environ: dict[str, str], workdir: str, args: tuple, kwargs: dict,
+               expect_dead: tuple[int, ...] = ()) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -126,6 +145,8 @@ def _rank_main(ref: _FunctionRef, rank: int, world_size: int, port: int, backend
         outcome = (kind, "".join(traceback.format_exception(exc)), time.time())
     finally:
         if dist.is_initialized():
+            if outcome[0] != "error" or rank != 0:  # a failed rank 0 leaves at once (the others see it fail)
+                _leave_together(rank, world_size, timeout, expect_dead)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group must not hide the real outcome
@@ -185,7 +206,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         procs = [
             ctx.Process(target=_rank_main, name=f"plait-rank{rank}", daemon=True,
                         args=(ref, rank, world_size, port, backend, threads, timeout, environ, workdir,
-                              args, kwargs))
+                              args, kwargs, expect_dead))
             for rank in range(world_size)
         ]
         for proc in procs:
