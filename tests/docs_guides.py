@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.kernels.testing.distributed import free_port
+from plait.kernels.testing.processes import SessionTimeoutError, run_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDES = ROOT / "docs" / "guides"
@@ -155,12 +154,8 @@ def _run_bash(script: str, cwd: Path, env: dict[str, str], timeout: float) -> tu
     Returns:
         (exit code, or None after a timeout; combined stdout and stderr).
     """
-    proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return None, output
+        run = run_in_session(["bash", "-e", "-c", script], limit_s=timeout, env=env, cwd=cwd)
+    except SessionTimeoutError as exc:
+        return None, exc.output
+    return run.rc, run.output

@@ -10,54 +10,27 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # The reliability tests import the process scan from here, as they did before it moved to the shared module.
+from plait.kernels.testing import SessionRun, run_in_session, torchrun_command
 from plait.kernels.testing import live_processes_mentioning as live_processes_mentioning
 
 JOB = Path(__file__).with_name("reliability_restart_job.py")
 
 
-@dataclass(frozen=True)
-class JobRun:
-    """One torchrun launch: its exit code, output and the wall-clock time it ended."""
-
-    rc: int
-    output: str
-    ended: float
-
-
-def torchrun() -> list[str]:
-    """The ``torchrun`` of this interpreter's environment."""
-    found = Path(sys.executable).with_name("torchrun")
-    return [str(found)] if found.is_file() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def run_job(outdir: Path, fault: str, *, steps: int, save_every: int, nproc: int = 2, max_restarts: int = 0,
-            stage: int | str = 3, limit_s: float = 120.0, job: Path = JOB) -> JobRun:
+            stage: int | str = 3, limit_s: float = 120.0, job: Path = JOB) -> SessionRun:
     """Run ``job`` (``reliability_restart_job.py`` or a script taking the same arguments) once under
     torchrun; the whole session is SIGKILLed past ``limit_s``.
 
     Raises:
         TimeoutError: the job ran past ``limit_s`` (it is killed first).
     """
-    command = [*torchrun(), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+    command = [*torchrun_command(), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
                "--monitor-interval", "0.2", str(job), fault, str(outdir), str(steps), str(save_every), str(stage)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave the job behind, even when the test fails
-        output, _ = proc.communicate()
-        raise TimeoutError(f"torchrun still ran after {limit_s:.0f} s:\n{output[-4000:]}") from None
-    return JobRun(proc.returncode, output, time.time())
+    return run_in_session(command, limit_s=limit_s, env=env)
 
 
 def losses(outdir: Path, rank: int) -> dict[int, dict[int, str]]:

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_jobs import live_processes_mentioning
+from reliability_jobs import live_processes_mentioning, run_in_session
 
 pytest.importorskip("lightning")
 pytestmark = [pytest.mark.slow,
@@ -37,16 +34,9 @@ LIMIT_S = 150
 
 
 def _launch(outdir: Path, *args: str) -> tuple[int, str, float]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(JOB), args[0], str(outdir), *args[1:]], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave the job behind
-        proc.communicate()
-        pytest.fail(f"the {args[0]} job ran longer than {LIMIT_S} s")
-    return proc.returncode, err, time.time()
+    run = run_in_session([sys.executable, str(JOB), args[0], str(outdir), *args[1:]], limit_s=LIMIT_S,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}, keep="stderr")
+    return run.rc, run.output, run.ended
 
 
 def test_sigterm_to_a_launched_fabric_rank_saves_exits_zero_and_resumes(tmp_path):

@@ -11,6 +11,7 @@ import torch
 from plait.kernels.testing import (
     ByteTokenizer,
     CorpusDataset,
+    SessionTimeoutError,
     TinyLlamaConfig,
     conditional_entropy,
     corpus_text,
@@ -19,6 +20,7 @@ from plait.kernels.testing import (
     global_batch,
     live_processes_mentioning,
     rank_slice,
+    run_in_session,
     text_words,
     tiny_llama,
     tiny_llama_moe,
@@ -120,3 +122,25 @@ def test_process_scan_finds_a_live_process_by_its_command_line_and_not_once_it_i
         child.kill()
         child.wait()
     assert live_processes_mentioning(token) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_job_run_in_its_own_session_is_killed_whole_when_it_overruns():
+    token = f"plait-session-{uuid.uuid4().hex}"
+    # The job starts a grandchild that would outlive a plain kill of the job itself.
+    job = ("import subprocess, sys, time; print('started', flush=True); "
+           f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '{token}']); time.sleep(60)")
+    with pytest.raises(SessionTimeoutError, match="still ran after 3 s") as caught:
+        run_in_session([sys.executable, "-c", job, token], limit_s=3)
+    assert "started" in caught.value.output
+    assert live_processes_mentioning(token) == []
+
+
+def test_a_finished_job_gives_its_exit_code_and_the_output_asked_for():
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    both = run_in_session([sys.executable, "-c", code], limit_s=60)
+    assert both.rc == 3 and "out" in both.output and "err" in both.output
+    only = run_in_session([sys.executable, "-c", code], limit_s=60, keep="stderr")
+    assert only.rc == 3 and only.output.strip() == "err"
+    with pytest.raises(ValueError, match="keep='stdout'"):
+        run_in_session([sys.executable, "-c", code], limit_s=60, keep="stdout")

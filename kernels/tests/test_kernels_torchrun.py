@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from plait.kernels.testing import live_processes_mentioning
+from plait.kernels.testing import live_processes_mentioning, run_in_session, torchrun_command
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
@@ -28,24 +25,12 @@ JOB = Path(__file__).with_name("torchrun_fault_job.py")
 TIMEOUT_S = 6.0
 
 
-def _torchrun() -> list[str]:
-    found = Path(sys.executable).with_name("torchrun")
-    return [str(found)] if found.is_file() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _run_job(fault: str, outdir: Path, limit_s: float) -> tuple[int, str, float]:
     """Launch the job; returns (torchrun's exit code, its output, wall-clock time it ended)."""
-    command = [*_torchrun(), "--standalone", "--nproc-per-node", "2", str(JOB), fault, str(TIMEOUT_S), str(outdir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave the job behind, even when the test fails
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun still ran after {limit_s:.0f} s:\n{output[-4000:]}")
-    return proc.returncode, output, time.time()
+    command = [*torchrun_command(), "--standalone", "--nproc-per-node", "2", str(JOB), fault, str(TIMEOUT_S),
+               str(outdir)]
+    run = run_in_session(command, limit_s=limit_s, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return run.rc, run.output, run.ended
 
 
 def test_a_hanging_rank_under_torchrun_is_named_and_nothing_is_left(tmp_path):

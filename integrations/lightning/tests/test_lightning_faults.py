@@ -23,8 +23,7 @@ import time
 import types
 from pathlib import Path
 
-import pytest
-
+from plait.kernels.testing import run_in_session
 from plait.lightning import failures
 
 JOB = Path(__file__).with_name("lightning_fault_job.py")
@@ -35,16 +34,9 @@ JOB_LIMIT_S = 120
 
 def _run_job(fault: str, outdir: Path, kind: str = "plait") -> tuple[int, str, float]:
     """Run the job; returns rank 0's exit code, its stderr, and when it exited (wall clock)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(JOB), fault, str(TIMEOUT_S), str(outdir), kind], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=JOB_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # this test must not leave orphans either
-        proc.communicate()
-        pytest.fail(f"the job with fault {fault} ran longer than {JOB_LIMIT_S} s")
-    return proc.returncode, err, time.time()
+    run = run_in_session([sys.executable, str(JOB), fault, str(TIMEOUT_S), str(outdir), kind], limit_s=JOB_LIMIT_S,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, keep="stderr")
+    return run.rc, run.output, run.ended
 
 
 def _alive(pid: int) -> bool:

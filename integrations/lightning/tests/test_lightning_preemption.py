@@ -15,15 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from plait.kernels.testing import live_processes_mentioning
+from plait.kernels.testing import live_processes_mentioning, run_in_session
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="finds leftover processes through /proc")
 
@@ -33,16 +30,9 @@ JOB_LIMIT_S = 90
 
 def _run(outdir: Path, *args: str) -> tuple[int, str, float]:
     """Run the job; returns rank 0's exit code, its stderr, and when it exited (wall clock)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, str(JOB), args[0], str(outdir), *args[1:]], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=JOB_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # never leave the job behind
-        proc.communicate()
-        pytest.fail(f"the {args[0]} job ran longer than {JOB_LIMIT_S} s")
-    return proc.returncode, err, time.time()
+    run = run_in_session([sys.executable, str(JOB), args[0], str(outdir), *args[1:]], limit_s=JOB_LIMIT_S,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, keep="stderr")
+    return run.rc, run.output, run.ended
 
 
 def _losses(outdir: Path, mode: str, rank: int) -> dict[int, str]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from plait.kernels import collectives
+from plait.kernels.testing import run_in_session
 from plait.lightning import StragglerMonitor
 from plait.lightning.stragglers import summary_metrics
 
@@ -35,15 +34,9 @@ def test_summary_metrics_and_bad_arguments():
 
 
 def test_slow_rank_is_logged_as_a_metric(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(JOB), str(tmp_path)], env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the straggler job ran longer than 90 s")
-    assert proc.returncode == 0, err[-3000:]
+    run = run_in_session([sys.executable, str(JOB), str(tmp_path)], limit_s=90,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, keep="stderr")
+    assert run.rc == 0, run.output[-3000:]
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("plait/slowest_rank")]
     print("logged:", [(row["step"], row["plait/slowest_rank"], row["plait/waited_on_s"]) for row in rows])
