@@ -13,13 +13,17 @@ master unless the compute dtype is fp32:
 * no offload: the ZeRO formula (stage 1: ``2p Psi + (master + k) Psi/N``; stage 2:
   ``p Psi + (g + master + k) Psi/N``; stage 3: ``(p + g + master + k) Psi/N``), all on the device.
 * ``optimizer`` (plait-offload-io, ``OffloadConfig(device="cpu")``, stages 2 and 3): the device
-  keeps the parameters (``p Psi``, or ``p Psi/N`` at stage 3) and the reduced gradient shard
-  (``g Psi/N``); the host keeps the fp32 master (always 4 bytes: the parameters live on the
-  device), the optimizer state and an fp32 copy of the gradient shard: ``(4 + k + 4) Psi/N``.
-* ``all`` (stage 3, ``param_device="cpu"`` too): the parameter shards move to the host as well.
+  keeps the parameters (``p Psi``, or ``p Psi/N`` at stage 3); the host keeps the fp32 master
+  (always 4 bytes: a separate copy, since the parameters live on the device), the optimizer state
+  and the reduced gradient shard, which the engine copies to the host as soon as its
+  reduce-scatter is done: ``(4 + k + g) Psi/N``.
+* ``all`` (stage 3, ``param_device="cpu"`` too): the parameter shards live on the host as well
+  (``p Psi/N`` more there); between gathers the device holds no model state.
 
-Activations, the gathered units of stage 3 in flight, communication buckets and the allocator's
-slack are not model state and are not counted: leave room for them.
+The offloaded step turns one sub-group of gradients at a time into fp32 (``sub_group_size``
+elements): working memory, like activations, the gathered units of stage 3 in flight,
+communication buckets and the allocator's slack, which are not model state and are not counted:
+leave room for them.
 """
 
 from __future__ import annotations
@@ -119,11 +123,11 @@ def estimate(num_params: int, *, world_sizes: list[int], dtype: torch.dtype = to
             if stage == 1:
                 continue
             params = p * (num_params if stage == 2 else shard)
-            host = (4 + optimizer_state_bytes + 4) * shard
-            rows.append(EstimateRow(stage=stage, offload="optimizer", world_size=world,
-                                    device_bytes=params + p * shard, host_bytes=host))
+            host = (4 + optimizer_state_bytes + p) * shard  # master, state, gradient shard (compute dtype)
+            rows.append(EstimateRow(stage=stage, offload="optimizer", world_size=world, device_bytes=params,
+                                    host_bytes=host))
             if stage == 3:
-                rows.append(EstimateRow(stage=stage, offload="all", world_size=world, device_bytes=p * shard,
+                rows.append(EstimateRow(stage=stage, offload="all", world_size=world, device_bytes=0,
                                         host_bytes=host + p * shard))
     return rows
 
