@@ -9,12 +9,12 @@ pieces (masters, optimizer state, step counters; tensor-parallel boxes included)
 model's names, so a checkpoint written by every stage is the whole model's, and it loads at any
 other ``(dp, tp, pp)`` split, into one process, or into a plain model through an HF export.
 
-A traced split (``pipeline(..., split_spec=...)``) keeps the model's names already; it needs no
-``name_map``, and :func:`pipeline_stage_state` with the default keeps names unchanged.
+A stage whose parameter names already are the whole model's needs no ``name_map`` (the default
+keeps names unchanged).
 
 Usage (with ``plait.universal_ckpt``)::
 
-    state = pipeline_stage_state(stage_module, name_map=lambda n: f"layers.{...}", stage=pp_rank)
+    state = pipeline_stage_state(stage_module, name_map=uc.layer_offset("layers.", first_layer), stage=pp_rank)
     uc.save({"model": state}, root, step=step)   # every rank of every stage
     uc.load({"model": state}, root)              # any stage split, including none
 """
@@ -42,8 +42,8 @@ class ZeroStageState:
 
     Built by :func:`pipeline_stage_state`; implements
     :class:`~plait.kernels.sharded_state.ShardedStateful` (``sharded_state_dict``,
-    ``load_sharded_state_dict``) plus the optional ``checkpoint_aliases`` and
-    ``checkpoint_layout`` that checkpoint writers read.
+    ``load_sharded_state_dict``) plus the optional ``checkpoint_aliases`` that checkpoint writers
+    read (tied names).
     """
 
     def __init__(self, module: ZeroModule, name_map: Callable[[str], str], stage: int | None) -> None:
@@ -109,10 +109,6 @@ class ZeroStageState:
         return {self.global_name(alias): self.global_name(canonical)
                 for alias, canonical in self.module.checkpoint_aliases().items()}
 
-    def checkpoint_layout(self) -> dict:
-        """Nothing beyond what the writer knows: the stage is recorded per tensor by its pieces."""
-        return {}
-
 
 def pipeline_stage_state(module: Any, *, name_map: Callable[[str], str] | None = None,
                          stage: int | None = None) -> ZeroStageState:
@@ -123,7 +119,7 @@ def pipeline_stage_state(module: Any, *, name_map: Callable[[str], str] | None =
             possibly tensor-parallel.
         name_map: the stage's parameter name -> the whole model's (for a stage that numbers its
             layers from 0: ``plait.universal_ckpt.layer_offset("layers.", first_layer)``); None
-            keeps the names (a traced split).
+            keeps the names.
         stage: this rank's pipeline stage, recorded with each parameter's pieces (a universal
             checkpoint's pattern ``stages``); informational, names alone place the tensors.
 
