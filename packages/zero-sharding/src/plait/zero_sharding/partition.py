@@ -53,6 +53,7 @@ class OptionGroup:
         global_of: ``(name, shape) -> (global name, global shape, dim-0 row offset)`` for
             parameters that are part of a larger global tensor (``None``: each is its own).
         state_dtype: the group's ``zero_state_dtype`` (``None``: ``ZeroConfig.optimizer_state_dtype``).
+        master_dtype: the group's ``zero_master_dtype`` (``None``: ``ZeroConfig.master_dtype``).
     """
 
     options: dict[str, Any]
@@ -67,6 +68,7 @@ class OptionGroup:
     global_of: Any = None
     placement: Any = None
     state_dtype: str | None = None
+    master_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass
@@ -201,7 +203,9 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
                         device=device, shard_multiple=block_multiple(config, og.state_dtype))
         values = materializer.values_for(unit)
-        unit.build(values, config.fp32_masters, config.stage, owned=materializer.owned)
+        master_dtype = og.master_dtype or config.master_dtype  # fp32 masters apart only under mixed precision
+        unit.build(values, config.mixed_precision and master_dtype == torch.float32, config.stage,
+                   owned=materializer.owned)
         materializer.done_with(unit)
         units.append(unit)
         for slot in slots:
