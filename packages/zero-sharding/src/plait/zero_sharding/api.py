@@ -365,8 +365,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             for slot in unit.slots:
                 _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
     if is_whole_tensor(cls) and not config.elementwise_optimizer:  # each tensor stepped whole by one rank
-        # check_placement refused any other placement; the class may weigh its own updates
-        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost))
+        # check_placement refused any placement but a host offload; the class may weigh its own updates
+        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost),
+                                         offload=placement)
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(),
                         placement=_engine_placement(placement or LocalPlacement(), groups, partition))
