@@ -127,6 +127,8 @@ class WholeTensorPlacement:
         self._masters: dict[str, Tensor] = {}
         self.owner: dict[tuple[str, str], int] = {}  # (unit key, slot name) -> owner index in the group
         self.whole: dict[tuple[str, str], nn.Parameter] = {}  # the tensors this rank owns
+        # piece name -> (state dict, key, 0-d tensor) for number-valued state (whole_state_pieces)
+        self.scalars: dict[str, tuple[dict[str, Any], str, Tensor]] = {}
         by_group: dict[int, list[tuple[Any, Any]]] = {}
         for unit in units:
             by_group.setdefault(id(unit.group), []).extend((unit, slot) for slot in unit.slots)
@@ -244,44 +246,63 @@ class WholeTensorPlacement:
 
 def whole_state_pieces(placement: WholeTensorPlacement, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state of the tensors this rank owns, as pieces of the sharded (universal)
-    checkpoint: each state tensor whole under ``optim.<state>.<global name>``, held by its owner
-    alone (at another world size the new owner reads it whole, wherever it was written).
+    checkpoint, each held by its owner alone (at another world size the new owner reads it whole,
+    wherever it was written), under ``optim.<state>.<global name>``:
+
+    * a state shaped like its tensor (momentum, Adam's moments): as the tensor's flat range;
+    * any other state tensor (step counters, Adafactor's factored row and column moments): whole,
+      in its own shape;
+    * a Python number (Adafactor's ``step``): as a 0-d int64/float64 tensor that
+      :func:`restore_whole_scalars` writes back into the state after a load.
 
     Args:
-        placement: the engine's placement.
+        placement: the engine's placement (keeps the number holders until the load).
         optimizer: the inner (user's) optimizer over the owned whole tensors.
 
     Returns:
         name -> :class:`~plait.kernels.sharded_state.ShardedTensor`.
 
     Raises:
-        ValueError: a state tensor that is neither shaped like its parameter nor a scalar
-            (Adafactor's factored moments): the layout has no name for it, so the save is refused
-            rather than losing it.
+        ValueError: a state of another shape than its tensor, for a tensor that is a piece of a
+            larger global tensor (tensor or expert parallelism): its global name would not say
+            which piece it belongs to, so the save is refused rather than losing it.
     """
     from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 
     rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    placement.scalars = {}
     for (key, name), whole in placement.whole.items():
         slot = next(s for s in placement.units[key].slots if s.name == name)
         base = slot.global_offset
-        for state_name, value in optimizer.state.get(whole, {}).items():
-            if not isinstance(value, Tensor):
+        state = optimizer.state.get(whole, {})
+        for state_name, value in state.items():
+            if isinstance(value, bool) or not isinstance(value, Tensor | int | float):
                 continue
             piece = f"optim.{state_name}.{slot.global_name}"
+            if not isinstance(value, Tensor):
+                value = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+                placement.scalars[piece] = (state, state_name, value)
             if value.shape == whole.shape:
                 spec = ShardSpec(name=piece, kind="optimizer_state", dtype=value.dtype, global_shape=slot.global_shape,
                                  flat_range=(base, base + slot.numel), replica_ranks=(rank,))
                 out[piece] = ShardedTensor(spec, value.view(-1))
-            elif value.numel() == 1:
-                out[piece] = ShardedTensor(ShardSpec.full(piece, value.view(()), kind="optimizer_state",
-                                                          replica_ranks=(rank,)), value.view(1))
+            elif value.numel() == 1 or slot.is_global:
+                out[piece] = ShardedTensor(ShardSpec.full(piece, value, kind="optimizer_state", replica_ranks=(rank,)),
+                                           value.view(-1))
             else:
                 shapes = f"shape {tuple(value.shape)} for {slot.name!r} (shape {tuple(whole.shape)})"
                 raise ValueError(f"sharded_state_dict: {type(optimizer).__name__} keeps state {state_name!r} of "
-                                 f"{shapes}, which the sharded checkpoint layout cannot name. Save model.state_dict() "
-                                 "and optimizer.state_dict() on every rank instead (resumable at the same world size).")
+                                 f"{shapes}, a piece of global tensor {slot.global_name!r}, which the sharded "
+                                 "checkpoint layout cannot name. Save model.state_dict() and optimizer.state_dict() "
+                                 "on every rank instead (resumable at the same world size).")
     return out
+
+
+def restore_whole_scalars(placement: WholeTensorPlacement) -> None:
+    """After a sharded load filled the pieces of :func:`whole_state_pieces` in place: write the
+    number holders back into the optimizer state as the Python numbers they were."""
+    for state, state_name, holder in getattr(placement, "scalars", {}).values():
+        state[state_name] = holder.item()
 
 
 def host_offload(placement: Any) -> bool:
