@@ -35,6 +35,7 @@ from plait.zero_sharding.low_precision import (
     group_state_dtype,
     wrap_low_precision,
 )
+from plait.zero_sharding.lowbit import lowbit_block_size
 from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
@@ -343,6 +344,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if callable(check_model):  # optional: a placement that sizes itself for the model (a memory budget)
         check_model(model, dist.get_world_size(group))
     groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate, config)
+    block = lowbit_block_size(cls, optimizer, optimizer_kwargs)
+    for og in groups if block is not None else ():
+        og.block = block  # torchao's low-bit states: no quantisation block spans two ranks
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():
         handle = _before_sharding.pop(module, None)

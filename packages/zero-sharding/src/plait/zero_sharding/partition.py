@@ -20,6 +20,7 @@ embedding shared with the head) are used by two modules and stay in the root uni
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,8 @@ class OptionGroup:
             parameters that are part of a larger global tensor (``None``: each is its own).
         state_dtype: the group's ``zero_state_dtype`` (``None``: ``ZeroConfig.optimizer_state_dtype``).
         master_dtype: the group's ``zero_master_dtype`` (``None``: ``ZeroConfig.master_dtype``).
+        block: what its units' shard lengths must also be a multiple of (an inner optimizer's
+            quantisation block, see :mod:`plait.zero_sharding.lowbit`; 1: nothing).
     """
 
     options: dict[str, Any]
@@ -69,6 +72,7 @@ class OptionGroup:
     placement: Any = None
     state_dtype: str | None = None
     master_dtype: torch.dtype | None = None
+    block: int = 1
 
 
 @dataclasses.dataclass
@@ -201,7 +205,8 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         unit = FlatUnit(key=f"u{len(units)}", slots=slots, group=og.group, group_rank=og.group_rank,
                         group_size=og.group_size, resident=resident, compute_dtype=config.compute_dtype,
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
-                        device=device, shard_multiple=block_multiple(config, og.state_dtype))
+                        device=device,
+                        shard_multiple=math.lcm(block_multiple(config, og.state_dtype), og.block))
         values = materializer.values_for(unit)
         master_dtype = og.master_dtype or config.master_dtype  # fp32 masters apart only under mixed precision
         unit.build(values, config.mixed_precision and master_dtype == torch.float32, config.stage,
