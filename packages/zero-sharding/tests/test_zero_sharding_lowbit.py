@@ -3,8 +3,8 @@
 At W=2, ZeRO-1 (AdamW8bit) and ZeRO-2 (AdamW4bit) with one parameter per unit give, bit for bit,
 the weights of one process running the same torchao optimizer over the parameters on the same
 averaged gradients: shards are padded to whole quantisation blocks, so each parameter's blocks are
-its own. The large weight's states are quantized on both sides (its shard has >= 4096 elements); the bias's stay fp32 on
-both (torchao's threshold). A bad block_size is refused naming the option."""
+its own. The large weight's states are quantized on both sides (its shard has >= 4096 elements);
+the bias's stay fp32 on both (torchao's threshold). A bad block_size is refused naming the option."""
 
 from __future__ import annotations
 
