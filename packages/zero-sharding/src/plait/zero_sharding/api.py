@@ -29,12 +29,7 @@ from plait.zero_sharding.construction import ConstructedParameter, ConstructionG
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
 from plait.zero_sharding.loss_scaler import LossScaler
-from plait.zero_sharding.low_precision import (
-    check_composes,
-    group_master_dtype,
-    group_state_dtype,
-    wrap_low_precision,
-)
+from plait.zero_sharding.low_precision import check_composes, group_master_dtype, group_state_dtype, wrap_low_precision
 from plait.zero_sharding.lowbit import lowbit_block_size
 from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
