@@ -72,42 +72,65 @@ def test_zero_reshard(tmp_path, save_stage, save_world, load_stage, load_world):
         assert torch.equal(before[name], after[name]), name
 
 
-def _muon_model(stage: int, seed: int):
+def _whole_tensor_model(stage: int, seed: int, optimizer: str):
     from plait.zero_sharding import MuonWithAdamW, ZeroConfig, muon_param_groups, zero_shard
 
     model = small_model(seed)
+    if optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return zero_shard(model, Adafactor, ZeroConfig(stage=stage), lr=1e-3, relative_step=False,
+                          scale_parameter=False, warmup_init=False)
     return zero_shard(model, MuonWithAdamW, ZeroConfig(stage=stage), param_groups=muon_param_groups(model),
                       lr=0.02, adamw_lr=1e-3)
 
 
-def save_muon(root: str, stage: int) -> None:
-    model, optim = _muon_model(stage, 0)
+def save_whole_tensor(root: str, stage: int, optimizer: str) -> None:
+    model, optim = _whole_tensor_model(stage, 0, optimizer)
     _train(model, optim, range(2))
     uc.save({"model": model}, root, step=2, layout={"zero_stage": stage})
 
 
-def load_muon_resave(src: str, dst: str, stage: int) -> None:
-    model, optim = _muon_model(stage, 5)
+def load_whole_tensor_resave(src: str, dst: str, stage: int, optimizer: str) -> None:
+    model, optim = _whole_tensor_model(stage, 5, optimizer)
     _train(model, optim, range(1))  # every owner has state, and it differs: the load must replace it
     uc.load({"model": model}, src)
     uc.save({"model": model}, dst, step=2, layout={"zero_stage": stage})
 
 
-def test_whole_tensor_optimizer_state_reshards_by_global_name(tmp_path):
-    """Muon + AdamW under ZeRO-2 at W=2 (each tensor's momentum or moments whole on its owner) saved
-    and loaded under ZeRO-3 at W=3 (other owners): every piece, Muon's momentum, AdamW's moments
-    and step counters included, comes back bit for bit."""
+# optimizer -> (save stage, load stage, state names the checkpoint must hold)
+WHOLE_TENSOR = {
+    "muon": (2, 3, (".momentum_buffer.", ".exp_avg.")),
+    # Adafactor's factored second moments (row and column vectors of each matrix) and its step,
+    # a Python int in the optimizer state.
+    "adafactor": (1, 3, (".exp_avg_sq_row.", ".exp_avg_sq_col.", ".exp_avg_sq.", "optim.step.")),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(WHOLE_TENSOR))
+def test_whole_tensor_optimizer_state_reshards_by_global_name(tmp_path, optimizer):
+    """Muon + AdamW saved under ZeRO-2 at W=2, Adafactor under ZeRO-1 at W=2 (each tensor's state
+    whole on its owner), loaded under ZeRO-3 at W=3 (other owners): every piece, Muon's momentum,
+    AdamW's moments, Adafactor's factored moments and step counters included, comes back bit for
+    bit."""
+    if optimizer == "adafactor":
+        pytest.importorskip("transformers")
+    save_stage, load_stage, expected = WHOLE_TENSOR[optimizer]
     src = str(tmp_path / "src")
-    run_distributed(save_muon, 2, src, 2, timeout=150)
+    run_distributed(save_whole_tensor, 2, src, save_stage, optimizer, timeout=150)
     before = _consolidated(src)
-    assert any(".momentum_buffer." in name for name in before) and any(".exp_avg." in name for name in before)
+    for part in expected:
+        assert any(part in name for name in before), part
     for world in (3,):
         dst = str(tmp_path / f"dst{world}")
-        run_distributed(load_muon_resave, world, src, dst, 3, timeout=150)
+        run_distributed(load_whole_tensor_resave, world, src, dst, load_stage, optimizer, timeout=150)
         after = _consolidated(dst)
         assert sorted(before) == sorted(after)
         for name in before:
             assert torch.equal(before[name], after[name]), (world, name)
+    if optimizer == "adafactor":
+        steps = {name: int(value) for name, value in before.items() if "optim.step." in name}
+        assert set(steps.values()) == {2}, steps
 
 
 def _plait_ckpt(*argv: str) -> int:

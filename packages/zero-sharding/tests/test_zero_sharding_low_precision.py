@@ -148,6 +148,7 @@ def _ledger_jobs() -> dict[str, Any]:
             optimizer.zero_grad()
         out[name] = {"bytes": measured["total"], "psi": psi, "tensors": len(model.zero_engine.units)}
     out["per-group"] = _per_group_job()
+    out["per-group-master"] = _per_group_master_job()
     return out
 
 
@@ -171,6 +172,85 @@ def _per_group_job() -> dict[str, Any]:
             "dtypes": dtypes}
 
 
+MASTER_GROUPS = dict(stage=3, compute_dtype="bf16", reduce_dtype=torch.float32, param_persistence_threshold=0)
+
+
+def _bf16_master_names(model: nn.Module) -> set[str]:
+    """The tensors a per-group test keeps in bf16 masters: the 2-D weights (the rest stay fp32)."""
+    return {n for n, p in model.named_parameters() if p.ndim == 2}
+
+
+def _master_groups(model: nn.Module) -> list[dict[str, Any]]:
+    low = _bf16_master_names(model)
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in low], "zero_master_dtype": "bf16"},
+            {"params": [p for n, p in named if n not in low]}]
+
+
+def _per_group_master_job() -> dict[str, Any]:
+    """bf16 compute, fp32 masters except a group with ``zero_master_dtype='bf16'``: the trained
+    weights (compared with one process) and the ledger's bytes (on the padding-free model)."""
+    rank = dist.get_rank()
+    model = build_model()
+    model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(**MASTER_GROUPS),
+                                  param_groups=_master_groups(model), **ADAMW)
+    for step in range(STEPS):
+        model(**rank_slice(global_batch(step, BATCH, SEQ), rank, WORLD)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()  # a collective: every rank gathers
+    weights = {k: v.clone() for k, v in state.items()} if rank == 0 else {}
+    masters = sorted(str(unit.master.dtype) for unit in model.zero_engine.units)
+    small = _ledger_model()
+    first = list(small[0].parameters())
+    rest = [p for p in small.parameters() if all(p is not q for q in first)]
+    small, optimizer = zero_shard(small, torch.optim.AdamW, ZeroConfig(stage=3, unit_classes=("Linear",),
+                                                                       param_persistence_threshold=0,
+                                                                       compute_dtype="bf16"), lr=1e-3,
+                                  param_groups=[{"params": first, "zero_master_dtype": "bf16"}, {"params": rest}])
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    for step in range(2):
+        small(x).float().square().mean().backward()
+        if step == 1:
+            measured = model_state_bytes(small)["total"]
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"weights": weights, "masters": masters, "bytes": measured, "bf16": sum(p.numel() for p in first),
+            "fp32": sum(p.numel() for p in rest)}
+
+
+def _per_group_master_reference() -> dict[str, torch.Tensor]:
+    """One process: bf16 model; the bf16-master group steps its bf16 parameters (compensated), the
+    rest fp32 copies made before the cast, copied into the bf16 parameters after each step."""
+    model = build_model()
+    low = _bf16_master_names(model)
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters() if n not in low}
+    model.to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    masters = {n: fp32[n].requires_grad_(True) if n in fp32 else p for n, p in params.items()}
+    optimizer = LowPrecisionOptimizer(torch.optim.AdamW(masters.values(), **ADAMW), TensorPrecision(),
+                                      names={m: n for n, m in masters.items()})
+    for step in range(STEPS):
+        batch = global_batch(step, BATCH, SEQ)
+        total = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+        for rank in range(WORLD):
+            model(**rank_slice(batch, rank, WORLD)).loss.backward()
+            for n, p in params.items():
+                total[n].add_(p.grad.float())
+                p.grad = None
+        for n, m in masters.items():
+            m.grad_dtype = None
+            m.grad = total[n] * (1.0 / WORLD)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.grad_dtype = p.dtype
+                if n in fp32:
+                    p.copy_(fp32[n])
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
 def test_low_precision_state_matches_one_process_bitwise_and_ledger_is_exact() -> None:
     names = list(SETTINGS)
     results = run_distributed(_rank_jobs, WORLD, names, timeout=240.0)[0]
@@ -183,6 +263,14 @@ def test_low_precision_state_matches_one_process_bitwise_and_ledger_is_exact() -
         moved = max((reference[n].float() - v.float()).abs().max().item() for n, v in build_model().named_parameters())
         assert moved > 1e-4, f"{name} did not train"
     mixed = results[-1].pop("per-group")
+    by_group = results[-1].pop("per-group-master")
+    assert by_group["masters"].count("torch.bfloat16") and by_group["masters"].count("torch.float32")
+    for pname, ref in _per_group_master_reference().items():
+        got = by_group["weights"][pname]
+        assert torch.equal(got, ref), f"per-group master: {pname} differs by {(got.float() - ref.float()).abs().max()}"
+    # bf16 parameter and gradient shards (4) everywhere, fp32 moments (8); an fp32 master (4) for
+    # the fp32 group, a bf16 compensation buffer (2) for the bf16-master group.
+    assert by_group["bytes"] == (14 * by_group["bf16"] + 16 * by_group["fp32"]) / WORLD + 4 * 3
     assert mixed["dtypes"] == ["torch.uint8", "torch.float32", "torch.float32"]
     # fp32 parameter and gradient shards (8) everywhere; states int8 (2 + 8/256) for the first linear.
     assert mixed["bytes"] == (8 * (mixed["int8"] + mixed["fp32"]) + (2 + 8 / 256) * mixed["int8"]
@@ -348,6 +436,17 @@ def test_bad_low_precision_settings_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="MuonWithAdamW is a whole-tensor optimizer.*Keep them at 'fp32'"):
         zero_shard(model, MuonWithAdamW, ZeroConfig(compute_dtype="bf16", master_dtype="bf16"),
                    param_groups=muon_param_groups(model))
+    groups = [{"params": list(model.parameters()), "zero_master_dtype": "fp16"}]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['zero_master_dtype'\]='fp16' .*use 'fp32' or 'bf16'"):
+        zero_shard(model, torch.optim.AdamW, ZeroConfig(compute_dtype="bf16"), param_groups=groups)
+    groups = [{"params": list(model.parameters())[:1]}, {"params": list(model.parameters())[1:],
+                                                         "zero_master_dtype": "bf16"}]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['zero_master_dtype'\]='bf16' needs "
+                                         r"ZeroConfig\(compute_dtype='bf16'\)"):
+        zero_shard(model, torch.optim.AdamW, ZeroConfig(), param_groups=groups)
+    groups = [{**g, "zero_master_dtype": "bf16"} for g in muon_param_groups(model)]
+    with pytest.raises(ValueError, match="MuonWithAdamW is a whole-tensor optimizer.*Keep them at 'fp32'"):
+        zero_shard(model, MuonWithAdamW, ZeroConfig(compute_dtype="bf16"), param_groups=groups)
     with pytest.raises(ValueError, match="custom placement.*Drop the placement"):
         zero_shard(model, torch.optim.AdamW, ZeroConfig(optimizer_state_dtype="bf16"), placement=LocalPlacement())
     assert all(isinstance(p, ConstructedParameter) for p in model.parameters())  # refused before any work

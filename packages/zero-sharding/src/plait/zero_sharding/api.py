@@ -29,7 +29,8 @@ from plait.zero_sharding.construction import ConstructedParameter, ConstructionG
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import DefaultGatherer, DefaultReducer, LocalPlacement
 from plait.zero_sharding.loss_scaler import LossScaler
-from plait.zero_sharding.low_precision import check_composes, group_state_dtype, wrap_low_precision
+from plait.zero_sharding.low_precision import check_composes, group_master_dtype, group_state_dtype, wrap_low_precision
+from plait.zero_sharding.lowbit import lowbit_block_size
 from plait.zero_sharding.module import ZeroModule, install
 from plait.zero_sharding.optimizer import ZeroOptimizer
 from plait.zero_sharding.partition import OptionGroup, build_partition
@@ -104,7 +105,8 @@ def compute_device(model: nn.Module, mesh: Any) -> torch.device:
 
 
 def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str, Any]] | None,
-                   kwargs: dict[str, Any], group: Any, replicate: Any) -> tuple[list[OptionGroup], type]:
+                   kwargs: dict[str, Any], group: Any, replicate: Any,
+                   config: ZeroConfig) -> tuple[list[OptionGroup], type]:
     world = dist.get_world_size()
     # The data-parallel world (shard x replicate ranks): the default divisor of every group's gradients.
     data_parallel = dist.get_world_size(group) * (1 if replicate is None else dist.get_world_size(replicate))
@@ -151,6 +153,7 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
                                ("place_master", "make_optimizer", "step", "read_master", "masters"))
         global_of = g.pop("zero_global", None)
         state_dtype = group_state_dtype(index, g.pop("zero_state_dtype", None))
+        master_dtype = group_master_dtype(index, g.pop("zero_master_dtype", None), config)
         if global_of is not None and not callable(global_of):
             raise ValueError(f"param_groups[{index}]['zero_global'] must be callable(name, shape) -> (global name, "
                              "global shape, dim-0 offset), e.g. mapping a local expert to its global index.")
@@ -159,7 +162,7 @@ def _option_groups(model: nn.Module, optimizer: Any, param_groups: list[dict[str
         out.append(OptionGroup(options=g, params=params, group=pg, group_rank=dist.get_rank(pg), group_size=size,
                                replicas=1 if distinct else max(1, world // size), grad_divisor=divisor,
                                reducer=reducer, gatherer=gatherer, global_of=global_of, placement=placement,
-                               state_dtype=state_dtype))
+                               state_dtype=state_dtype, master_dtype=master_dtype))
     rest = [p for p in model_params.values() if id(p) not in seen]
     if rest:
         # Parameters outside every group (frozen ones, typically) are still sharded and gathered.
@@ -284,7 +287,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``zero_grad_divisor`` is what the group's gradients, summed over its ranks, are divided by (default with
             ``zero_distinct``: the data-parallel world, i.e. the ranks ``mesh`` shards over, so expert gradients
             reduced over a smaller group are scaled as dense ones are, as DeepSpeed does; otherwise the group's own
-            size).
+            size); ``zero_state_dtype`` / ``zero_master_dtype`` override ``ZeroConfig.optimizer_state_dtype`` /
+            ``master_dtype`` for the group (see :mod:`plait.zero_sharding.low_precision`).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
             Without ``reducer`` and ZeRO++, stage 3 reduces in two exact hops when the launcher
             names several nodes (:func:`_node_aware_reducer`), in one otherwise.
@@ -313,9 +317,12 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     check_optimizer(cls, config)
     check_placement(cls, placement, param_groups)
-    check_composes(cls, config, [group_state_dtype(i, g.get("zero_state_dtype")) if isinstance(g, dict) else None
-                                 for i, g in enumerate(param_groups or [])], placement=placement,
-                   param_groups=param_groups, whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer)
+    dicts = [g if isinstance(g, dict) else {} for g in param_groups or []]
+    check_composes(cls, config, [group_state_dtype(i, g.get("zero_state_dtype")) for i, g in enumerate(dicts)],
+                   placement=placement, param_groups=param_groups,
+                   whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer,
+                   group_masters=[group_master_dtype(i, g.get("zero_master_dtype"), config)
+                                  for i, g in enumerate(dicts)])
     compose = getattr(cls, "compose_with_zero", None)
     if callable(compose):  # an optimizer bringing its own exchange (plait-onebit-optim's 1-bit Adam) or refusing
         optimizer, param_groups, optimizer_kwargs, reducer = compose(
@@ -331,7 +338,10 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     check_model = getattr(placement, "check_model", None)
     if callable(check_model):  # optional: a placement that sizes itself for the model (a memory budget)
         check_model(model, dist.get_world_size(group))
-    groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate)
+    groups, cls = _option_groups(model, optimizer, param_groups, optimizer_kwargs, group, replicate, config)
+    block = lowbit_block_size(cls, optimizer, optimizer_kwargs)
+    for og in groups if block is not None else ():
+        og.block = block  # torchao's low-bit states: no quantisation block spans two ranks
     check_same_across_ranks(model, config, cls, None if group is dist.group.WORLD else group)
     for module in model.modules():
         handle = _before_sharding.pop(module, None)
@@ -354,8 +364,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             for slot in unit.slots:
                 _set_global(slot, *groups[unit.option_index].global_of(slot.name, slot.shape))
     if is_whole_tensor(cls) and not config.elementwise_optimizer:  # each tensor stepped whole by one rank
-        # check_placement refused any other placement; the class may weigh its own updates
-        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost))
+        # check_placement refused any placement but a host offload; the class may weigh its own updates
+        placement = WholeTensorPlacement(partition.units, getattr(cls, "whole_tensor_cost", update_cost),
+                                         offload=placement)
     engine = ZeroEngine(model, config, partition, reducer=reducer or DefaultReducer(),
                         gatherer=gatherer or DefaultGatherer(),
                         placement=_engine_placement(placement or LocalPlacement(), groups, partition))

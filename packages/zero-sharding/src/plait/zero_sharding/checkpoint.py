@@ -45,7 +45,7 @@ from plait.zero_sharding.low_precision import refuse_sharded_state
 from plait.zero_sharding.tensor_parallel import is_dtensor
 from plait.zero_sharding.tensor_parallel_state import full_value, local_part, tp_pieces
 from plait.zero_sharding.units import FlatUnit
-from plait.zero_sharding.whole_tensor import whole_state_pieces
+from plait.zero_sharding.whole_tensor import restore_whole_scalars, whole_state_pieces
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                        torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -184,7 +184,7 @@ def sharded_state_dict(engine: Any, optimizer: Any) -> dict[str, ShardedTensor]:
         ValueError: parameters that differ across ranks share a name and elements (a group without
             ``zero_global``), or their identities leave part of a global tensor uncovered; or the
             optimizer keeps state the layout cannot name (compact low-precision states, a
-            whole-tensor optimizer's factored moments).
+            whole-tensor optimizer's factored moments of a piece of a larger global tensor).
     """
     refuse_sharded_state(optimizer, "sharded_state_dict")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -263,6 +263,8 @@ def load_sharded_state_dict(engine: Any, optimizer: Any, state: dict[str, Sharde
         scale, good, hysteresis, skipped = state["zero.loss_scaler"].local.tolist()
         optimizer.scaler.load_state_dict({"scale": scale, "good_steps": good, "hysteresis_left": hysteresis,
                                           "skipped_steps": skipped})
+    if getattr(engine.placement, "whole_tensor", False):
+        restore_whole_scalars(engine.placement)  # number-valued state (Adafactor's step) back to numbers
     for unit in engine.units:
         unit.refresh_from_master(engine.placement, engine.gatherer)
     engine.settle_shards()

@@ -18,7 +18,9 @@ the blocks are the parameter's own).
 
 ``ZeroConfig(master_dtype=..., master_rounding=..., optimizer_state_dtype=..., state_block_size=...)``
 switches it on in :func:`plait.zero_sharding.zero_shard`; a parameter group's ``zero_state_dtype``
-overrides the state dtype for its tensors.
+overrides the state dtype for its tensors, and its ``zero_master_dtype`` the master dtype (a bf16
+master is the group's bf16 compute shard, rounded as ``ZeroConfig.master_rounding`` says:
+compensated unless the config asks for stochastic rounding).
 """
 
 from __future__ import annotations
@@ -247,6 +249,35 @@ def block_multiple(config: ZeroConfig, group_state_dtype: str | None) -> int:
     return config.state_block_size if dtype == "int8" else 1
 
 
+def group_master_dtype(index: int, value: Any, config: ZeroConfig) -> torch.dtype | None:
+    """A parameter group's ``zero_master_dtype`` (``None``: not given, ``ZeroConfig.master_dtype``).
+
+    Args:
+        index: the group's index in ``param_groups`` (named in errors).
+        value: the group's ``zero_master_dtype`` (``"fp32"``, ``"bf16"`` or the torch dtypes).
+        config: the engine config (a bf16 master is the bf16 compute shard).
+
+    Returns:
+        ``torch.float32``, ``torch.bfloat16`` or ``None``.
+
+    Raises:
+        ValueError: naming the group and the field: an unknown dtype, or bf16 without
+            ``compute_dtype='bf16'``.
+    """
+    if value is None:
+        return None
+    field = f"param_groups[{index}]['zero_master_dtype']"
+    aliases = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    dtype = aliases.get(value.lower(), value) if isinstance(value, str) else value
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{field}={value!r} is not a supported master dtype; use 'fp32' or 'bf16'.")
+    if dtype == torch.bfloat16 and config.compute_dtype != torch.bfloat16:
+        raise ValueError(f"{field}='bf16' needs ZeroConfig(compute_dtype='bf16') (a bf16 master is the compute "
+                         f"shard), got compute_dtype={config.compute_dtype}; set compute_dtype='bf16' or "
+                         f"{field}='fp32'.")
+    return dtype
+
+
 def group_state_dtype(index: int, value: Any) -> str | None:
     """A parameter group's ``zero_state_dtype`` (``None``: not given).
 
@@ -257,8 +288,18 @@ def group_state_dtype(index: int, value: Any) -> str | None:
 
 
 def check_composes(cls: Any, config: ZeroConfig, group_dtypes: Sequence[str | None], *, placement: Any,
-                   param_groups: Sequence[Any] | None, whole_tensor: bool) -> None:
+                   param_groups: Sequence[Any] | None, whole_tensor: bool,
+                   group_masters: Sequence[torch.dtype | None] = ()) -> None:
     """Refuse low-precision settings that do not compose, before any work.
+
+    Args:
+        cls: the optimizer class.
+        config: the engine config.
+        group_dtypes: each parameter group's ``zero_state_dtype`` (``None``: not given).
+        placement: ``zero_shard``'s ``placement``.
+        param_groups: ``zero_shard``'s ``param_groups``.
+        whole_tensor: the optimizer runs under the whole-tensor placement.
+        group_masters: each parameter group's ``zero_master_dtype`` (``None``: not given).
 
     Raises:
         ValueError: a state dtype the optimizer cannot take (naming both), or low precision with a
@@ -266,7 +307,7 @@ def check_composes(cls: Any, config: ZeroConfig, group_dtypes: Sequence[str | No
             exchange.
     """
     dtypes = {config.optimizer_state_dtype, *(d for d in group_dtypes if d is not None)}
-    if not (config.low_precision_state or dtypes - {"fp32"}):
+    if not (config.low_precision_state or dtypes - {"fp32"} or torch.bfloat16 in group_masters):
         return
     name = getattr(cls, "__name__", repr(cls))
     for index, dtype in enumerate(group_dtypes):
@@ -287,6 +328,13 @@ def check_composes(cls: Any, config: ZeroConfig, group_dtypes: Sequence[str | No
                          "own state. Drop the placement or keep both settings at 'fp32'.")
 
 
+def any_low_precision(config: ZeroConfig, groups: Sequence[Any]) -> bool:
+    """Whether the config or an option group (its ``state_dtype`` / ``master_dtype``) keeps a
+    master or a state below fp32."""
+    return config.low_precision_state or any(g.state_dtype not in (None, "fp32") or g.master_dtype == torch.bfloat16
+                                             for g in groups)
+
+
 def state_precision_of(config: ZeroConfig, group_dtype: str | None) -> TensorPrecision:
     """The :class:`TensorPrecision` of a unit of a group (``group_dtype``: its ``zero_state_dtype``)."""
     return TensorPrecision(state_dtype=group_dtype or config.optimizer_state_dtype,
@@ -305,13 +353,13 @@ def wrap_low_precision(build: Builder, config: ZeroConfig, groups: Sequence[Any]
     Args:
         build: builds the user's optimizer.
         config: the engine config.
-        groups: the option groups (their ``state_dtype``).
+        groups: the option groups (their ``state_dtype`` and ``master_dtype``).
         partition: the units, whose ``master`` are the tensors the optimizer is built over.
 
     Returns:
         The builder to hand to the placement.
     """
-    if not (config.low_precision_state or any(g.state_dtype not in (None, "fp32") for g in groups)):
+    if not any_low_precision(config, groups):
         return build
     units = {id(unit.master): unit for unit in partition.units}
 

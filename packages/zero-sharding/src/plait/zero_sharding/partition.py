@@ -20,6 +20,7 @@ embedding shared with the head) are used by two modules and stay in the root uni
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,9 @@ class OptionGroup:
         global_of: ``(name, shape) -> (global name, global shape, dim-0 row offset)`` for
             parameters that are part of a larger global tensor (``None``: each is its own).
         state_dtype: the group's ``zero_state_dtype`` (``None``: ``ZeroConfig.optimizer_state_dtype``).
+        master_dtype: the group's ``zero_master_dtype`` (``None``: ``ZeroConfig.master_dtype``).
+        block: what its units' shard lengths must also be a multiple of (an inner optimizer's
+            quantisation block, see :mod:`plait.zero_sharding.lowbit`; 1: nothing).
     """
 
     options: dict[str, Any]
@@ -67,6 +71,8 @@ class OptionGroup:
     global_of: Any = None
     placement: Any = None
     state_dtype: str | None = None
+    master_dtype: torch.dtype | None = None
+    block: int = 1
 
 
 @dataclasses.dataclass
@@ -199,9 +205,12 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         unit = FlatUnit(key=f"u{len(units)}", slots=slots, group=og.group, group_rank=og.group_rank,
                         group_size=og.group_size, resident=resident, compute_dtype=config.compute_dtype,
                         reduce_dtype=config.effective_reduce_dtype, option_index=index, replicas=og.replicas,
-                        device=device, shard_multiple=block_multiple(config, og.state_dtype))
+                        device=device,
+                        shard_multiple=math.lcm(block_multiple(config, og.state_dtype), og.block))
         values = materializer.values_for(unit)
-        unit.build(values, config.fp32_masters, config.stage, owned=materializer.owned)
+        master_dtype = og.master_dtype or config.master_dtype  # fp32 masters apart only under mixed precision
+        unit.build(values, config.mixed_precision and master_dtype == torch.float32, config.stage,
+                   owned=materializer.owned)
         materializer.done_with(unit)
         units.append(unit)
         for slot in slots:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.zero_sharding.config import ZeroConfig
+from plait.zero_sharding.lowbit import is_lowbit
 from plait.zero_sharding.whole_tensor import is_whole_tensor
 
 # Optimizers whose update of an element depends only on that element's own gradient and state,
@@ -42,6 +43,8 @@ def check_optimizer(cls: Any, config: ZeroConfig) -> None:
         )
     if name in ELEMENTWISE_OPTIMIZERS or config.elementwise_optimizer or is_whole_tensor(cls):
         return  # whole-tensor optimizers run under plait.zero_sharding.whole_tensor's placement
+    if is_lowbit(cls):
+        return  # elementwise within a block; shards are padded to whole blocks (plait.zero_sharding.lowbit)
     raise ValueError(
         f"optimizer {name} is not known to be elementwise, and ZeRO updates flat slices of tensors, which is "
         f"exact only for elementwise optimizers ({', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}). Optimizers that "

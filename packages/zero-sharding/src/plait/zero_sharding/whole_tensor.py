@@ -24,6 +24,13 @@ An optimizer declares itself with a class attribute ``whole_tensor = True`` or t
 tensors. It must keep per-tensor state and skip tensors whose ``grad`` is ``None`` (as every
 ``torch.optim`` optimizer does), because it is stepped once per unit.
 
+With a host offload placement (plait-offload-io's ``zero_placement(OffloadConfig(device="cpu"))``)
+the owner computes the update where the state lives: the flat masters are host copies, the reduced
+gradients are copied to the host as they are reduced, the whole tensors and their optimizer state
+are host tensors, and only the collectives' buffers are on the compute device. The placement's
+parameter offload (``param_device``, stage 3) keeps working, since it concerns the compute shards.
+State on NVMe is refused: the offload store is laid out per flat sub-group, not per whole tensor.
+
 Communication per step and rank, on top of the gradient reduce-scatter: the all-gather receives
 ``(W - 1) * 2 * shard_numel * 4`` bytes per unit, and each tensor whose pieces lie on ranks other
 than its owner is broadcast once (``numel * 4`` bytes) over the unit's group.
@@ -103,15 +110,25 @@ class WholeTensorPlacement:
     Args:
         units: the engine's flat units.
         cost: the update cost of a shape (default :func:`update_cost`).
+        offload: a host offload placement (see :func:`check_placement`) whose device keeps the
+            masters, the whole tensors and their state, and whose ``shard_storage()`` (if any)
+            keeps stage-3 parameter shards; ``None``: everything stays on the compute device.
     """
 
     whole_tensor = True
 
-    def __init__(self, units: list[Any], cost: Callable[[tuple[int, ...]], float] = update_cost) -> None:
+    def __init__(self, units: list[Any], cost: Callable[[tuple[int, ...]], float] = update_cost, *,
+                 offload: Any = None) -> None:
+        self.offload = offload
+        # Where the optimizer computes: the offload's host memory, else where ZeRO built the master.
+        self.grad_device = None if offload is None else torch.device(offload.grad_device)
+        self.offloads_parameters = bool(getattr(offload, "offloads_parameters", False))
         self.units = {unit.key: unit for unit in units}
         self._masters: dict[str, Tensor] = {}
         self.owner: dict[tuple[str, str], int] = {}  # (unit key, slot name) -> owner index in the group
         self.whole: dict[tuple[str, str], nn.Parameter] = {}  # the tensors this rank owns
+        # piece name -> (state dict, key, 0-d tensor) for number-valued state (whole_state_pieces)
+        self.scalars: dict[str, tuple[dict[str, Any], str, Tensor]] = {}
         by_group: dict[int, list[tuple[Any, Any]]] = {}
         for unit in units:
             by_group.setdefault(id(unit.group), []).extend((unit, slot) for slot in unit.slots)
@@ -121,9 +138,20 @@ class WholeTensorPlacement:
                 self.owner[(unit.key, slot.name)] = owner
 
     def place_master(self, key: str, master: Tensor) -> Tensor:
-        """Keep the flat master shard where it is (it stays the source of truth)."""
+        """Keep the flat master shard (the source of truth) where it is, or with an offload a host
+        copy of it (page-locked when the master is on an accelerator), as ZeRO-Offload does."""
+        if self.grad_device is not None and master.device != self.grad_device:
+            host = torch.empty(master.shape, dtype=torch.float32, device=self.grad_device, pin_memory=master.is_cuda)
+            master = nn.Parameter(host.copy_(master.detach()), requires_grad=True)
+        elif self.grad_device is not None:
+            master = nn.Parameter(master.detach().clone(), requires_grad=True)  # ZeRO's own stays the shard
         self._masters[key] = master
         return master
+
+    def shard_storage(self) -> Any:
+        """The offload's storage of stage-3 parameter shards (``param_device``), or ``None``."""
+        offer = getattr(self.offload, "shard_storage", None)
+        return offer() if callable(offer) else None
 
     def make_optimizer(self, build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
                        param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -172,11 +200,12 @@ class WholeTensorPlacement:
         master = self._masters[unit.key].detach()
         if unit.group_size == 1:
             return grad.to(master.device), master
-        mine = torch.cat([grad.to(master.device, torch.float32).reshape(-1), master.reshape(-1)])
-        out = torch.empty(unit.group_size * mine.numel(), dtype=torch.float32, device=master.device)
+        # The collective runs on the compute device (NCCL needs it); the owner steps on the master's.
+        mine = torch.cat([grad.to(unit.device, torch.float32).reshape(-1), master.to(unit.device).reshape(-1)])
+        out = torch.empty(unit.group_size * mine.numel(), dtype=torch.float32, device=unit.device)
         collectives.all_gather_into_tensor(out, mine, group=unit.group,
                                            name=f"whole-tensor gather of unit `{unit.key}`")
-        out = out.view(unit.group_size, 2, unit.shard_numel)
+        out = out.view(unit.group_size, 2, unit.shard_numel).to(master.device)
         return out[:, 0].reshape(-1), out[:, 1].reshape(-1)
 
     def _scatter_back(self, unit: Any) -> None:
@@ -192,8 +221,8 @@ class WholeTensorPlacement:
             start, stop = slot.flat_range
             holders = range(start // unit.shard_numel, (stop - 1) // unit.shard_numel + 1)
             if any(h != owner for h in holders):
-                buffer = whole.detach().reshape(-1) if whole is not None else torch.empty(
-                    slot.numel, dtype=torch.float32, device=master.device)
+                buffer = whole.detach().reshape(-1).to(unit.device) if whole is not None else torch.empty(
+                    slot.numel, dtype=torch.float32, device=unit.device)
                 collectives.broadcast(buffer, src=ranks[owner], group=unit.group,
                                       name=f"whole-tensor update of `{slot.name}`")
             elif whole is None:
@@ -217,44 +246,70 @@ class WholeTensorPlacement:
 
 def whole_state_pieces(placement: WholeTensorPlacement, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state of the tensors this rank owns, as pieces of the sharded (universal)
-    checkpoint: each state tensor whole under ``optim.<state>.<global name>``, held by its owner
-    alone (at another world size the new owner reads it whole, wherever it was written).
+    checkpoint, each held by its owner alone (at another world size the new owner reads it whole,
+    wherever it was written), under ``optim.<state>.<global name>``:
+
+    * a state shaped like its tensor (momentum, Adam's moments): as the tensor's flat range;
+    * any other state tensor (step counters, Adafactor's factored row and column moments): whole,
+      in its own shape;
+    * a Python number (Adafactor's ``step``): as a 0-d int64/float64 tensor that
+      :func:`restore_whole_scalars` writes back into the state after a load.
 
     Args:
-        placement: the engine's placement.
+        placement: the engine's placement (keeps the number holders until the load).
         optimizer: the inner (user's) optimizer over the owned whole tensors.
 
     Returns:
         name -> :class:`~plait.kernels.sharded_state.ShardedTensor`.
 
     Raises:
-        ValueError: a state tensor that is neither shaped like its parameter nor a scalar
-            (Adafactor's factored moments): the layout has no name for it, so the save is refused
-            rather than losing it.
+        ValueError: a state of another shape than its tensor, for a tensor that is a piece of a
+            larger global tensor (tensor or expert parallelism): its global name would not say
+            which piece it belongs to, so the save is refused rather than losing it.
     """
     from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 
     rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    placement.scalars = {}
     for (key, name), whole in placement.whole.items():
         slot = next(s for s in placement.units[key].slots if s.name == name)
         base = slot.global_offset
-        for state_name, value in optimizer.state.get(whole, {}).items():
-            if not isinstance(value, Tensor):
+        state = optimizer.state.get(whole, {})
+        for state_name, value in state.items():
+            if isinstance(value, bool) or not isinstance(value, Tensor | int | float):
                 continue
             piece = f"optim.{state_name}.{slot.global_name}"
+            if not isinstance(value, Tensor):
+                value = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+                placement.scalars[piece] = (state, state_name, value)
             if value.shape == whole.shape:
                 spec = ShardSpec(name=piece, kind="optimizer_state", dtype=value.dtype, global_shape=slot.global_shape,
                                  flat_range=(base, base + slot.numel), replica_ranks=(rank,))
                 out[piece] = ShardedTensor(spec, value.view(-1))
-            elif value.numel() == 1:
-                out[piece] = ShardedTensor(ShardSpec.full(piece, value.view(()), kind="optimizer_state",
-                                                          replica_ranks=(rank,)), value.view(1))
+            elif value.numel() == 1 or slot.is_global:
+                out[piece] = ShardedTensor(ShardSpec.full(piece, value, kind="optimizer_state", replica_ranks=(rank,)),
+                                           value.view(-1))
             else:
                 shapes = f"shape {tuple(value.shape)} for {slot.name!r} (shape {tuple(whole.shape)})"
                 raise ValueError(f"sharded_state_dict: {type(optimizer).__name__} keeps state {state_name!r} of "
-                                 f"{shapes}, which the sharded checkpoint layout cannot name. Save model.state_dict() "
-                                 "and optimizer.state_dict() on every rank instead (resumable at the same world size).")
+                                 f"{shapes}, a piece of global tensor {slot.global_name!r}, which the sharded "
+                                 "checkpoint layout cannot name. Save model.state_dict() and optimizer.state_dict() "
+                                 "on every rank instead (resumable at the same world size).")
     return out
+
+
+def restore_whole_scalars(placement: WholeTensorPlacement) -> None:
+    """After a sharded load filled the pieces of :func:`whole_state_pieces` in place: write the
+    number holders back into the optimizer state as the Python numbers they were."""
+    for state, state_name, holder in getattr(placement, "scalars", {}).values():
+        state[state_name] = holder.item()
+
+
+def host_offload(placement: Any) -> bool:
+    """Whether ``placement`` is a host offload the whole-tensor placement can run on: it names
+    where state lives (``grad_device``) and an offload config (``config.device``), as
+    plait-offload-io's ``ZeroOffloadPlacement`` does."""
+    return hasattr(placement, "grad_device") and hasattr(getattr(placement, "config", None), "device")
 
 
 def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]] | None) -> None:
@@ -266,13 +321,27 @@ def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]]
         param_groups: ``zero_shard``'s ``param_groups`` (``zero_placement`` keys are checked).
 
     Raises:
-        ValueError: a placement was given (offload, per-group placements: they step flat shards).
+        ValueError: a placement other than a host offload (per-group placements, a placement that
+            steps flat shards), optimizer state on NVMe, or a partial offload (``offload_ratio``).
     """
     if not is_whole_tensor(cls):
         return
     groups = [g for g in (param_groups or []) if isinstance(g, dict)]
-    if placement is not None or any(g.get("zero_placement") is not None for g in groups):
+    if (placement is not None and not host_offload(placement)) or any(g.get("zero_placement") is not None
+                                                                     for g in groups):
         raise ValueError(f"optimizer {cls.__name__} updates whole tensors, which runs under plait's whole-tensor "
-                         "placement; a custom placement (CPU/NVMe offload, a param group's zero_placement) steps "
-                         "flat shards and does not compose with it yet. Drop placement= / zero_placement, or use "
-                         "an elementwise optimizer such as torch.optim.AdamW with offload.")
+                         "placement; a custom placement (a param group's zero_placement, a placement stepping flat "
+                         "shards) does not compose with it. Drop zero_placement / placement=, or pass "
+                         "placement=zero_placement(OffloadConfig(device='cpu')) from plait-offload-io for the "
+                         "whole model.")
+    if placement is None:
+        return
+    config = placement.config
+    if config.device != "cpu":
+        raise ValueError(f"optimizer {cls.__name__} updates whole tensors; OffloadConfig(device={config.device!r}) "
+                         "keeps optimizer state per flat sub-group on disk, which has no room for a whole tensor's "
+                         "state. Use OffloadConfig(device='cpu') (param_device may still offload the parameters).")
+    if getattr(config, "offload_ratio", 1.0) != 1.0:
+        raise ValueError(f"optimizer {cls.__name__} updates whole tensors, each on its owner rank; "
+                         f"OffloadConfig.offload_ratio={config.offload_ratio} splits flat shards between host and "
+                         "device, which does not apply. Use offload_ratio=1.0.")

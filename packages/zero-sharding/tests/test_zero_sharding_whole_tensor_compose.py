@@ -1,0 +1,128 @@
+"""Whole-tensor optimizers composed with host offload and ZeRO++, at W=2 (Muon + AdamW):
+
+* CPU offload (plait-offload-io's placement): the masters are host copies and the whole tensors
+  and their state live on the offload device; the trained weights equal, bit for bit, the same run
+  without offload (stage 2, and stage 3 with the parameters offloaded too), which the whole-tensor
+  tests compare with one process.
+* ZeRO++: hpZ alone changes only where backward gathers from, so it is exact (bitwise against
+  the run without ZeRO++); qwZ + qgZ (quantized weight gathers and gradient reduction) is not, and its
+  loss deviates from the exact run's by at most the tolerance table's share of the loss decrease.
+* NVMe state, partial offload and per-group placements are refused before any work.
+
+All jobs run in one set of processes (spawning ranks costs seconds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zero_test_support import build_model
+
+from plait.kernels.testing import global_batch, rank_slice, run_distributed
+from plait.zero_sharding import ConstructedParameter, ZeroConfig, sharded_init, zero_shard
+from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
+from plait.zero_sharding.whole_tensor import WholeTensorPlacement
+from plait.zero_sharding.zeropp import ZeroPPConfig
+
+offload_io = pytest.importorskip("plait.offload_io")
+
+BATCH, SEQ, STEPS, WORLD = 4, 16, 3, 2
+MUON = dict(lr=0.02, adamw_lr=1e-3)
+HPZ = dict(quantized_weights=False, quantized_gradients=False, hierarchical_partition_size=1)
+QWZ_QGZ = dict(quantized_weights=True, quantized_gradients=True, hierarchical_partition_size=None)
+
+# name -> (stage, offload config options or None, ZeroPPConfig options or None)
+JOBS: dict[str, tuple[int, dict[str, Any] | None, dict[str, Any] | None]] = {
+    "s2": (2, None, None),
+    "s2 cpu offload": (2, dict(device="cpu"), None),
+    "s3": (3, None, None),
+    "s3 cpu offload + param offload": (3, dict(device="cpu", param_device="cpu"), None),
+    "s3 hpZ": (3, None, HPZ),
+    "s3 qwZ + qgZ": (3, None, QWZ_QGZ),
+}
+EXACT = {"s2 cpu offload": "s2", "s3 cpu offload + param offload": "s3", "s3 hpZ": "s3"}
+# Quantized settings: |loss - exact run's loss| / (initial loss - exact run's loss), at most (the
+# mean loss over the STEPS + 1 global batches, after training). The weights themselves are no
+# measure here: Adam's first steps move each element by about lr * sign(g), so int4 gradient codes
+# that zero a small element move it differently; measured: 1.9% (qwZ + qgZ; 2.0% for
+# qgZ alone at stage 2).
+TOLERANCE = {"s3 qwZ + qgZ": ("s3", 0.05)}
+
+
+def _rank_jobs(names: list[str]) -> list[dict[str, Any]]:
+    rank = dist.get_rank()
+    out = []
+    for name in names:
+        stage, offload, zeropp = JOBS[name]
+        model = build_model()
+        placement = None if offload is None else offload_io.zero_placement(offload_io.OffloadConfig(**offload))
+        config = ZeroConfig(stage=stage, reduce_dtype=torch.float32, param_persistence_threshold=0,
+                            zeropp=None if zeropp is None else ZeroPPConfig(**zeropp))
+        model, optimizer = zero_shard(model, MuonWithAdamW, config, param_groups=muon_param_groups(model),
+                                      placement=placement, **MUON)
+        engine = model.zero_engine
+        assert isinstance(engine.placement, WholeTensorPlacement)
+        for step in range(STEPS):
+            model(**rank_slice(global_batch(step, BATCH, SEQ), rank, WORLD)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses = []
+        with torch.no_grad():  # the loss of the global batch of every step seen, and of the next one
+            for step in range(STEPS + 1):
+                loss = model(**rank_slice(global_batch(step, BATCH, SEQ), rank, WORLD)).loss.detach()
+                dist.all_reduce(loss)
+                losses.append(loss.item() / WORLD)
+        facts: dict[str, Any] = {"loss": sum(losses) / len(losses)}
+        if offload is not None:
+            placed = engine.placement
+            facts["state_devices"] = sorted({str(v.device) for s in optimizer.inner.state.values() for v in s.values()
+                                             if isinstance(v, torch.Tensor)})
+            facts["separate_masters"] = all(placed.masters()[u.key].data_ptr() != u.shard.data_ptr()
+                                            for u in engine.units if u.shard.numel())
+            facts["param_storage"] = engine.storage is not None
+        state = model.state_dict()
+        out.append({"weights": {k: v.clone() for k, v in state.items()} if rank == 0 else {}, **facts})
+    return out
+
+
+def test_whole_tensor_offload_and_zeropp_match_the_exact_run() -> None:
+    names = list(JOBS)
+    results = dict(zip(names, run_distributed(_rank_jobs, WORLD, names, timeout=300.0)[0]))
+    for name, exact in EXACT.items():
+        for pname, ref in results[exact]["weights"].items():
+            got = results[name]["weights"][pname]
+            assert torch.equal(got, ref), f"{name}: {pname} differs from {exact} by {(got - ref).abs().max():.3g}"
+    for name in ("s2 cpu offload", "s3 cpu offload + param offload"):
+        assert results[name]["state_devices"] == ["cpu"] and results[name]["separate_masters"]
+    assert results["s3 cpu offload + param offload"]["param_storage"]
+    model = build_model()
+    with torch.no_grad():
+        initial = sum(model(**global_batch(step, BATCH, SEQ)).loss.item() for step in range(STEPS + 1)) / (STEPS + 1)
+    for name, (exact, bound) in TOLERANCE.items():
+        gain = initial - results[exact]["loss"]
+        assert gain > 0.1, f"{exact} did not train"
+        deviation = abs(results[name]["loss"] - results[exact]["loss"]) / gain
+        assert results[name]["weights"]["lm_head.weight"].ne(results[exact]["weights"]["lm_head.weight"]).any()
+        assert deviation <= bound, f"{name}: loss deviates by {deviation:.3g} of the loss decrease (bound {bound})"
+
+
+def test_nvme_state_partial_offload_and_group_placements_are_refused() -> None:
+    with sharded_init():
+        model = build_model()
+    groups = muon_param_groups(model)
+    with pytest.raises(ValueError, match=r"OffloadConfig\(device='nvme'\).*Use OffloadConfig\(device='cpu'\)"):
+        zero_shard(model, MuonWithAdamW, ZeroConfig(stage=2), param_groups=groups,
+                   placement=offload_io.zero_placement(offload_io.OffloadConfig(device="nvme", path="/tmp")))
+    with pytest.raises(ValueError, match="offload_ratio=0.5.*Use offload_ratio=1.0"):
+        zero_shard(model, MuonWithAdamW, ZeroConfig(stage=2), param_groups=groups,
+                   placement=offload_io.zero_placement(offload_io.OffloadConfig(device="cpu", offload_ratio=0.5)))
+    placed = [{**groups[0], "zero_placement": offload_io.zero_placement(offload_io.OffloadConfig())}, groups[1]]
+    with pytest.raises(ValueError, match="MuonWithAdamW updates whole tensors.*zero_placement"):
+        zero_shard(model, MuonWithAdamW, ZeroConfig(stage=2), param_groups=placed)
+    assert all(isinstance(p, ConstructedParameter) for p in model.parameters())  # refused before any work
