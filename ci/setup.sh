@@ -102,6 +102,11 @@ if ! python -c "import deepspeed" 2>/dev/null; then
   DS_BUILD_OPS=0 pipq install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==0.19.8" \
     || echo "setup: WARNING deepspeed did not install; peer benchmarks and DeepSpeed-import tests will skip"
 fi
+# torchao (no required dependencies): its low-bit optimizers as ZeRO's inner optimizer, and the
+# quantized-inference benchmark's peer rows.
+if ! python -c "import torchao" 2>/dev/null; then
+  pipq install -q --no-deps "torchao==0.18.0" || echo "setup: WARNING torchao did not install; its tests and rows skip"
+fi
 EDITABLE=()
 for d in "${DISTS[@]}"; do EDITABLE+=(-e "$d"); done
 # One build from the source folders at a time (the vLLM environment may be building in the background).
