@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -211,8 +211,8 @@ def _sharded_runs() -> dict:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         out["fsdp"][kind] = _train(model, torch.optim.AdamW(model.parameters(), **OPT), dp_group, None)[0]
-        with pytest.raises(ValueError, match=r"'(0|inp).weight' is a DTensor over mesh dimension 'dp' "
-                                             r"\(placement _?S.*data-parallel ranks already \(fully_shard applied first\?\)"):
+        with pytest.raises(ValueError, match=r"'(0|inp).weight' is a DTensor over mesh dimension 'dp' \(placement "
+                                             r"_?S.*data-parallel ranks already \(fully_shard applied first\?\)"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=2), mesh=mesh["dp"])
     model = parallelize_module(build("transformer"), mesh["tp"], plan("transformer"))
     model, opt = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh["dp"], **OPT)
@@ -269,9 +269,11 @@ def _bad_input(mesh) -> None:
     with pytest.raises(ValueError, match=r"'0.weight' is a DTensor over mesh dimension 'dp' \(placement R.*"
                                          r"whole \(dp, tp\) mesh.*parallelize_module\(model, mesh\['tp'\], plan\)"):
         zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=mesh["dp"])
-    three, model = dist.new_group([0, 1, 2]), tp_mlp()  # every rank builds: parallelize_module scatters over tp
+    # A 1-D data-parallel mesh of 3 of the 4 ranks (every rank builds the mesh and the model:
+    # DeviceMesh creates its group on every rank, parallelize_module scatters over tp).
+    three, model = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("dp",)), tp_mlp()
     if dist.get_rank() < 3:
-        with pytest.raises(ValueError, match=r"3 ranks, which does not divide the world of 4"):
+        with pytest.raises(ValueError, match=r"data-parallel mesh has 3 ranks, which does not divide the world of 4"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=three)
 
 
