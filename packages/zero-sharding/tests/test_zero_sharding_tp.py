@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding import ZeroConfig, model_state_bytes, zero_shard
-from plait.zero_sharding.zeropp import ZeroPPConfig
+from plait.zero_sharding.extension import DefaultReducer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_zero_sharding_identity import _read_safetensors
@@ -211,7 +211,8 @@ def _sharded_runs() -> dict:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         out["fsdp"][kind] = _train(model, torch.optim.AdamW(model.parameters(), **OPT), dp_group, None)[0]
-        with pytest.raises(ValueError, match=r"DTensor over mesh dimension 'dp'.*fully_shard applied first"):
+        with pytest.raises(ValueError, match=r"'(0|inp).weight' is a DTensor over mesh dimension 'dp' \(placement "
+                                             r"_?S.*data-parallel ranks already \(fully_shard applied first\?\)"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=2), mesh=mesh["dp"])
     model = parallelize_module(build("transformer"), mesh["tp"], plan("transformer"))
     model, opt = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh["dp"], **OPT)
@@ -250,8 +251,8 @@ def _bad_input(mesh) -> None:
     def tp_mlp() -> nn.Module:
         return parallelize_module(build("mlp"), mesh["tp"], plan("mlp"))
 
-    with pytest.raises(ValueError, match=r"ZeroConfig.zeropp \(ZeRO\+\+\) is not supported with tensor-parallel"):
-        zero_shard(tp_mlp(), torch.optim.AdamW, ZeroConfig(stage=3, zeropp=ZeroPPConfig()), mesh=mesh["dp"])
+    with pytest.raises(ValueError, match=r"reducer= is not supported with tensor-parallel.*ZeroConfig.zeropp"):
+        zero_shard(tp_mlp(), torch.optim.AdamW, ZeroConfig(stage=3), mesh=mesh["dp"], reducer=DefaultReducer())
     with pytest.raises(ValueError, match=r"replicate over \(HSDP\).*mesh=mesh\['dp'\]"):
         zero_shard(tp_mlp(), torch.optim.AdamW, ZeroConfig(stage=2), mesh=mesh)
     with pytest.raises(ValueError, match=r"'0.weight' is torch.float32 but ZeroConfig.compute_dtype is torch.bfloat16"):
@@ -262,10 +263,24 @@ def _bad_input(mesh) -> None:
         model[3].weight = nn.Parameter(DTensor.from_local(weight.detach(), mesh["tp"], [placement], run_check=False))
         with pytest.raises(ValueError, match=r"parameter '3.weight' has placement .* Shard\(d\) or Replicate\(\) only"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=mesh["dp"])
-    three, model = dist.new_group([0, 1, 2]), tp_mlp()  # every rank builds: parallelize_module scatters over tp
+    # A custom style that distributes over the whole (dp, tp) mesh: Replicate() on dp, Shard(0) on tp.
+    model = build("mlp")
+    distribute_module(model[0], mesh, _two_d_partition)
+    with pytest.raises(ValueError, match=r"'0.weight' is a DTensor over mesh dimension 'dp' \(placement R.*"
+                                         r"whole \(dp, tp\) mesh.*parallelize_module\(model, mesh\['tp'\], plan\)"):
+        zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=mesh["dp"])
+    # A 1-D data-parallel mesh of 3 of the 4 ranks (every rank builds the mesh and the model:
+    # DeviceMesh creates its group on every rank, parallelize_module scatters over tp).
+    three, model = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("dp",)), tp_mlp()
     if dist.get_rank() < 3:
-        with pytest.raises(ValueError, match=r"3 ranks, which does not divide the world of 4"):
+        with pytest.raises(ValueError, match=r"data-parallel mesh has 3 ranks, which does not divide the world of 4"):
             zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=1), mesh=three)
+
+
+def _two_d_partition(name: str, module: nn.Module, mesh) -> None:
+    """A partition function for ``distribute_module`` placing each parameter over both mesh dimensions."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate(), Shard(0)])))
 
 
 def _whole_and_sharded_state(mesh, dp_group: dist.ProcessGroup) -> dict:

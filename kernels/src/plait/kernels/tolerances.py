@@ -398,6 +398,21 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
                "(9.5e-7 absolute) on a loss near 4 by the third AdamW step of a 2-layer Llama under ZeRO "
                "at W=2. The aot_eager backend (no code generation) gives eager's losses bitwise.",
     ),
+    # ---- ZeRO++ training losses against plain ZeRO on the same mesh (5 AdamW steps, lr 1e-2).
+    ("zeropp_qwz_losses", torch.float32): Tolerance(
+        atol=0.0, rtol=1.5e-2,
+        reason="qwZ computes forward and backward with int8 weights (blockwise absmax, 256 per fp32 "
+               "scale): each weight is off by up to half a 1/127 step of its block's largest magnitude, "
+               "while the fp32 masters stay exact, so the loss moves by a fraction of a percent and does "
+               "not drift; observed 5e-3 relative by the fifth step on the dp2 x tp2 transformer.",
+    ),
+    ("zeropp_qgz_losses", torch.float32): Tolerance(
+        atol=0.0, rtol=5e-2,
+        reason="qgZ sums int4 gradients (1/7 of a block's absmax per step) in its all-to-all: every "
+               "update carries that error and AdamW's normalisation does not undo it, so it accumulates "
+               "over steps; observed under 2e-2 relative by the fifth step on the dp2 x tp2 transformer "
+               "(ZeRO++'s own tests stay within 3% of exact ZeRO).",
+    ),
     ("quantize_blockwise", torch.float32): Tolerance(
         atol=0.0, rtol=0.0,
         reason="bitwise equal: absmax is a max (order-free), scale and codes use IEEE division "

@@ -102,6 +102,12 @@ class PlaitConfig:
             ``device_mesh["tensor_parallel"]``; ZeRO shards over ``device_mesh["data_parallel"]``
             (:mod:`plait.lightning.tensor_parallel`). Not with ``sp_size``/``ep_size`` above 1 yet.
             1: off.
+        pp_size: pipeline stages (Trainer strategy only): a ``(data_parallel,
+            pipeline_parallel)`` mesh given to the LightningModule as ``self.device_mesh`` before
+            ``configure_model``, which builds this rank's stage; ZeRO shards each stage over
+            ``device_mesh["data_parallel"]`` and the module trains under manual optimization with
+            :func:`plait.lightning.pipeline_parallel.pipeline_step`. Not with ``tp_size``,
+            ``sp_size`` or ``ep_size`` above 1 yet. 1: off.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
@@ -113,13 +119,16 @@ class PlaitConfig:
     sp_size: int = 1
     ep_size: int = 1
     tp_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         from plait.lightning.parallel import check_parallel_sizes  # (it imports this module)
+        from plait.lightning.pipeline_parallel import check_pp_size
         from plait.lightning.tensor_parallel import check_tp_size
 
         check_parallel_sizes(self.sp_size, self.ep_size)
         check_tp_size(self.tp_size, self.sp_size, self.ep_size)
+        check_pp_size(self.pp_size, sp_size=self.sp_size, ep_size=self.ep_size, tp_size=self.tp_size)
         if not isinstance(self.zero, ZeroConfig):
             raise ValueError(f"PlaitConfig.zero={self.zero!r} must be a plait.zero_sharding.ZeroConfig, "
                              "e.g. ZeroConfig(stage=3).")

@@ -114,6 +114,11 @@ class PlaitFabricStrategy(DDPStrategy):
             raise ValueError(f"PlaitConfig.tp_size={self.plait_config.tp_size} is supported by the Trainer strategy "
                              "(PlaitStrategy) only; for Fabric, apply parallelize_module yourself and call "
                              "plait.zero_sharding.zero_shard(..., mesh=mesh['dp']).")
+        if self.plait_config.pp_size > 1:
+            raise ValueError(f"PlaitConfig.pp_size={self.plait_config.pp_size} is supported by the Trainer strategy "
+                             "(PlaitStrategy) only; for Fabric, build the stage yourself, shard it with "
+                             "plait.zero_sharding.zero_shard(..., mesh=mesh['dp']) and run it with "
+                             "plait.zero_sharding.pipelining.ZeroPipelineStage.")
         check_plan(self.plait_config, "32-true")
         self.device_mesh: Any = None  # the dp x sp / dp x ep mesh, built when the model is set up
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

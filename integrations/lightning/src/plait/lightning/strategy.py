@@ -21,6 +21,10 @@ imports deepspeed). What differs from DDP:
   ``(data_parallel, tensor_parallel)`` mesh is built before ``configure_model`` and given to the
   LightningModule as ``self.device_mesh``; the user applies ``parallelize_module`` on its
   ``"tensor_parallel"`` dimension and ZeRO shards over ``"data_parallel"``.
+* ``pp_size`` (:mod:`plait.lightning.pipeline_parallel`): a ``(data_parallel, pipeline_parallel)``
+  mesh given to the LightningModule before ``configure_model``, which builds this rank's stage;
+  ZeRO shards it over ``"data_parallel"`` and ``training_step`` runs torch's pipeline schedule
+  under manual optimization (``pipeline_step``).
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
 * on SLURM with auto-requeue (Lightning's default there), the requeue signal's checkpoint is saved
@@ -59,7 +63,7 @@ from torch import nn
 from plait.kernels import collectives
 from plait.kernels.state_names import tied_aliases
 from plait.lightning import checkpoint as ckpt
-from plait.lightning import failures, parallel, tensor_parallel
+from plait.lightning import failures, parallel, pipeline_parallel, tensor_parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.precision import PlaitPrecision, precision_name_of
@@ -111,7 +115,7 @@ class ShardedRoot(nn.Module):
 
 def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload: Any, extensions: tuple,
                  init_fn: Any, verify_on_load: bool, sp_size: int = 1, ep_size: int = 1,
-                 tp_size: int = 1) -> PlaitConfig:
+                 tp_size: int = 1, pp_size: int = 1) -> PlaitConfig:
     """One PlaitConfig from either ``config=`` or its fields.
 
     Raises:
@@ -119,12 +123,13 @@ def build_config(config: PlaitConfig | None, zero: ZeroConfig | None, *, offload
     """
     if config is not None:
         if zero is not None or offload is not None or extensions or init_fn is not None or not verify_on_load \
-                or sp_size != 1 or ep_size != 1 or tp_size != 1:
+                or sp_size != 1 or ep_size != 1 or tp_size != 1 or pp_size != 1:
             raise ValueError("pass config=PlaitConfig(...) or zero=/offload=/extensions=/init_fn=/verify_on_load=/"
-                             "sp_size=/ep_size=/tp_size=, not both.")
+                             "sp_size=/ep_size=/tp_size=/pp_size=, not both.")
         return config
     return PlaitConfig(zero=zero or ZeroConfig(), offload=offload, extensions=tuple(extensions), init_fn=init_fn,
-                       verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size, tp_size=tp_size)
+                       verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size, tp_size=tp_size,
+                       pp_size=pp_size)
 
 
 def parallel_plan(plan: PlaitConfig, device_type: str, world_size: int) -> tuple[PlaitConfig, Any, Any]:
@@ -229,6 +234,11 @@ class PlaitStrategy(DDPStrategy):
             the TP shards over ``self.device_mesh["data_parallel"]``. Its checkpoints name every
             piece by its place in the global tensor, so they resume at another ``tp_size`` or
             world size too; not with ``sp_size``/``ep_size`` yet.
+        pp_size: pipeline stages (1: off). ``configure_model`` builds this rank's stage (from
+            ``self.device_mesh["pipeline_parallel"]``), ZeRO shards it over
+            ``self.device_mesh["data_parallel"]``, and ``training_step`` runs the schedule with
+            :func:`plait.lightning.pipeline_parallel.pipeline_step` under manual optimization.
+            Not with ``tp_size``/``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
         accelerator: as for ``DDPStrategy``.
         parallel_devices: as for ``DDPStrategy``.
@@ -260,10 +270,11 @@ class PlaitStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1, tp_size: int = 1) -> None:
+                 start_method: str = "popen", sp_size: int = 1, ep_size: int = 1, tp_size: int = 1,
+                 pp_size: int = 1) -> None:
         self.plait_config = build_config(config, zero, offload=offload, extensions=extensions, init_fn=init_fn,
                                          verify_on_load=verify_on_load, sp_size=sp_size, ep_size=ep_size,
-                                         tp_size=tp_size)
+                                         tp_size=tp_size, pp_size=pp_size)
         check_plan(self.plait_config, "32-true")
         # the dp x sp / dp x ep mesh (built in setup) or the dp x tp mesh (built in setup_environment)
         self.device_mesh: Any = None
@@ -313,6 +324,7 @@ class PlaitStrategy(DDPStrategy):
         parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
                                   self.num_processes * self.num_nodes)
         tensor_parallel.check_world_size(self.plait_config.tp_size, self.num_processes * self.num_nodes)
+        pipeline_parallel.check_world_size(self.plait_config.pp_size, self.num_processes * self.num_nodes)
 
     # ---- sequence parallelism: sp groups share batches, each rank keeps its slice of the sequence
     @property
@@ -321,7 +333,8 @@ class PlaitStrategy(DDPStrategy):
         or tp group shares its batches)."""
         kwargs = parallel.sampler_kwargs(super().distributed_sampler_kwargs, self.plait_config.sp_size,
                                          self.global_rank)
-        return tensor_parallel.sampler_kwargs(kwargs, self.plait_config.tp_size, self.global_rank)
+        kwargs = tensor_parallel.sampler_kwargs(kwargs, self.plait_config.tp_size, self.global_rank)
+        return pipeline_parallel.sampler_kwargs(kwargs, self.plait_config.pp_size, self.global_rank)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch; with ``sp_size > 1`` keep this rank's slice of the sequence
@@ -342,6 +355,10 @@ class PlaitStrategy(DDPStrategy):
         if self.plait_config.tp_size > 1:
             self.device_mesh = tensor_parallel.build_mesh(self.plait_config.tp_size, self.world_size,
                                                           self.root_device.type)
+        elif self.plait_config.pp_size > 1:
+            self.device_mesh = pipeline_parallel.build_mesh(self.plait_config.pp_size, self.world_size,
+                                                            self.root_device.type)
+        if self.plait_config.tp_size > 1 or self.plait_config.pp_size > 1:
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self.device_mesh
 
@@ -397,8 +414,8 @@ class PlaitStrategy(DDPStrategy):
         ZeRO initialises each module with it. With ``ep_size > 1`` the model is built whole (expert
         parallelism keeps a block of each layer's experts before ZeRO shards the rest), and so
         with ``tp_size > 1`` (``parallelize_module`` needs whole weights to cut its TP shards)."""
-        if self.plait_config.ep_size > 1 or self.plait_config.tp_size > 1:
-            yield
+        if self.plait_config.ep_size > 1 or self.plait_config.tp_size > 1 or self.plait_config.pp_size > 1:
+            yield  # with pp_size, each stage is built by its own ranks, not by the world together
             return
         with sharded_init(init="meta" if self.plait_config.init_fn is not None else "construct"):
             yield
@@ -415,7 +432,9 @@ class PlaitStrategy(DDPStrategy):
         self.precision_plugin.device_type = self.root_device.type
         module = self.lightning_module
         self.model_to_device()
-        if self.plait_config.tp_size > 1:  # mesh from setup_environment; ZeRO over its data-parallel ranks
+        if self.plait_config.tp_size > 1 or self.plait_config.pp_size > 1:
+            # mesh from setup_environment; ZeRO over its data-parallel ranks (each stage over its own)
+            pipeline_parallel.check_module(module, self.plait_config.pp_size)
             plan, group = self.plait_config, self.device_mesh["data_parallel"]
         else:
             plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type,

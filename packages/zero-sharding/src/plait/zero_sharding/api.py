@@ -332,8 +332,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     if mesh is None and _init_mesh:
         mesh = _init_mesh[-1]
     group, replicate = resolve_groups(mesh, config)
-    check_tensor_parallel(model, group, replicate, compute_dtype=config.compute_dtype, zeropp=config.zeropp,
-                          placement=placement, reducer=reducer, gatherer=gatherer,
+    check_tensor_parallel(model, group, replicate, compute_dtype=config.compute_dtype, reducer=reducer,
+                          gatherer=gatherer,
                           whole_tensor=is_whole_tensor(cls) and not config.elementwise_optimizer)
     check_model = getattr(placement, "check_model", None)
     if callable(check_model):  # optional: a placement that sizes itself for the model (a memory budget)

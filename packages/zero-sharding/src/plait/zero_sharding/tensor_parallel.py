@@ -21,9 +21,13 @@ local tensor over the data-parallel group only, as FSDP2 does in torchtitan:
   the whole-tensor paths assemble TP shards through DTensor (:mod:`.tensor_parallel_state`), so a
   checkpoint saved at ``(dp, tp)`` loads at any other layout, or into an unsharded model.
 
+* ZeRO++ (qwZ, qgZ, hpZ) and state placements (CPU / NVMe offload of optimizer state and of
+  parameter shards) act on the units' flat buffers over the data-parallel group only, so they
+  apply to the local TP shards unchanged.
+
 Anything else (``Partial`` or ``_StridedShard`` parameters, a DTensor already sharded over the
-data-parallel ranks by ``fully_shard``, ZeRO++ or offload) is refused by
-:func:`check_tensor_parallel` before any work starts.
+data-parallel ranks by ``fully_shard``, a hand-built ``reducer=``/``gatherer=``, whole-tensor
+optimizers) is refused by :func:`check_tensor_parallel` before any work starts.
 """
 
 from __future__ import annotations
@@ -155,8 +159,8 @@ def weighted_sumsq(unit: Any, grad: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def check_tensor_parallel(model: nn.Module, group: Any, replicate: Any, *, compute_dtype: torch.dtype, zeropp: Any,
-                          placement: Any, reducer: Any, gatherer: Any, whole_tensor: bool) -> bool:
+def check_tensor_parallel(model: nn.Module, group: Any, replicate: Any, *, compute_dtype: torch.dtype, reducer: Any,
+                          gatherer: Any, whole_tensor: bool) -> bool:
     """Refuse DTensor parameters ZeRO cannot shard, before any work (see the module docstring).
 
     Args:
@@ -165,7 +169,8 @@ def check_tensor_parallel(model: nn.Module, group: Any, replicate: Any, *, compu
         replicate: the HSDP replicate group, or ``None``.
         compute_dtype: ``ZeroConfig.compute_dtype``; DTensor parameters must already have it (a
             DTensor's dtype is fixed, so ZeRO cannot cast it the way it casts a plain parameter).
-        zeropp, placement, reducer, gatherer: what ``zero_shard`` was given (``None`` when unset).
+        reducer, gatherer: what ``zero_shard`` was given (``None`` when unset); ``ZeroConfig.zeropp``
+            builds its own after this check, and is supported.
         whole_tensor: the optimizer runs whole tensors on one rank each (Muon, LAMB...).
 
     Returns:
@@ -194,16 +199,17 @@ def check_tensor_parallel(model: nn.Module, group: Any, replicate: Any, *, compu
         raise ValueError("zero_shard: the mesh has dimensions ZeRO would replicate over (HSDP) and the model has "
                          "tensor-parallel (DTensor) parameters; pass only the data-parallel dimension, "
                          "mesh=mesh['dp'].")
-    unsupported = [label for label, given in (("ZeroConfig.zeropp (ZeRO++)", zeropp is not None),
-                                              ("placement= (offload / custom state placement)", placement is not None),
-                                              ("reducer=", reducer is not None), ("gatherer=", gatherer is not None),
+    # ZeRO++ (qwZ, qgZ, hpZ) and state placements (CPU / NVMe offload) act on the units' flat
+    # local buffers over the data-parallel group, which hold local TP shards here: they compose as is.
+    unsupported = [label for label, given in (("reducer=", reducer is not None), ("gatherer=", gatherer is not None),
                                               ("a whole-tensor optimizer (Muon, LAMB...)", whole_tensor))
                    if given]
     if unsupported:
         raise ValueError(f"zero_shard: {', '.join(unsupported)} is not supported with tensor-parallel (DTensor) "
                          f"parameters yet (first: {dtensors[0][0]!r}); with tensor parallelism plait supports ZeRO "
-                         "stages 1, 2, 3 with the default gatherer, reducer and in-memory state, elementwise "
-                         "optimizers (AdamW, Adam, SGD...) and gradient clipping.")
+                         "stages 1, 2, 3 with the default gatherer and reducer or ZeRO++ (ZeroConfig.zeropp), "
+                         "in-memory or offloaded state (placement=), elementwise optimizers (AdamW, Adam, SGD...) "
+                         "and gradient clipping.")
     return True
 
 
@@ -215,13 +221,23 @@ def _check_param(name: str, param: nn.Parameter, dp_ranks: set[int]) -> None:
     for dim, placement in enumerate(param.placements):
         ranks = set(dist.get_process_group_ranks(mesh.get_group(dim)))
         if len(ranks & dp_ranks - {me}):
-            raise ValueError(f"zero_shard: parameter {name!r} is a DTensor over mesh dimension "
-                             f"{_dim_name(mesh, dim)!r}, which shares ranks with the data-parallel group ZeRO shards "
-                             "over (fully_shard applied first?); apply only parallelize_module on the tp mesh, "
-                             "then zero_shard(..., mesh=mesh['dp']).")
+            raise ValueError(_over_data_parallel(name, _dim_name(mesh, dim), placement))
         if type(placement) not in (Shard, Replicate):
             raise ValueError(f"zero_shard: parameter {name!r} has placement {placement} on mesh dimension "
                              f"{_dim_name(mesh, dim)!r}; ZeRO shards DTensor parameters placed with Shard(d) or "
                              "Replicate() only (not Partial or _StridedShard); redistribute it to one of those "
                              "or leave it out of the tensor-parallel plan.")
 
+
+
+def _over_data_parallel(name: str, dim: str, placement: Any) -> str:
+    """The refusal of a DTensor parameter laid out over data-parallel ranks, naming its likely cause."""
+    if isinstance(placement, Replicate):  # a style (or distribute_module) given the dp x tp mesh
+        return (f"zero_shard: parameter {name!r} is a DTensor over mesh dimension {dim!r} (placement {placement}), "
+                "which shares ranks with the data-parallel group ZeRO shards over: its tensor-parallel style "
+                "distributed it over the whole (dp, tp) mesh. Give the style only the tensor-parallel dimension, "
+                "parallelize_module(model, mesh['tp'], plan), then zero_shard(..., mesh=mesh['dp']).")
+    return (f"zero_shard: parameter {name!r} is a DTensor over mesh dimension {dim!r} (placement {placement}), "
+            "which shares ranks with the data-parallel group ZeRO shards over: it is sharded over the "
+            "data-parallel ranks already (fully_shard applied first?). Apply only parallelize_module on the tp "
+            "mesh, then zero_shard(..., mesh=mesh['dp']) instead of fully_shard.")
