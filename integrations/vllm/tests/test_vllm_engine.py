@@ -10,10 +10,8 @@ costs 5-40 s here), shared by every assertion.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,61 +25,8 @@ import torch  # noqa: E402
 from plait.universal_ckpt import save  # noqa: E402
 from plait.universal_ckpt.reader import read_manifest  # noqa: E402
 
-RUNNER = Path(__file__).with_name("vllm_engine_run.py")
-PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]  # as in vllm_engine_run.py
-NEW_TOKENS = 12
-
-
-def _tiny(family: str):
-    common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
-        cls = transformers.MixtralForCausalLM
-    elif family == "gemma":  # tanh-GELU GeGLU; Gemma ties its LM head to the embedding, as vLLM's Gemma does
-        config = transformers.GemmaConfig(**{**common, "tie_word_embeddings": True})
-        cls = transformers.GemmaForCausalLM
-    elif family == "qwen3_moe":  # 4 routed experts, top-2, renormalised; q/k RMSNorm per head
-        config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, **common)
-        cls = transformers.Qwen3MoeForCausalLM
-    elif family == "qwen2_moe":  # every layer sparse: 4 routed experts, top-2, plus the gated shared expert
-        config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-                                             shared_expert_intermediate_size=256, **common)
-        cls = transformers.Qwen2MoeForCausalLM
-    else:
-        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # non-trivial norm weights, so a wrong or skipped norm weight shows in the tokens
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    return model
-
-
-def _hf_tokens(model) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(gen[0, len(prompt):].tolist())
-    return out
-
-
-def _run_engine(tmp: Path, name: str, env: dict, *args: str, timeout: int = 400) -> dict:
-    out = tmp / f"{name}.json"
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
-    result = subprocess.run([sys.executable, str(RUNNER), *args, "--out", str(out)], capture_output=True,
-                            text=True, env=full_env, timeout=timeout, cwd=tmp)
-    if result.returncode or not out.is_file():
-        pytest.fail(f"engine run {name} failed (rc {result.returncode}):\n{(result.stdout + result.stderr)[-5000:]}")
-    return json.loads(out.read_text())
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_testing import hf_tokens, run_engine, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "mixtral", "gemma", "qwen2_moe")
 PLAIT_LAYERS = {  # plait's layers each family must run with the plugin on, and vLLM's they replace
@@ -119,18 +64,18 @@ def _corrupted_copy(universal: Path, tmp: Path) -> tuple[Path, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_e2e")
-    hf_tokens, on_jobs, off_jobs = {}, [], []
+    expected, on_jobs, off_jobs = {}, [], []
     for family in FAMILIES:
-        model = _tiny(family)
+        model = tiny_model(family)
         hf_dir, universal = _save_both(model, tmp, family)
-        hf_tokens[family] = _hf_tokens(model)
+        expected[family] = hf_tokens(model)
         on_jobs += ["--job", f"{family}={universal}@plait_universal"]
         off_jobs += ["--job", f"{family}={hf_dir}@safetensors"]
     corrupt, corrupt_file = _corrupted_copy(tmp / "llama-universal", tmp)
-    on = _run_engine(tmp, "plugin_on", {"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}, *on_jobs,
-                     "--corrupt", str(corrupt))
-    off = _run_engine(tmp, "plugin_off", {"PLAIT_VLLM": "0"}, *off_jobs)
-    return {"hf": hf_tokens, "on": on, "off": off, "corrupt_file": corrupt_file}
+    on = run_engine(tmp, *on_jobs, "--corrupt", str(corrupt), name="plugin_on",
+                    env={"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"})
+    off = run_engine(tmp, *off_jobs, name="plugin_off", env={"PLAIT_VLLM": "0"})
+    return {"hf": expected, "on": on, "off": off, "corrupt_file": corrupt_file}
 
 
 @pytest.mark.timeout(900)
@@ -198,8 +143,8 @@ def tp_run(tmp_path_factory):
     # One core per rank: vLLM cannot bind its two workers' threads by NUMA node on a one-node machine.
     env = {"PLAIT_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
-    run = _run_engine(tmp, "tp2", env, "--tp", "2", "--job", f"llama={universal}@plait_universal")
-    return {"hf": _hf_tokens(model), "run": run["llama"], "universal": universal}
+    run = run_engine(tmp, "--tp", "2", "--job", f"llama={universal}@plait_universal", name="tp2", env=env)
+    return {"hf": hf_tokens(model), "run": run["llama"], "universal": universal}
 
 
 def _rank_bytes(universal: Path, rank: int, size: int) -> tuple[int, int]:
@@ -254,20 +199,20 @@ def compiled_runs(tmp_path_factory):
     if os.environ.get(COMPILED_OPT_IN) != "1":
         pytest.skip(f"vLLM's compiled engines take minutes to start; set {COMPILED_OPT_IN}=1 to run them")
     tmp = tmp_path_factory.mktemp("vllm_compiled")
-    hf_tokens, jobs = {}, []
+    expected, jobs = {}, []
     for family in COMPILED_FAMILIES:
-        model = _tiny(family)
+        model = tiny_model(family)
         hf_dir = tmp / f"{family}-hf"
         model.save_pretrained(hf_dir)
-        hf_tokens[family] = _hf_tokens(model)
+        expected[family] = hf_tokens(model)
         jobs += ["--job", f"{family}={hf_dir}@safetensors"]
     # No compile cache: a cached graph would skip the tracing these tests are about.
     common = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
-    on = _run_engine(tmp, "compiled_on", {**common, "PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}, *jobs,
-                     "--compile-backend", "inductor", timeout=1200)
-    off = _run_engine(tmp, "compiled_off", {**common, "PLAIT_VLLM": "0"}, *jobs, "--compile-backend", "inductor",
-                      timeout=1200)
-    return {"hf": hf_tokens, "on": on, "off": off}
+    on = run_engine(tmp, *jobs, "--compile-backend", "inductor", name="compiled_on",
+                    env={**common, "PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}, timeout=1200)
+    off = run_engine(tmp, *jobs, "--compile-backend", "inductor", name="compiled_off",
+                     env={**common, "PLAIT_VLLM": "0"}, timeout=1200)
+    return {"hf": expected, "on": on, "off": off}
 
 
 @pytest.mark.timeout(1800)

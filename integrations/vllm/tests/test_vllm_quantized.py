@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -31,9 +29,8 @@ import plait.universal_ckpt as uc  # noqa: E402
 from plait.inference_kernels.quantization import QuantizeConfig, quantize  # noqa: E402
 from plait.universal_ckpt.cli import register  # noqa: E402
 
-RUNNER = Path(__file__).with_name("vllm_engine_run.py")
-PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]  # as in vllm_engine_run.py
-NEW_TOKENS = 12
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_testing import hf_tokens, llama_config, run_engine  # noqa: E402
 
 
 def _plait(*argv: str) -> int:
@@ -43,35 +40,10 @@ def _plait(*argv: str) -> int:
     return args.func(args)
 
 
-def _run_engine(tmp: Path, *args: str) -> dict:
-    out = tmp / "engine.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    result = subprocess.run([sys.executable, str(RUNNER), *args, "--out", str(out)], capture_output=True, text=True,
-                            env=env, timeout=400, cwd=tmp)
-    if result.returncode or not out.is_file():
-        pytest.fail(f"engine run failed (rc {result.returncode}):\n{(result.stdout + result.stderr)[-5000:]}")
-    return json.loads(out.read_text())
-
-
 def _llama():
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                      max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def _hf_tokens(model) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(gen[0, len(prompt):].tolist())
-    return out
+    return transformers.LlamaForCausalLM(llama_config()).eval()
 
 
 INT8 = QuantizeConfig(kind="int8", keep_original=False)
@@ -99,9 +71,9 @@ def test_quantized_checkpoints_serve_plait_tokens(checkpoints):
     for name, config in (("int8", INT8), ("int4", INT4)):
         model = copy.deepcopy(base)
         quantize(model, config)
-        want[name] = _hf_tokens(model)
+        want[name] = hf_tokens(model)
     assert want["int8"] != want["int4"]  # the two schemes differ, so equality below means something
-    runs = _run_engine(tmp_path, "--job", f"int8={tmp_path / 'int8-hf'}@auto",
+    runs = run_engine(tmp_path, "--job", f"int8={tmp_path / 'int8-hf'}@auto",
                        "--job", f"int4={tmp_path / 'int4'}@plait_universal")
     for name in ("int8", "int4"):
         assert "QuantizedLinear" in runs[name]["layers"], runs[name]["layers"]

@@ -18,8 +18,7 @@ import json
 import time
 import traceback
 
-PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12], [250, 3]]
-NEW_TOKENS = 12
+from vllm_testing import NEW_TOKENS, PROMPTS  # beside this script, which runs with its folder on sys.path
 
 
 def _engine_args(model: str, load_format: str, tp: int = 1, compile_backend: str | None = None) -> dict:
