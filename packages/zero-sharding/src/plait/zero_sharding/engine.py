@@ -381,7 +381,8 @@ class ZeroEngine:
             raise ValueError(f"parameter offload (a placement's shard_storage) needs ZeroConfig(stage=3), got stage="
                              f"{self.config.stage}; use stage=3 or keep parameters in memory.")
         # unit.master is what the placement returned (its optimizer steps that tensor).
-        units = [unit for unit in self.units if not unit.resident and
+        # Units zero_shard already handed to the storage as they were built keep it.
+        units = [unit for unit in self.units if not unit.resident and unit.storage is None and
                  unit.master.untyped_storage().data_ptr() != unit.shard.untyped_storage().data_ptr()]
         if hasattr(storage, "reserve"):  # optional: check the space for every shard up front
             storage.reserve(sum(u.shard_numel * u.shard.element_size() for u in units), len(units))

@@ -147,7 +147,7 @@ def root_modules(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
 
 def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGroup],
                     init_fn: Callable[[nn.Module], None] | None, device: torch.device, *,
-                    separate_root: bool = False) -> Partition:
+                    separate_root: bool = False, after_unit: Callable[[FlatUnit], None] | None = None) -> Partition:
     """Create and fill every unit (see the module docstring).
 
     Args:
@@ -159,6 +159,8 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         device: the compute device every unit's storage is allocated on.
         separate_root: stage 3: the root's own modules become module groups (see the module
             docstring).
+        after_unit: called with each unit as soon as it is built, before the next one is (a
+            placement that takes units over one at a time, so the model is never whole).
 
     Returns:
         The :class:`Partition`.
@@ -202,7 +204,10 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
                         device=device, shard_multiple=block_multiple(config, og.state_dtype))
         values = materializer.values_for(unit)
         unit.build(values, config.fp32_masters, config.stage, owned=materializer.owned)
+        values = None  # the unit holds what it needs: the next unit must not find this one's values alive
         materializer.done_with(unit)
+        if after_unit is not None:
+            after_unit(unit)
         units.append(unit)
         for slot in slots:
             unit_of[id(slot.param)] = unit
