@@ -263,11 +263,15 @@ class ZeroOffloadPlacement:
             stored = [sg.id for sg in todo if self._from_store(sg)]
             if stored:
                 self.store.prefetch(stored[0])
-            for sg in todo:
+            upcoming = self._start_grads(todo[0], grads) if todo else {}
+            for i, sg in enumerate(todo):
                 following = [gid for gid in stored if gid > sg.id]
                 if following:
                     self.store.prefetch(following[0])  # read the next one while this one steps
-                self._step_subgroup(optimizer, sg, grads, errors, ready)
+                current = upcoming
+                if i + 1 < len(todo):  # gradients on disk: the next sub-group's read runs meanwhile too
+                    upcoming = self._start_grads(todo[i + 1], grads)
+                self._step_subgroup(optimizer, sg, current, errors, ready)
             if self.store is not None:
                 release_unread(self.store, self._early or [], {sg.id for sg in todo})
             self._early = None
@@ -441,7 +445,21 @@ class ZeroOffloadPlacement:
     def _from_store(self, sg: SubGroup) -> bool:
         return self.store is not None and sg.id in self.store and sg.id not in self._held
 
-    def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: Mapping[str, Tensor],
+    def _start_grads(self, sg: SubGroup, grads: Mapping[str, Any]) -> dict[int, Any]:
+        """id(master) -> the sub-group's range of its gradient: a tensor view, or (gradients in
+        the storage, ``grad_device="nvme"``) a read already started that :func:`_grad_range`
+        finishes."""
+        out = {}
+        for master in sg.masters:
+            grad = grads.get(self._key_of[id(master)])
+            if grad is None:
+                continue
+            start, end = (sg.start, sg.end) if isinstance(sg, MasterPiece) else (0, master.numel())
+            out[id(master)] = grad.start_read(start, end) if callable(getattr(grad, "start_read", None)) \
+                else _grad_range(grad, start, end)
+        return out
+
+    def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: dict[int, Any],
                        errors: list[OffloadIOError], ready: Callable[[str], None] | None) -> None:
         piece = isinstance(sg, MasterPiece)
         views = self.store.get(sg.id) if self._from_store(sg) else None
@@ -450,9 +468,9 @@ class ZeroOffloadPlacement:
         elif piece:
             sg.install_state(sg.own)  # held in memory after a failed write
         for master in sg.masters:
-            grad = grads.get(self._key_of[id(master)])
-            if grad is not None:
-                grad = _grad_range(grad, sg.start, sg.end) if piece else _grad_range(grad, 0, master.numel())
+            grad = grads.get(id(master))
+            if callable(grad):
+                grad = grad()  # a read started by _start_grads
             master.grad = None if grad is None else grad.to(master.device)
         optimizer.step()  # parameters without .grad (other sub-groups) are skipped
         self._stepping = sg

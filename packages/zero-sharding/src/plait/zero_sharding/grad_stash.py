@@ -15,6 +15,7 @@ arithmetic, so adding the stored sum to a new slice equals adding the slice to t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,13 +49,24 @@ class StashedGrad:
 
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[start, end)`` as fp32 with the factors applied (a new CPU tensor)."""
+        return self.start_read(start, end)()
+
+    def start_read(self, start: int = 0, end: int | None = None) -> Callable[[], torch.Tensor]:
+        """Start reading elements ``[start, end)`` and return at once; calling the result waits
+        and gives what :meth:`read` would (so a step can read the next sub-group's gradient while
+        it updates this one)."""
         end = self.numel if end is None else end
         raw = _empty(self.storage, end - start, self.dtype)
-        wait(self.storage.read(self.key, raw, offset=start * raw.element_size()))
-        grad = raw.to(torch.float32)  # raw is this call's own memory: scaling in place is safe
-        for factor in self.factors:
-            grad.mul_(factor)
-        return grad
+        handle = self.storage.read(self.key, raw, offset=start * raw.element_size())
+
+        def finish() -> torch.Tensor:
+            wait(handle)
+            grad = raw.to(torch.float32)  # raw is this call's own memory: scaling in place is safe
+            for factor in self.factors:
+                grad.mul_(factor)
+            return grad
+
+        return finish
 
 
 def _empty(storage: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
