@@ -6,9 +6,9 @@ Each phase's rise of the peak resident set (``VmHWM`` reset at its start, in a f
 after a small warm-up run has mapped the libraries) is held to the part of the budget that is not
 the runtime (``budget - RUNTIME_BYTES``: the store's slots, I/O buffers, three of the largest unit
 and the gradients the budget chose to keep) plus the batch's activations, for a model larger than
-that part, so a phase that held the model would fail. ``zero_shard`` at world size 1 still holds
-every parameter once on its way to the files (the offload-io README's Limits), so its phase is
-held to one model copy plus a margin instead, and the test says so.
+that part, so a phase that held the model would fail. ``zero_shard`` included: it hands each unit
+to the files as soon as it is built (plait.offload_io.master_release), so it never holds the
+model, even at world size 1 where a rank's shard is the whole unit.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def test_every_phase_stays_in_the_budget(tmp_path, family) -> None:
     activations = 4 * BATCH * SEQ * PLAIN["vocab"] * 4 + PLAIN["layers"] * 16 * BATCH * SEQ * PLAIN["dim"] * 4
     bound = BUDGET - RUNTIME_BYTES + activations
     # measured (MiB, bound 69, models 80): decoder build 22, forward 39, backward 20, step 8;
-    # HF Llama build 22, forward 48, backward 20, step 5; zero_shard 83 and 84
+    # HF Llama build 23, forward 49, backward 21, step 6; zero_shard 6 for both (83 and 84 when it held
+    # every master until the optimizer existed)
     assert model_bytes > bound, (model_bytes, bound)  # the model does not fit the bound: the claim separates
-    for phase in ("build", "forward", "backward", "step"):
+    for phase in ("build", "shard", "forward", "backward", "step"):
         assert peaks[phase] < bound, (phase, peaks, bound)
-    assert peaks["shard"] < model_bytes + (24 << 20), peaks  # one copy of the model plus a margin, not two
     assert result["losses"][1] < result["losses"][0], result["losses"]

@@ -19,6 +19,7 @@ import torch
 from plait.offload_io.buffers import aligned_like
 from plait.offload_io.config import OffloadConfig
 from plait.offload_io.errors import OffloadDiskFullError, OffloadIOError
+from plait.offload_io.master_release import is_placeholder
 from plait.offload_io.store import StateStore
 
 MASTER_KEY = "__master__"
@@ -358,7 +359,9 @@ def build_subgroups(params: list[torch.Tensor], group_index: int, start_id: int,
 
 def _make_piece(sub_id: int, group_index: int, param: torch.Tensor, start: int, end: int, config: OffloadConfig,
                 optimizer_cls: type, optim_kwargs: dict) -> MasterPiece:
-    if param.dtype != torch.float32 or param.device.type != "cpu" or not param.is_contiguous():
+    # a released master (plait.offload_io.master_release) is a placeholder until the store takes it
+    dense = param.is_contiguous() or is_placeholder(param)
+    if param.dtype != torch.float32 or param.device.type != "cpu" or not dense:
         raise ValueError(f"OffloadConfig.sub_group_size={config.sub_group_size} splits a parameter of "
                          f"{param.numel()} elements, which needs a contiguous fp32 CPU master (got {param.dtype} "
                          f"on {param.device}); raise sub_group_size above {param.numel()}.")

@@ -48,6 +48,7 @@ from plait.offload_io.engine import AsyncIOEngine
 from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
 from plait.offload_io.master_pieces import assemble, drop_whole, read_pieces, store_whole
+from plait.offload_io.master_release import ReleasedMasters
 from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
 from plait.offload_io.subgroups import (
     MASTER_KEY,
@@ -100,6 +101,7 @@ class ZeroOffloadPlacement:
         self._grad_storage: FileShardStorage | None = None
         self._engine: AsyncIOEngine | None = None
         self._early: list[int] | None = None  # sub-groups whose reads this backward started
+        self._released: ReleasedMasters | None = None  # masters handed over unit by unit (release_master)
 
     def backward_started(self) -> None:
         """Called by plait-zero-sharding when a backward begins: with ``device="nvme"`` and
@@ -130,6 +132,35 @@ class ZeroOffloadPlacement:
         """
         if self.config.memory_plan is not None:
             self.config = fit_model(self.config, model, world_size)
+
+    @property
+    def releases_masters(self) -> bool:
+        """Whether ``zero_shard`` may hand each unit over as soon as it is built
+        (:meth:`release_master`): parameters and state on NVMe, nothing kept on the device
+        (``offload_ratio=1``), so no master needs ZeRO's own tensor after the optimizer exists."""
+        config = self.config
+        return config.device == "nvme" and config.param_device == "nvme" and config.offload_ratio >= 1.0
+
+    def release_master(self, key: str, *, stored_as: str | None) -> None:
+        """Drop the values of the placed master of ``key`` until :meth:`make_optimizer` stores them
+        (an optional member of the placement protocol, called only when :attr:`releases_masters`;
+        see :mod:`plait.offload_io.master_release`).
+
+        Args:
+            key: the unit key given to :meth:`place_master`.
+            stored_as: the parameter-storage key that already holds exactly the master's values
+                (the unit's fp32 compute shard), or ``None`` to write them there now.
+
+        Raises:
+            ValueError: :attr:`releases_masters` is false, or ``key`` was never placed.
+        """
+        if not self.releases_masters or key not in self._masters:
+            raise ValueError(f"release_master({key!r}): needs a placed master and OffloadConfig(device='nvme', "
+                             "param_device='nvme', offload_ratio=1.0); place it with place_master first.")
+        if self._released is None:
+            self._released = ReleasedMasters(self.shard_storage())
+        self._origin.pop(key, None)  # ZeRO's tensor: nothing may keep it alive
+        self._released.release(key, self._masters[key], stored_as=stored_as)
 
     # -- the protocol -------------------------------------------------------------------------
     def place_master(self, key: str, master: Tensor) -> Tensor:
@@ -232,11 +263,15 @@ class ZeroOffloadPlacement:
             stored = [sg.id for sg in todo if self._from_store(sg)]
             if stored:
                 self.store.prefetch(stored[0])
-            for sg in todo:
+            upcoming = self._start_grads(todo[0], grads) if todo else {}
+            for i, sg in enumerate(todo):
                 following = [gid for gid in stored if gid > sg.id]
                 if following:
                     self.store.prefetch(following[0])  # read the next one while this one steps
-                self._step_subgroup(optimizer, sg, grads, errors, ready)
+                current = upcoming
+                if i + 1 < len(todo):  # gradients on disk: the next sub-group's read runs meanwhile too
+                    upcoming = self._start_grads(todo[i + 1], grads)
+                self._step_subgroup(optimizer, sg, current, errors, ready)
             if self.store is not None:
                 release_unread(self.store, self._early or [], {sg.id for sg in todo})
             self._early = None
@@ -386,18 +421,45 @@ class ZeroOffloadPlacement:
 
     def _store_masters(self) -> None:
         """Move every offloaded sub-group's masters into the store (they have no state yet)."""
+        released = self._released
         with self._internal():
             offloaded = [sg for sg in self._subgroups if not sg.kept]
-            for sg in offloaded:
+            waiting: list[SubGroup] = []
+            for i, sg in enumerate(offloaded):
+                if released is not None:
+                    released.load(sg.masters)  # a released master's values, one sub-group at a time
                 self.store.register(sg.id, sg.tensor_state())
-            for sg in offloaded:  # after every piece of a split master took its slice
-                sg.drop_tensor_state()
+                waiting.append(sg)
+                later = offloaded[i + 1].masters if i + 1 < len(offloaded) else []
+                if released is None and later:
+                    continue  # every master is in memory anyway: drop them all at the end
+                if not any(m is n for m in sg.masters for n in later):
+                    # every piece of a split master took its slice: its memory may go
+                    for done in waiting:
+                        done.drop_tensor_state()
+                        if released is not None:
+                            released.forget(done.masters)
+                    waiting = []
             self.store.flush()
 
     def _from_store(self, sg: SubGroup) -> bool:
         return self.store is not None and sg.id in self.store and sg.id not in self._held
 
-    def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: Mapping[str, Tensor],
+    def _start_grads(self, sg: SubGroup, grads: Mapping[str, Any]) -> dict[int, Any]:
+        """id(master) -> the sub-group's range of its gradient: a tensor view, or (gradients in
+        the storage, ``grad_device="nvme"``) a read already started that :func:`_grad_range`
+        finishes."""
+        out = {}
+        for master in sg.masters:
+            grad = grads.get(self._key_of[id(master)])
+            if grad is None:
+                continue
+            start, end = (sg.start, sg.end) if isinstance(sg, MasterPiece) else (0, master.numel())
+            out[id(master)] = grad.start_read(start, end) if callable(getattr(grad, "start_read", None)) \
+                else _grad_range(grad, start, end)
+        return out
+
+    def _step_subgroup(self, optimizer: torch.optim.Optimizer, sg: SubGroup, grads: dict[int, Any],
                        errors: list[OffloadIOError], ready: Callable[[str], None] | None) -> None:
         piece = isinstance(sg, MasterPiece)
         views = self.store.get(sg.id) if self._from_store(sg) else None
@@ -406,9 +468,9 @@ class ZeroOffloadPlacement:
         elif piece:
             sg.install_state(sg.own)  # held in memory after a failed write
         for master in sg.masters:
-            grad = grads.get(self._key_of[id(master)])
-            if grad is not None:
-                grad = _grad_range(grad, sg.start, sg.end) if piece else _grad_range(grad, 0, master.numel())
+            grad = grads.get(id(master))
+            if callable(grad):
+                grad = grad()  # a read started by _start_grads
             master.grad = None if grad is None else grad.to(master.device)
         optimizer.step()  # parameters without .grad (other sub-groups) are skipped
         self._stepping = sg

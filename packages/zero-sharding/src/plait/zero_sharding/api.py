@@ -185,6 +185,34 @@ def _engine_placement(placement: Any, groups: list[OptionGroup], partition: Any)
     return grouped
 
 
+def _offload_as_built(placement: Any, config: ZeroConfig, groups: list[OptionGroup]) -> Any:
+    """The ``after_unit`` of :func:`build_partition` that hands each sharded unit to an offloading
+    placement as soon as it is built, or ``None``.
+
+    Without it every unit's master is in memory until the optimizer exists: at world size 1 that
+    is the whole model once, which is what stops a model bigger than memory at ``zero_shard``.
+    With a placement that offers ``release_master`` (an optional member; plait-offload-io's on
+    NVMe) the unit's master is placed, its compute shard written to the shard storage and the
+    master's values released to the placement, before the next unit is built.
+    """
+    if config.stage != 3 or not getattr(placement, "releases_masters", False) or \
+            any(g.placement is not None for g in groups) or not callable(getattr(placement, "release_master", None)):
+        return None
+    storage = placement.shard_storage()
+
+    def offload(unit: Any) -> None:
+        if unit.resident:
+            return  # kept whole in memory anyway (small parameters)
+        # In fp32 the master is the compute shard itself: the shard's file then holds its values.
+        same = unit.master.untyped_storage().data_ptr() == unit.shard.untyped_storage().data_ptr()
+        placed = placement.place_master(unit.key, nn.Parameter(unit.master, requires_grad=True))
+        unit.attach_storage(storage)
+        placement.release_master(unit.key, stored_as=unit.key if same else None)
+        unit.master = placed
+
+    return offload
+
+
 def _mesh_group(mesh: DeviceMesh) -> Any:
     """A (sub-)mesh given as a parameter group's ``zero_group``: its dimensions, flattened."""
     return mesh.get_group() if mesh.ndim == 1 else flat_group(mesh, mesh.mesh_dim_names or ())
@@ -354,7 +382,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     # Offloaded parameters (ZeRO-Infinity): the embedding and the head get units of their own, so
     # memory is bounded by the largest module rather than by the root unit (see partition.py).
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh),
-                                separate_root=getattr(placement, "offloads_parameters", False))
+                                separate_root=getattr(placement, "offloads_parameters", False),
+                                after_unit=_offload_as_built(placement, config, groups))
     for unit in partition.units:
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
         if unit.group is group:
@@ -375,7 +404,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
         masters = []
         for unit in partition.units:
             if unit.option_index == index:
-                placed = engine.placement.place_master(unit.key, nn.Parameter(unit.master, requires_grad=True))
+                placed = unit.master if unit.storage is not None else \
+                    engine.placement.place_master(unit.key, nn.Parameter(unit.master, requires_grad=True))
                 unit.master = placed
                 masters.append(placed)
         inner_groups.append({"params": masters, **og.options})

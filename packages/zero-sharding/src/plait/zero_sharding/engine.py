@@ -250,6 +250,12 @@ class ZeroEngine:
             return
         if self.config.stage >= 2 and self.require_sync and self.config.overlap_comm:
             self._launch_ready()
+        elif self.config.stage >= 2 and not self.require_sync and self._stashes(unit):
+            # no_sync with gradient offload: this backward's local gradient joins the unit's
+            # unreduced sum in the storage instead of waiting on every parameter's .grad
+            flat = unit.flat_grads()
+            if flat is not None:
+                self.grad_stash.put_local(unit, flat)
         if not self.pinned and not (self.config.stage == 3 and not self.config.reshard_after_forward):
             unit.release()
 
@@ -266,8 +272,17 @@ class ZeroEngine:
             self._launch_reduce(unit, zeros=True)
         self.reduce_next = 0
 
+    def _stashes(self, unit: FlatUnit) -> bool:
+        """Whether ``unit``'s gradients go to the gradient storage (see :meth:`_fold`)."""
+        return self.grad_stash is not None and unit.full_grad is None and unit.replicate_group is None
+
     def _launch_reduce(self, unit: FlatUnit, *, zeros: bool = False) -> None:
-        flat = unit.flat_grads(zeros=zeros)
+        if self._stashes(unit):
+            flat = self.grad_stash.take_local(unit, unit.flat_grads())  # plus earlier no_sync passes
+            if flat is None and zeros:
+                flat = unit.flat_grads(zeros=True)
+        else:
+            flat = unit.flat_grads(zeros=zeros)
         if flat is None:
             return
         reducer = unit.reducer or self.reducer
@@ -315,7 +330,7 @@ class ZeroEngine:
         unit.accumulate(self._to_grad_device(unit, out))
         # Gradient offload: a folded shard goes to the storage now (HSDP shards stay: they are
         # all-reduced over the replicas before the step; stage 1 re-reduces its full buffer).
-        if self.grad_stash is not None and unit.full_grad is None and unit.replicate_group is None:
+        if self._stashes(unit):
             self.grad_stash.put(unit)
 
     def _to_grad_device(self, unit: FlatUnit, reduced: torch.Tensor) -> torch.Tensor:
@@ -381,7 +396,8 @@ class ZeroEngine:
             raise ValueError(f"parameter offload (a placement's shard_storage) needs ZeroConfig(stage=3), got stage="
                              f"{self.config.stage}; use stage=3 or keep parameters in memory.")
         # unit.master is what the placement returned (its optimizer steps that tensor).
-        units = [unit for unit in self.units if not unit.resident and
+        # Units zero_shard already handed to the storage as they were built keep it.
+        units = [unit for unit in self.units if not unit.resident and unit.storage is None and
                  unit.master.untyped_storage().data_ptr() != unit.shard.untyped_storage().data_ptr()]
         if hasattr(storage, "reserve"):  # optional: check the space for every shard up front
             storage.reserve(sum(u.shard_numel * u.shard.element_size() for u in units), len(units))

@@ -15,6 +15,7 @@ arithmetic, so adding the stored sum to a new slice equals adding the slice to t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,13 +49,24 @@ class StashedGrad:
 
     def read(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Elements ``[start, end)`` as fp32 with the factors applied (a new CPU tensor)."""
+        return self.start_read(start, end)()
+
+    def start_read(self, start: int = 0, end: int | None = None) -> Callable[[], torch.Tensor]:
+        """Start reading elements ``[start, end)`` and return at once; calling the result waits
+        and gives what :meth:`read` would (so a step can read the next sub-group's gradient while
+        it updates this one)."""
         end = self.numel if end is None else end
         raw = _empty(self.storage, end - start, self.dtype)
-        wait(self.storage.read(self.key, raw, offset=start * raw.element_size()))
-        grad = raw.to(torch.float32)  # raw is this call's own memory: scaling in place is safe
-        for factor in self.factors:
-            grad.mul_(factor)
-        return grad
+        handle = self.storage.read(self.key, raw, offset=start * raw.element_size())
+
+        def finish() -> torch.Tensor:
+            wait(handle)
+            grad = raw.to(torch.float32)  # raw is this call's own memory: scaling in place is safe
+            for factor in self.factors:
+                grad.mul_(factor)
+            return grad
+
+        return finish
 
 
 def _empty(storage: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -109,8 +121,45 @@ class GradStash:
         try:
             wait(handle)
         except OSError:
+            if isinstance(unit, _Local):  # an unreduced sum stays in memory, to be reduced later
+                unit.unit.local_sum = grad
+                self.stored.pop(unit.key, None)
+                return
             unit.grad_shard = grad
             self.stored.pop(unit.key, None)
+
+    # ---- unreduced sums (no_sync) -------------------------------------------------------------
+    def put_local(self, unit: Any, flat: torch.Tensor) -> None:
+        """Add a ``no_sync`` backward's flat local gradient of ``unit`` into its stored unreduced
+        sum, so the gradients wait in the storage rather than on every parameter's ``.grad``.
+        ``flat`` (the unit's fresh buffer, taken off the parameters) is freed once written."""
+        key = _local_key(unit)
+        if key in self.stored:
+            flat.add_(self.load(key))  # a + b == b + a: the order autograd's accumulation would give
+        elif getattr(unit, "local_sum", None) is not None:  # an earlier write failed: it is in memory
+            flat.add_(unit.local_sum)
+            unit.local_sum = None
+        handle = self.storage.write(key, flat)
+        self.stored[key] = (flat.numel(), flat.dtype)
+        self._pending.append((_Local(unit, key), handle, flat))
+        while len(self._pending) > MAX_PENDING_WRITES:
+            self._settle(*self._pending.pop(0))
+
+    def take_local(self, unit: Any, flat: torch.Tensor | None) -> torch.Tensor | None:
+        """The unit's flat gradient to reduce: ``flat`` (this backward's, or ``None``) plus the
+        unreduced sum of earlier ``no_sync`` backward passes, which is then forgotten."""
+        key = _local_key(unit)
+        held = getattr(unit, "local_sum", None)  # a write that failed left it in memory
+        if key not in self.stored and held is None:
+            return flat
+        self.settle()
+        held = getattr(unit, "local_sum", None)
+        earlier = held if key not in self.stored else self.load(key)
+        self.stored.pop(key, None)
+        unit.local_sum = None
+        if flat is None:
+            return earlier
+        return flat.add_(earlier)
 
     def grad(self, unit: Any) -> StashedGrad | None:
         """The stashed gradient of ``unit`` for the step, or ``None`` when it has none stored."""
@@ -120,6 +169,20 @@ class GradStash:
         return StashedGrad(self.storage, unit.key, numel, dtype)
 
     def forget(self, unit: Any) -> None:
-        """Drop ``unit``'s stored gradient (``zero_grad``), after the writes in flight settle."""
+        """Drop ``unit``'s stored gradient and unreduced sum (``zero_grad``), after the writes in
+        flight settle."""
         self.settle()
         self.stored.pop(unit.key, None)
+        self.stored.pop(_local_key(unit), None)
+        unit.local_sum = None
+
+
+def _local_key(unit: Any) -> str:
+    return f"{unit.key}.local"
+
+
+class _Local:
+    """A pending write of a unit's unreduced sum (what :meth:`GradStash._settle` restores)."""
+
+    def __init__(self, unit: Any, key: str) -> None:
+        self.unit, self.key = unit, key

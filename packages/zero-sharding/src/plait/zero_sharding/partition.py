@@ -153,7 +153,7 @@ def root_modules(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
 
 def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGroup],
                     init_fn: Callable[[nn.Module], None] | None, device: torch.device, *,
-                    separate_root: bool = False) -> Partition:
+                    separate_root: bool = False, after_unit: Callable[[FlatUnit], None] | None = None) -> Partition:
     """Create and fill every unit (see the module docstring).
 
     Args:
@@ -165,6 +165,8 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         device: the compute device every unit's storage is allocated on.
         separate_root: stage 3: the root's own modules become module groups (see the module
             docstring).
+        after_unit: called with each unit as soon as it is built, before the next one is (a
+            placement that takes units over one at a time, so the model is never whole).
 
     Returns:
         The :class:`Partition`.
@@ -211,7 +213,10 @@ def build_partition(model: nn.Module, config: ZeroConfig, groups: list[OptionGro
         master_dtype = og.master_dtype or config.master_dtype  # fp32 masters apart only under mixed precision
         unit.build(values, config.mixed_precision and master_dtype == torch.float32, config.stage,
                    owned=materializer.owned)
+        values = None  # the unit holds what it needs: the next unit must not find this one's values alive
         materializer.done_with(unit)
+        if after_unit is not None:
+            after_unit(unit)
         units.append(unit)
         for slot in slots:
             unit_of[id(slot.param)] = unit

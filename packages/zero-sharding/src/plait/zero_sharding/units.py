@@ -128,6 +128,7 @@ class FlatUnit:
         self.master = torch.zeros(0)
         self.grad_shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None
+        self.local_sum: torch.Tensor | None = None  # no_sync's unreduced sum a failed offload write kept
         self.gathered = resident
         self.held = 0  # >0 inside gathered_parameters(params): release() keeps the unit gathered
         self.pending_gather: Any = None

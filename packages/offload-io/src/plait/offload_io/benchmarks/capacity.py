@@ -20,8 +20,9 @@ cgroup's limit, detected by the process itself, and every other knob is the budg
 The cap is a cgroup v1 memory controller limit when this machine has one and the process may
 write it (root): the worker's shell enters the cgroup and then becomes the Python process, so
 everything from its first instruction (libraries, page cache) is charged. Otherwise the peak
-resident set (VmHWM) is compared with the cap, and the rows say so. The depth ladder climbs from
-12 layers until a try does not fit (down to 1 layer when 12 does not). Rows per family: the
+resident set (VmHWM) is compared with the cap, and the rows say so. The depth ladder starts at
+32 layers (the size of the 400M target) and steps down through 24, 16, 12, ... until a try fits
+(the quick run climbs from 4 layers while each fits). Rows per family: the
 largest model; plain AdamW's in-memory peak for that model, uncapped, over the cap (target: at
 least 3, i.e. it trained inside a third of plain AdamW's peak); its step time over the disk-bound
 time for its bytes at the I/O engine's throughput on the same path in the same run (target: at
@@ -45,7 +46,9 @@ from plait.kernels.bench import BenchRow
 GIB = 1 << 30
 CAP_BYTES = int(1.25 * GIB)
 SHAPE = dict(vocab=32000, dim=1024, heads=16, ffn=2752)
-START, CLIMB, DESCEND = 12, (16, 24, 32, 40), (8, 4, 1)
+# Full run: start at the depth of the 400M target (32 layers: 469M-472M parameters, each family)
+# and step down only when it does not fit; each try trains 3 steps of a model this size, minutes.
+START, CLIMB, DESCEND = 32, (), (24, 16, 12, 8, 4, 1)
 QUICK_CAP_BYTES = int(0.75 * GIB)
 QUICK_SHAPE = dict(vocab=8000, dim=512, heads=8, ffn=1376)
 QUICK_START, QUICK_CLIMB, QUICK_DESCEND = 4, (8, 12), (2, 1)
