@@ -124,6 +124,22 @@ class QuantizedLinear(_QuantizedWeight):
         module._linear(bias, cpu_kernels, bf16_decode)
         return module
 
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, scheme: QuantScheme, *, bias: torch.Tensor | None = None,
+                    cpu_kernels: bool = True, bf16_decode: bool = False) -> QuantizedLinear:
+        """A QuantizedLinear for a bare ``[N, K]`` weight (one expert of a fused 3-D expert tensor).
+
+        Args:
+            weight: ``[N, K]`` fp32/bf16/fp16 weight, finite (read, not kept).
+            scheme, bias, cpu_kernels, bf16_decode: as the constructor.
+
+        Raises:
+            ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN.
+        """
+        codes, scales, zeros = quantize_weight(weight.detach(), scheme)
+        return cls.from_codes(codes, scales, zeros, scheme, in_features=weight.shape[1], dtype=weight.dtype,
+                              bias=bias, cpu_kernels=cpu_kernels, bf16_decode=bf16_decode)
+
     def drop_cpu_cache(self) -> None:
         """Free the int4 weight re-laid out for torch's CPU kernel and the int8 scales cast for it
         (rebuilt on the next CPU forward)."""
