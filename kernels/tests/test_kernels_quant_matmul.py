@@ -11,6 +11,7 @@ from plait.kernels.ops.quant_matmul import (
     FP6_MAX,
     FP6_VALUES,
     QuantScheme,
+    dense_matmul_cpu,
     dequantize_weight,
     int4_matmul_cpu,
     int8_matmul_cpu,
@@ -113,6 +114,19 @@ def test_torch_cpu_kernels_match_reference(scheme, dtype):
         packed, sz = prepack_int4_cpu(codes, scales, zeros, scheme, dtype)
         got = int4_matmul_cpu(x, packed, sz, scheme.group_size)
     want = quant_matmul_reference(x, codes, scales, zeros, scheme)
+    tolerance("quant_matmul_cpu", dtype).assert_close(got, want, what=f"{_ids(scheme)} {dtype}")
+
+
+@pytest.mark.parametrize(("scheme", "dtype"), [(s, torch.float32) for s in SCHEMES] + [(SCHEMES[2], torch.bfloat16)],
+                         ids=lambda v: _ids(v) if isinstance(v, QuantScheme) else str(v))
+def test_dense_blocked_cpu_path_matches_reference(scheme, dtype):
+    # N = 200 with blocks of 64 rows: three full blocks and a partial one; a 3-D input.
+    w = _weight(200, 256, seed=8)
+    codes, scales, zeros = quantize_weight(w, scheme)
+    x = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    got = dense_matmul_cpu(x, codes, scales, zeros, scheme, rows=64)
+    want = quant_matmul_reference(x, codes, scales, zeros, scheme)
+    assert got.shape == (2, 40, 200) and got.dtype == dtype and got.is_contiguous()
     tolerance("quant_matmul_cpu", dtype).assert_close(got, want, what=f"{_ids(scheme)} {dtype}")
 
 

@@ -15,6 +15,7 @@ from plait.inference_kernels.patching import PatchConfig, UnsupportedModelError,
 from plait.inference_kernels.quantization import (  # noqa: E402
     QuantizeConfig,
     QuantizedEmbedding,
+    QuantizedExperts,
     QuantizedLinear,
     is_quantized,
     quantize,
@@ -38,8 +39,8 @@ def build(family: str, dtype=torch.float32, seed: int = 0, **overrides):
     elif family == "mixtral":
         config = transformers.MixtralConfig(**kw, num_experts_per_tok=2, num_local_experts=4)
     else:
-        config = transformers.Qwen3MoeConfig(**kw, num_experts_per_tok=2, num_experts=4, moe_intermediate_size=64,
-                                             mlp_only_layers=[1])
+        config = transformers.Qwen3MoeConfig(**{"num_experts_per_tok": 2, "num_experts": 4, "moe_intermediate_size": 64,
+                                                "mlp_only_layers": [1], **kw})
     return transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
 
 
@@ -49,7 +50,13 @@ def fake_quantized(model, report):
     revert(ref)  # the copy's state keeps the originals; put them back, then overwrite their weights
     with torch.no_grad():
         for name in report.quantized:
-            ref.get_submodule(name).weight.copy_(model.get_submodule(name).dequantized_weight())
+            quant, twin = model.get_submodule(name), ref.get_submodule(name)
+            if isinstance(quant, QuantizedExperts):  # transformers' own experts on the dequantized weights
+                gate_up, down = quant.dequantized_weights()
+                twin.gate_up_proj.copy_(gate_up)
+                twin.down_proj.copy_(down)
+            else:
+                twin.weight.copy_(quant.dequantized_weight())
     return ref
 
 
@@ -80,11 +87,13 @@ def test_quantized_model_matches_its_fake_quantized_twin(family, config):
     torch.testing.assert_close(got, want, atol=10 * tol.atol, rtol=10 * tol.rtol)
     assert not torch.equal(got, exact)  # the weights did change
     names = dict(model.named_modules())
-    assert all(isinstance(names[n], QuantizedLinear | QuantizedEmbedding) for n in report.quantized)
+    assert all(isinstance(names[n], QuantizedLinear | QuantizedEmbedding | QuantizedExperts)
+               for n in report.quantized)
     assert ("lm_head" in report.quantized) == config.head
     assert ("model.embed_tokens" in report.quantized) == config.embedding
-    if family != "llama":  # fused experts are 3-D parameters, not Linears: kept and said so
-        assert any(".experts." in name and "not a Linear" in why for name, why in report.kept)
+    if family != "llama":  # fused experts quantized; routers (a bare weight, not a Linear) kept and said so
+        assert any(isinstance(names[n], QuantizedExperts) for n in report.quantized)
+        assert any(".gate.weight" in name and "not a Linear" in why for name, why in report.kept)
 
 
 @pytest.mark.parametrize(("family", "dtype", "kind"), [("llama", torch.float32, "int4"),
@@ -105,7 +114,7 @@ def test_greedy_tokens_equal_the_fake_quantized_model(family, dtype, kind):
 def test_revert_restores_exactly_and_is_idempotent():
     model = build("qwen3_moe")
     digest = state_digest(model.state_dict())
-    config = QuantizeConfig(kind="int4", group_size=128, head=True, embedding=True)
+    config = QuantizeConfig(kind="int4", group_size=64, head=True, embedding=True)  # experts too
     report = quantize(model, config)
     assert quantize(model, config) is report and quantize_report(model) is report and is_quantized(model)
     with pytest.raises(ValueError, match="already quantized with another QuantizeConfig"):
@@ -243,3 +252,60 @@ def test_quantized_linear_from_codes_equals_the_quantized_linear():
     with pytest.raises(ValueError, match="scales"):
         QuantizedLinear.from_codes(made.weight_codes, made.weight_scales[:, :2], made.weight_zeros, scheme,
                                    in_features=128, dtype=torch.float32)
+
+
+def _experts_inputs(tokens: int, experts: int, k: int = 2, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 128, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    return x, index, torch.rand(tokens, k, generator=g)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_experts_match_transformers_experts_on_the_dequantized_weights(kind):
+    # mixtral (intermediate 256): 3 tokens route few rows per expert (torch's bf16 kernels, with
+    # bf16_decode), 80 tokens route >= 32 to most (the blocked dense path).
+    experts = build("mixtral").model.layers[0].mlp.experts
+    scheme = QuantizeConfig(kind=kind, group_size=64 if kind == "int4" else None).scheme
+    fast = QuantizedExperts(experts, scheme, bf16_decode=True)
+    oracle = QuantizedExperts(experts, scheme, cpu_kernels=False)  # the op's torch reference
+    twin = fast.to_experts()
+    assert type(twin) is type(experts) and twin.gate_up_proj.shape == experts.gate_up_proj.shape
+    for tokens in (3, 80):
+        x, index, weights = _experts_inputs(tokens, experts.num_experts)
+        with torch.no_grad():
+            want, ref, got = twin(x, index, weights), oracle(x, index, weights), fast(x, index, weights)
+        tolerance("quant_matmul_cpu", torch.float32).assert_close(ref, want, what=f"{kind} reference")
+        # few rows: activations rounded to bf16 for torch's kernels (the bf16 entry, two layers deep)
+        key = torch.bfloat16 if tokens < 32 else torch.float32
+        tol = tolerance("quant_matmul_cpu", key)
+        torch.testing.assert_close(got, want, atol=4 * tol.atol, rtol=4 * tol.rtol)
+
+
+def test_experts_option_bytes_revert_and_refusals():
+    model = build("qwen3_moe")
+    moe = "model.layers.0.mlp.experts"
+    report = quantize(model, QuantizeConfig(kind="int8", experts=False))
+    assert moe not in report.quantized and (moe, "fused MoE experts (QuantizeConfig.experts=False)") in report.kept
+    revert(model)
+    config = QuantizeConfig(kind="int4", group_size=64, symmetric=False, keep_original=False)
+    shapes = [tuple(p.shape[1:]) for p in (model.get_submodule(moe).gate_up_proj, model.get_submodule(moe).down_proj)]
+    report = quantize(model, config)
+    experts = model.get_submodule(moe)
+    assert experts.weight_shapes == (shapes[0],) * 4 + (shapes[1],) * 4
+    sd = model.state_dict()
+    assert f"{moe}.gate_up_proj" not in sd and f"{moe}.down.3.weight_zeros" in sd
+    stored = sum(t.numel() * t.element_size() for key, t in sd.items() if key.startswith(moe))
+    assert stored == sum(weight_nbytes(s, config.scheme) for s in experts.weight_shapes)
+    gate_up, down = experts.dequantized_weights()
+    revert(model)  # no originals kept: transformers' experts holding the dequantized weights
+    assert type(model.get_submodule(moe)).__name__ == "Qwen3MoeExperts"
+    assert torch.equal(model.get_submodule(moe).gate_up_proj, gate_up)
+    assert torch.equal(model.get_submodule(moe).down_proj, down)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj: in_features=96 is not divisible"):
+        quantize(bad := build("qwen3_moe", moe_intermediate_size=96), QuantizeConfig(kind="int4", group_size=64))
+    assert not is_quantized(bad)
+    skipped = build("qwen3_moe")
+    report = quantize(skipped, QuantizeConfig(kind="int8", skip=("*.experts",)))
+    assert (moe, "skipped by pattern '*.experts'") in report.kept
+    assert type(skipped.get_submodule(moe)).__name__ == "Qwen3MoeExperts"

@@ -1,7 +1,8 @@
 """Weight-only quantization (int8, int4, FP6 e3m2) of HF transformers models, reversibly.
 
 >>> from plait.inference_kernels.quantization import QuantizeConfig, quantize, revert, quantized
->>> report = quantize(model, QuantizeConfig(kind="int4", group_size=64))  # Linears -> QuantizedLinear
+>>> report = quantize(model, QuantizeConfig(kind="int4", group_size=64))  # Linears -> QuantizedLinear,
+>>> # MoE *Experts -> QuantizedExperts
 >>> revert(model)                                                        # the original modules back
 >>> with quantized(model, QuantizeConfig(kind="int8")): model.generate(...)
 
@@ -21,6 +22,7 @@ from plait.inference_kernels.quantization.apply import (
     quantized,
     revert,
 )
+from plait.inference_kernels.quantization.experts import QuantizedExperts
 from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from plait.inference_kernels.quantization.pretrained import load_quantized_pretrained
 
@@ -28,6 +30,7 @@ __all__ = [
     "QuantizeConfig",
     "QuantizeReport",
     "QuantizedEmbedding",
+    "QuantizedExperts",
     "QuantizedLinear",
     "is_quantized",
     "load_quantized_pretrained",

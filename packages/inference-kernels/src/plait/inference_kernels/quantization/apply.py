@@ -1,15 +1,17 @@
 """``quantize`` / ``revert`` / ``quantized``: weight-only quantization of an HF model, reversibly.
 
 What is quantized: every ``nn.Linear`` of a model of a family plait's patching supports
-(attention projections, dense and shared-expert MLPs), optionally the output head and the input
-embedding. The fused MoE expert tensors of transformers 5 (``*Experts.gate_up_proj``/``down_proj``,
-3-D parameters, not Linears) and the routers are kept in full precision and listed in
+(attention projections, dense and shared-expert MLPs), the fused MoE experts of transformers 5
+(``*Experts.gate_up_proj``/``down_proj``, 3-D parameters: each expert's two weights, by
+:class:`QuantizedExperts`; ``experts=False`` keeps them), optionally the output head and the input
+embedding. The routers of transformers 5 (``*TopKRouter``, a bare weight, not a Linear) stay in
+full precision; they and everything else with a weight that is not quantized are listed in
 :attr:`QuantizeReport.kept` with the reason.
 
 Every check runs before the first module is swapped: an unsupported family, a layer whose
 ``in_features`` the int4 group size does not divide, a weight dtype other than fp32/bf16/fp16, a
-non-finite weight, or a ``skip``/``only`` pattern that names no Linear is refused, naming the layer
-and the fix, with the model unchanged. ``revert`` puts the original modules back (exactly, by
+non-finite weight, or a ``skip`` pattern that names no Linear or experts module is refused, naming
+the layer and the fix, with the model unchanged. ``revert`` puts the original modules back (exactly, by
 default); ``quantize`` again with the same config returns the first report.
 """
 
@@ -24,7 +26,8 @@ import torch
 from torch import nn
 
 from plait.inference_kernels.patching.apply import is_patched
-from plait.inference_kernels.patching.registry import family_of
+from plait.inference_kernels.patching.registry import FamilySpec, family_of
+from plait.inference_kernels.quantization.experts import QuantizedExperts, check_experts
 from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from plait.kernels.ops.quant_matmul import SUPPORTED_DTYPES, QuantScheme, check_weight_shape, weight_nbytes
 
@@ -43,6 +46,8 @@ class QuantizeConfig:
         symmetric: int4 only: False adds a uint8 zero point per group.
         head: also quantize the output head (``get_output_embeddings()``).
         embedding: also quantize the input embedding (``get_input_embeddings()``).
+        experts: also quantize MoE families' fused experts (every expert's gate/up and down
+            weight, int4 groups along H and I); False keeps them in full precision.
         skip: fnmatch patterns of module names to keep in full precision (e.g. ``"*.down_proj"``);
             each must match at least one Linear.
         keep_original: keep the original modules so :func:`revert` restores them bit for bit
@@ -58,6 +63,7 @@ class QuantizeConfig:
     symmetric: bool = True
     head: bool = False
     embedding: bool = False
+    experts: bool = True
     skip: tuple[str, ...] = ()
     keep_original: bool = True
     cpu_kernels: bool = True
@@ -65,7 +71,7 @@ class QuantizeConfig:
 
     def __post_init__(self) -> None:
         self.scheme  # noqa: B018 - validates kind, group_size, symmetric (names the field)
-        for name in ("head", "embedding", "keep_original", "cpu_kernels", "cpu_bf16_decode"):
+        for name in ("head", "embedding", "experts", "keep_original", "cpu_kernels", "cpu_bf16_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"QuantizeConfig.{name}={getattr(self, name)!r} must be True or False.")
         if not isinstance(self.skip, tuple) or not all(isinstance(p, str) and p for p in self.skip):
@@ -87,7 +93,7 @@ class QuantizeReport:
         family: the model's ``model_type``.
         quantized: names of the quantized modules.
         kept: ``(name, reason)`` of weights left in full precision.
-        bytes_before: bytes of the quantized modules' original weights.
+        bytes_before: bytes of the quantized modules' original weights (experts: both 3-D tensors).
         bytes_after: bytes of their codes, scales and zero points (the formula of
             :func:`plait.kernels.ops.quant_matmul.weight_nbytes`).
     """
@@ -117,7 +123,8 @@ def is_quantized(model: nn.Module) -> bool:
     return getattr(model, _STATE, None) is not None
 
 
-def _targets(model: nn.Module, config: QuantizeConfig) -> tuple[dict[str, nn.Module], list[tuple[str, str]]]:
+def _targets(model: nn.Module, config: QuantizeConfig,
+             spec: FamilySpec) -> tuple[dict[str, nn.Module], list[tuple[str, str]]]:
     """Modules to quantize and weights kept in full precision, before any change."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -134,6 +141,14 @@ def _targets(model: nn.Module, config: QuantizeConfig) -> tuple[dict[str, nn.Mod
                 kept.append((name, f"skipped by pattern {hit[0]!r}"))
             else:
                 targets[name] = module
+        elif spec.experts_class and type(module).__name__ == spec.experts_class:
+            used.update(hit)
+            if not config.experts:
+                kept.append((name, "fused MoE experts (QuantizeConfig.experts=False)"))
+            elif hit:
+                kept.append((name, f"skipped by pattern {hit[0]!r}"))
+            else:
+                targets[name] = module
         elif isinstance(module, nn.Embedding) and module is embed:
             if config.embedding:
                 targets[name] = module
@@ -145,13 +160,17 @@ def _targets(model: nn.Module, config: QuantizeConfig) -> tuple[dict[str, nn.Mod
                     kept.append((f"{name}.{pname}", f"not a Linear ({type(module).__name__}): kept in full precision"))
     unused = [p for p in config.skip if p not in used]
     if unused:
-        raise ValueError(f"QuantizeConfig.skip pattern(s) {unused} match no Linear of this model; fix or drop them.")
+        raise ValueError(f"QuantizeConfig.skip pattern(s) {unused} match no Linear or experts module of this model; "
+                         "fix or drop them.")
     return targets, kept
 
 
 def _check(targets: dict[str, nn.Module], scheme: QuantScheme) -> None:
     """Refuse, naming the layer, anything the scheme cannot hold (before any module changes)."""
     for name, module in targets.items():
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            check_experts(name, module, scheme)
+            continue
         w = module.weight
         if w.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name}: weight dtype {w.dtype} is not supported; cast the model to fp32, bf16 or fp16.")
@@ -162,8 +181,15 @@ def _check(targets: dict[str, nn.Module], scheme: QuantScheme) -> None:
             raise ValueError(f"{name}: weight holds inf or NaN; fix the checkpoint before quantizing.")
 
 
+def _quantized_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The weights of ``module`` that quantize replaces (a Linear's or embedding's, or the experts' two)."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        return (module.weight,)
+    return (module.gate_up_proj, module.down_proj)
+
+
 def quantize(model: nn.Module, config: QuantizeConfig | None = None) -> QuantizeReport:
-    """Replace the model's Linears (and optionally head/embedding) by quantized modules.
+    """Replace the model's Linears and fused experts (optionally head/embedding) by quantized modules.
 
     Args:
         model: a transformers model of a family plait's patching supports.
@@ -188,18 +214,22 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None) -> Quantize
                          "revert the patch, quantize, then patch again with PatchConfig(mlp=False).")
     spec = family_of(model)
     scheme = config.scheme
-    targets, kept = _targets(model, config)
+    targets, kept = _targets(model, config, spec)
     _check(targets, scheme)
     originals: dict[str, nn.Module | None] = {}
     before = after = 0
     for name, module in targets.items():
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding(module, scheme)
-        else:
+        elif isinstance(module, nn.Linear):
             new = QuantizedLinear(module, scheme, cpu_kernels=config.cpu_kernels,
                                   bf16_decode=config.cpu_bf16_decode)
-        before += module.weight.numel() * module.weight.element_size()
-        after += weight_nbytes(new.weight_shape, scheme)
+        else:
+            new = QuantizedExperts(module, scheme, cpu_kernels=config.cpu_kernels,
+                                   bf16_decode=config.cpu_bf16_decode)
+        before += sum(p.numel() * p.element_size() for p in _quantized_params(module))
+        shapes = new.weight_shapes if isinstance(new, QuantizedExperts) else (new.weight_shape,)
+        after += sum(weight_nbytes(shape, scheme) for shape in shapes)
         originals[name] = module if config.keep_original else None
         model.set_submodule(name, new)
     report = QuantizeReport(config=config, family=spec.model_type, quantized=tuple(targets), kept=tuple(kept),
@@ -220,7 +250,12 @@ def revert(model: nn.Module) -> bool:
     for name, original in state.originals.items():
         if original is None:
             current = model.get_submodule(name)
-            original = current.to_embedding() if isinstance(current, QuantizedEmbedding) else current.to_linear()
+            if isinstance(current, QuantizedEmbedding):
+                original = current.to_embedding()
+            elif isinstance(current, QuantizedExperts):
+                original = current.to_experts()
+            else:
+                original = current.to_linear()
         model.set_submodule(name, original)
     delattr(model, _STATE)
     return True

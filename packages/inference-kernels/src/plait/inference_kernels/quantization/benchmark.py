@@ -9,12 +9,14 @@ One run, CPU, one torch thread:
   it in full precision (the note says so). Targets: int8 within 1%, int4 within 5% of fp32.
 * greedy agreement: 64 greedy tokens of random (untrained) Llama and Qwen3-MoE models, int8 and
   int4 against fp32: the fraction of equal tokens (no target: random models' logits are nearly
-  flat, so one flipped near-tie changes the rest of the sequence).
+  flat, so one flipped near-tie changes the rest of the sequence). Qwen3-MoE's fused experts are
+  quantized too (``QuantizedExperts``); its routers stay fp32.
 * speed: decode tokens/s of a random Llama of about 134M parameters (hidden 768, 12 layers,
   SwiGLU 2048, vocab 32000), batch 1 and 8, one step with a 64-token KV cache, and prefill of 128
   tokens; fp32 and bf16 HF against int8 and int4 (every Linear and the head quantized, fp32
   activations, ``cpu_bf16_decode=True``: torch's CPU int8/int4 kernels are about 10x slower on
-  fp32 inputs than on bf16 ones). Candidates alternate A B C D, D C B A, ... after warm-up;
+  fp32 inputs than on bf16 ones; prefill runs fp32 GEMMs on weight blocks dequantized 128 rows at
+  a time). Candidates alternate A B C D, D C B A, ... after warm-up;
   medians with p10/p90 in the note. Targets: int8 >= 1.5x fp32, int4 >= 2x fp32, prefill not
   more than 10% slower than fp32.
 * memory: bytes of the quantized weights in the state dict against the formula (exact).
@@ -173,14 +175,16 @@ def agreement_rows(tokens: int) -> list[BenchRow]:
             want = base.generate(prompt, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)[0, 16:]
         for label, qconfig in (("int8", INT8), ("int4 g64", INT4)):
             model = copy.deepcopy(base)
-            quantize(model, qconfig)
+            report = quantize(model, qconfig)
+            experts = sum(".experts" in name for name in report.quantized)
             with torch.no_grad():
                 got = model.generate(prompt, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)[0, 16:]
             same = (got == want).float().mean().item()
             first = int((got != want).nonzero()[0, 0]) if same < 1 else tokens
             rows.append(BenchRow(benchmark=f"random {family} {label}, {tokens} greedy tokens",
                                  figure="tokens equal to fp32 (fraction)", ours=same,
-                                 note=f"first difference at token {first}; fp32 activations"))
+                                 note=f"first difference at token {first}; fp32 activations"
+                                 + (f"; {experts} fused experts modules quantized" if experts else "")))
     return rows
 
 

@@ -109,7 +109,8 @@ def load_quantized_pretrained(path: str | os.PathLike, *, cpu_kernels: bool = Tr
     config = QuantizeConfig(kind=base.kind, group_size=base.group_size, symmetric=base.symmetric,
                             head=head is not None and not any(n in ignored for n, m in model.named_modules()
                                                               if m is head),
-                            skip=skip, keep_original=False, cpu_kernels=cpu_kernels, cpu_bf16_decode=cpu_bf16_decode)
+                            skip=skip, keep_original=False, cpu_kernels=cpu_kernels, cpu_bf16_decode=cpu_bf16_decode,
+                            experts=False)  # pack-quantized targets Linears: fused experts stay as stored
     quantize(model, config)
     state = {}
     for file in sorted(path.glob("*.safetensors")):
