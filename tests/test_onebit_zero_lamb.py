@@ -2,7 +2,7 @@
 
 ``zero_shard(model, OnebitLamb, ZeroConfig(stage=1|2), ...)`` uses 1-bit Adam's exchange (the
 momentum crosses the network in both) with LAMB's inner optimizer over the master shards
-(:mod:`plait.onebit_optim.zero_lamb`), whose per-tensor norms are completed by all-reduces of the
+(:mod:`plait.onebit_optim.under_zero.onebit_lamb`), whose per-tensor norms are completed by all-reduces of the
 pieces' squares. The reference is the plain-data-parallel ``OnebitLamb`` whose param groups are
 the ZeRO units (the same exchange layout), on tiny-llama, gloo:
 
@@ -30,7 +30,8 @@ from plait.kernels import collectives
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import run_distributed, tiny_llama, train_losses
 from plait.onebit_optim import OnebitLamb, OnebitLambConfig
-from plait.onebit_optim.zero import exchange_nbytes, expect_checkpoint_world
+from plait.onebit_optim.under_zero.exchange import expect_checkpoint_world
+from plait.onebit_optim.under_zero.layout import exchange_nbytes
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 BATCH, SEQ, FREEZE = 8, 32, 3
@@ -196,7 +197,7 @@ def _resume_at_two_with_reference(root: str) -> tuple[list[float], list[float]]:
     grouped by ZeRO unit (the same exchange layout), started from the state the ZeRO model loaded:
     weights, moments, fresh variance, each tensor's frozen coefficient and last factor, and each
     unit's error feedback. This rank's next losses of both."""
-    from plait.onebit_optim.exchange import CompressedExchange
+    from plait.onebit_optim.exchange.compressed import CompressedExchange
 
     model, opt = _zero(2)
     expect_checkpoint_world(model, 4)
@@ -254,7 +255,7 @@ def _hf_llama_losses(zero: bool, steps: int) -> list[float]:
     DDP-averaged gradients; LAMB itself does not shard: it is not elementwise)."""
     transformers = pytest.importorskip("transformers")
     from plait.onebit_optim import Lamb
-    from plait.onebit_optim.exchange import average_gradients
+    from plait.onebit_optim.exchange.compressed import average_gradients
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(

@@ -1,6 +1,6 @@
 """1-bit LAMB under ZeRO stages 1 and 2: the inner optimizer over the fp32 master shards.
 
-The exchange is 1-bit Adam's (:class:`plait.onebit_optim.zero.OnebitZeroExchange`: the momentum
+The exchange is 1-bit Adam's (:class:`plait.onebit_optim.under_zero.exchange.OnebitZeroExchange`: the momentum
 is what crosses the network in both algorithms). What LAMB adds are per-tensor quantities that a
 flat ZeRO shard cuts across: the norms of the parameter and of the update (the trust ratio),
 during warm-up, and after it the norms of the preliminary update and the update and the largest
@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
-from plait.onebit_optim.base import run_closure
-from plait.onebit_optim.lamb import frozen_lamb_direction, lamb_direction_
-from plait.onebit_optim.zero import ShardedInner
-from plait.onebit_optim.zero_variance_floor import floor_shard_
+from plait.onebit_optim.data_parallel.base import run_closure
+from plait.onebit_optim.rules.lamb import frozen_lamb_direction, lamb_direction_
+from plait.onebit_optim.under_zero.layout import ShardedInner
+from plait.onebit_optim.under_zero.variance_floor import floor_shard_
 
 
 def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
 
 class ShardedOnebitLamb(ShardedInner):
     """The inner optimizer of 1-bit LAMB under ZeRO (see the module docstring). ``zero_shard``
-    builds it through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`."""
+    builds it through :func:`plait.onebit_optim.under_zero.compose.compose_with_zero`."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
