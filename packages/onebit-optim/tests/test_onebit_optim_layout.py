@@ -10,6 +10,7 @@ Floors (the package docstring of :mod:`plait.onebit_optim` describes them):
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -25,6 +26,7 @@ PUBLIC = ["CompressedOptimizer", "Lamb", "LossScaling", "OnebitAdam", "OnebitAda
           "OnebitLambConfig", "SettleConfig", "ZeroOneAdam", "ZeroOneAdamConfig", "config_from_dict"]
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
     """Every module of the package by dotted name (a package by its ``__init__``), parsed."""
     found = {}
@@ -58,6 +60,7 @@ def _imports(tree: ast.Module, known: set[str]) -> set[str]:
     return targets
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(tree, set(modules)) - {name} for name, tree in modules.items()}

@@ -38,7 +38,7 @@ from plait.onebit_optim.data_parallel.base import (
     pick_config,
     run_closure,
 )
-from plait.onebit_optim.rules.lamb import frozen_lamb_direction, lamb_state, lamb_update_
+from plait.onebit_optim.rules.lamb import exact_norm, frozen_lamb_direction, lamb_state, lamb_update_
 from plait.onebit_optim.rules.settle import FreezePoint, variance_sums
 from plait.onebit_optim.rules.variance_floor import floor_variance_
 
@@ -161,8 +161,8 @@ class OnebitLamb(FreezePointOwner, CompressedOptimizer):
         denom, prelim, update = frozen_lamb_direction(p, state, state["exp_avg"], last_momentum, group)
         factor = (denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"])).max().item()
         if weight_decay:
-            update_norm = update.norm().item()
-            ratio = min(1.0, prelim.norm().item() / update_norm) if update_norm > 0 else 1.0
+            update_norm = exact_norm(update)
+            ratio = min(1.0, exact_norm(prelim) / update_norm) if update_norm > 0 else 1.0
             factor = factor * ratio + (1 - ratio)
         factor = min(max(factor, cfg.factor_min), cfg.factor_max)
         last = state.get("last_factor", 1.0)
