@@ -2,7 +2,7 @@
 (and ``plait_zero2`` a 1-bit LAMB and a 0/1 Adam) instance from ``configure_optimizers`` with no
 other change. The strategies rebuild the optimizer from its class, groups and defaults; the three
 optimizers keep their config (as ``onebit_config``) and masks there, so the freeze step
-survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.zero`). ZeRO-1 and ZeRO-2
+survives, and ``zero_shard`` composes it (:mod:`plait.onebit_optim.under_zero.exchange`). ZeRO-1 and ZeRO-2
 give the same losses bit for bit.
 
 Lightning's own ``strategy="ddp"`` takes them too, with plait-lightning's callback in the Trainer
@@ -25,8 +25,14 @@ import torch.distributed as dist
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
 from plait.lightning.demo import TinyLlamaModule
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
-from plait.onebit_optim.zero_one_adam import ZeroOneAdam, ZeroOneAdamConfig
+from plait.onebit_optim import (
+    OnebitAdam,
+    OnebitAdamConfig,
+    OnebitLamb,
+    OnebitLambConfig,
+    ZeroOneAdam,
+    ZeroOneAdamConfig,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations" / "lightning" / "tests"))
 STEPS, FREEZE, RESUME_AT = 8, 3, 5

@@ -2,7 +2,7 @@
 
 ``zero_shard(model, OnebitAdam, ZeroConfig(stage=1|2), ...)`` builds the 1-bit exchange as the
 engine's reducer, with the owner of each ZeRO shard as the server of its chunk
-(:mod:`plait.onebit_optim.zero`). Checked here on tiny-llama, gloo, W=2 and W=4:
+(:mod:`plait.onebit_optim.under_zero.exchange`). Checked here on tiny-llama, gloo, W=2 and W=4:
 
 * warm-up: bitwise ZeRO + ``torch.optim.AdamW`` (same engine, same reduce-scatter, same kernel);
 * after it: bitwise the plain-data-parallel ``OnebitAdam`` whose param groups are the ZeRO units
@@ -14,7 +14,7 @@ engine's reducer, with the owner of each ZeRO shard as the server of its chunk
 * logical bytes of one compressed step = the 1-bit exchange + ZeRO's exact parameter gather +
   the gradient-norm all-reduce, by formula;
 * universal checkpoints: save after warm-up at W=4, resume at W=4 bitwise (next 20 losses); resume
-  at W=2 with the worker error resharded (:func:`plait.onebit_optim.zero.expect_checkpoint_world`):
+  at W=2 with the worker error resharded (:func:`plait.onebit_optim.under_zero.exchange.expect_checkpoint_world`):
   the next 20 losses those of plain 1-bit Adam at W=2 started from the loaded state, bitwise;
 * ZeRO-3 is refused, naming what works and why (1-bit LAMB: test_onebit_zero_lamb.py; 0/1 Adam:
   test_onebit_zero_one.py).
@@ -33,7 +33,8 @@ from plait import universal_ckpt
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import run_distributed, tiny_llama, train_losses
 from plait.onebit_optim import Lamb, OnebitAdam, OnebitAdamConfig, OnebitLamb, ZeroOneAdam
-from plait.onebit_optim.zero import _to_logical, exchange_nbytes, expect_checkpoint_world
+from plait.onebit_optim.under_zero.exchange import expect_checkpoint_world
+from plait.onebit_optim.under_zero.layout import exchange_nbytes, to_logical
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 BATCH, SEQ, FREEZE = 8, 32, 3
@@ -236,7 +237,7 @@ def _resume_at_two_with_reference(root: str) -> tuple[list[float], list[float]]:
     """Resume the W=4 checkpoint at two ranks, and its reference: plain-data-parallel OnebitAdam
     grouped by ZeRO unit, started from the state the ZeRO model loaded (weights, moments, step
     counts, each unit's error feedback: the layouts coincide). This rank's next losses of both."""
-    from plait.onebit_optim.exchange import CompressedExchange
+    from plait.onebit_optim.exchange.compressed import CompressedExchange
 
     model, opt = _zero(2)
     expect_checkpoint_world(model, 4)
@@ -279,7 +280,7 @@ def _worker_errors_after_save(root: str) -> list[torch.Tensor]:
 
 def _worker_errors(model: nn.Module) -> list[torch.Tensor]:
     """Each unit's worker error in the unit's coordinates (exchange padding dropped)."""
-    return [_to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
+    return [to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
             for s in model.zero_engine.reducer.units.values()]
 
 

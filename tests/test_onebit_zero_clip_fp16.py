@@ -3,7 +3,7 @@ steps (fp16 loss scaling, a non-finite gradient on one rank), on tiny-llama, glo
 
 After warm-up the engine never sees gradients (the momentum is exchanged instead), so with
 clipping or fp16 the 1-bit exchange keeps each unit's local gradient from its reduction to the
-step and exchanges there (:meth:`plait.onebit_optim.zero.OnebitZeroExchange.run_deferred`):
+step and exchanges there (:meth:`plait.onebit_optim.under_zero.exchange.OnebitZeroExchange.run_deferred`):
 
 * clipping: warm-up clips as ZeRO does (the averaged gradient's exact norm); after it each rank's
   local gradient is clipped against ``sqrt(mean over ranks of ||g_rank||^2)``, which bounds the
@@ -30,8 +30,8 @@ from torch import nn
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama, train_losses
 from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
-from plait.onebit_optim.exchange import average_gradients
-from plait.onebit_optim.zero import exchange_nbytes
+from plait.onebit_optim.exchange.compressed import average_gradients
+from plait.onebit_optim.under_zero.layout import exchange_nbytes
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 BATCH, SEQ, FREEZE = 8, 32, 3

@@ -1,7 +1,7 @@
 """plait-onebit-optim with plait-zero-sharding: 0/1 Adam under ZeRO stages 1 and 2.
 
 ``zero_shard(model, ZeroOneAdam, ZeroConfig(stage=1|2), ...)`` builds
-:class:`plait.onebit_optim.zero_one_zero.ZeroOneZeroExchange` (reducer and gatherer) and the
+:class:`plait.onebit_optim.under_zero.adam01.ZeroOneZeroExchange` (reducer and gatherer) and the
 inner optimizer over the master shards. Checked on tiny-llama, gloo, with a schedule that goes
 through every kind of step in a few steps (variance steps, 1-bit gradient steps, local steps with
 synchronisation intervals 1, 2 and 4):
@@ -33,9 +33,10 @@ from plait import universal_ckpt
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama, train_losses
 from plait.onebit_optim import ZeroOneAdam, ZeroOneAdamConfig
-from plait.onebit_optim.exchange import CompressedExchange
-from plait.onebit_optim.zero import _to_logical, expect_checkpoint_world
-from plait.onebit_optim.zero_one_zero import LOCAL, ONEBIT, VARIANCE, zero_one_step_nbytes
+from plait.onebit_optim.exchange.compressed import CompressedExchange
+from plait.onebit_optim.under_zero.adam01 import LOCAL, ONEBIT, VARIANCE, zero_one_step_nbytes
+from plait.onebit_optim.under_zero.exchange import expect_checkpoint_world
+from plait.onebit_optim.under_zero.layout import to_logical
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 BATCH, SEQ = 8, 32
@@ -240,7 +241,7 @@ def _resume_at_two(root: str) -> tuple[list[float], list[float], dict[str, torch
     expect_checkpoint_world(model, 4)
     universal_ckpt.load({"model": model}, root)
     params = _full_params(model)
-    errors = [_to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
+    errors = [to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
               for s in model.zero_engine.reducer.units.values()]
     plain, plain_opt = _plain_from_loaded(model)
     resumed = train_losses(model, opt, AFTER, batch=BATCH, seq=SEQ, start=K)
@@ -251,7 +252,7 @@ def _resume_at_two(root: str) -> tuple[list[float], list[float], dict[str, torch
 def _worker_errors(root: str) -> list[torch.Tensor]:
     model, _ = _zero(2)
     universal_ckpt.load({"model": model}, root)
-    return [_to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
+    return [to_logical(s.worker_error, s.world, s.shard, s.unit.numel).clone()
             for s in model.zero_engine.reducer.units.values()]
 
 

@@ -1,7 +1,7 @@
 """``freeze_step="auto"`` for 1-bit Adam and 1-bit LAMB under ZeRO-2 (tiny-llama, gloo, W=2).
 
 Under ZeRO a tensor's variance is spread over the shards of its unit; each rank sums its pieces
-per tensor and one float64 all-reduce completes the sums (:mod:`plait.onebit_optim.zero_settle`).
+per tensor and one float64 all-reduce completes the sums (:mod:`plait.onebit_optim.under_zero.settle`).
 The warm-up is plain Adam (LAMB) on averaged gradients, so the variance, and the step "auto"
 chooses, must be plain data parallel's. Checked here:
 
@@ -29,9 +29,8 @@ from torch import nn
 from plait import universal_ckpt
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import run_distributed, tiny_llama, train_losses
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig
-from plait.onebit_optim.settle import SettleConfig
-from plait.onebit_optim.zero_settle import settle_nbytes
+from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig, SettleConfig
+from plait.onebit_optim.under_zero.settle import settle_nbytes
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 BATCH, SEQ, STEPS, BUCKET = 8, 32, 13, 150_000

@@ -30,9 +30,9 @@ from plait.onebit_optim import (
     ZeroOneAdam,
     ZeroOneAdamConfig,
 )
-from plait.onebit_optim.variance_floor import variance_floor
-from plait.onebit_optim.zero_one_zero import VARIANCE, zero_one_step_nbytes
-from plait.onebit_optim.zero_variance_floor import floor_nbytes, tensor_means
+from plait.onebit_optim.rules.variance_floor import variance_floor
+from plait.onebit_optim.under_zero.adam01 import VARIANCE, zero_one_step_nbytes
+from plait.onebit_optim.under_zero.variance_floor import floor_nbytes, tensor_means
 from plait.zero_sharding import ZeroConfig, zero_shard
 
 VOCAB, DIM, SEQ, BATCH, STEPS, LR = 2048, 32, 16, 4, 12, 3e-4

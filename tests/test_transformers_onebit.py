@@ -226,8 +226,8 @@ def test_resume_after_the_warm_up_continues_the_same_run(runs: dict[str, Any]) -
 
 @pytest.mark.timeout(480)
 def test_compressed_steps_move_the_one_bit_exchange_bytes(runs: dict[str, Any]) -> None:
-    from plait.onebit_optim.zero import exchange_nbytes
-    from plait.onebit_optim.zero_variance_floor import floor_nbytes
+    from plait.onebit_optim.under_zero.layout import exchange_nbytes
+    from plait.onebit_optim.under_zero.variance_floor import floor_nbytes
 
     ours, adamw = runs["onebit_json"], runs["adamw"]
     world = 2

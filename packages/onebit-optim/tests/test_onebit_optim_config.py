@@ -17,7 +17,7 @@ from plait.onebit_optim import (
     ZeroOneAdamConfig,
     config_from_dict,
 )
-from plait.onebit_optim.exchange import CompressedExchange
+from plait.onebit_optim.exchange.compressed import CompressedExchange
 
 
 @pytest.mark.parametrize(("build", "match"), [

@@ -17,9 +17,8 @@ import torch.distributed as dist
 
 from plait.kernels import collectives as C
 from plait.kernels.testing import run_distributed
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig, ZeroOneAdam
-from plait.onebit_optim.exchange import average_gradients
-from plait.onebit_optim.grad_control import LossScaling
+from plait.onebit_optim import LossScaling, OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig, ZeroOneAdam
+from plait.onebit_optim.exchange.compressed import average_gradients
 
 MAX_NORM, LR, WD = 1.0, 1e-2, 0.01
 
@@ -189,7 +188,7 @@ def test_bad_settings_are_refused_naming_the_field(build, match):
 
 
 def test_scale_loss_without_loss_scaling_names_the_fix_and_zero_refuses_both():
-    from plait.onebit_optim.zero_optimizer import compose_with_zero
+    from plait.onebit_optim.under_zero.compose import compose_with_zero
 
     opt = OnebitAdam(mlp().parameters())
     with pytest.raises(RuntimeError, match=r"config.loss_scaling is None; pass OnebitAdamConfig\(loss_scaling="):

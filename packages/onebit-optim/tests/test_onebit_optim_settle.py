@@ -18,9 +18,15 @@ import torch.distributed as dist
 
 from plait.kernels import collectives as C
 from plait.kernels.testing import run_distributed
-from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitLambConfig, config_from_dict
-from plait.onebit_optim.lamb import Lamb
-from plait.onebit_optim.settle import SettleConfig
+from plait.onebit_optim import (
+    Lamb,
+    OnebitAdam,
+    OnebitAdamConfig,
+    OnebitLamb,
+    OnebitLambConfig,
+    SettleConfig,
+    config_from_dict,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_onebit_optim_variance_floor import BATCH, LR, SEQ, VOCAB, WideVocabLM

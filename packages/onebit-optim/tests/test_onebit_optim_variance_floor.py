@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from plait.kernels.testing import run_distributed
 from plait.onebit_optim import (
+    Lamb,
     OnebitAdam,
     OnebitAdamConfig,
     OnebitLamb,
@@ -27,8 +28,7 @@ from plait.onebit_optim import (
     ZeroOneAdam,
     ZeroOneAdamConfig,
 )
-from plait.onebit_optim.lamb import Lamb
-from plait.onebit_optim.variance_floor import floor_variance_, floored
+from plait.onebit_optim.rules.variance_floor import floor_variance_, floored
 
 VOCAB, DIM, SEQ, BATCH, STEPS, LR = 2048, 32, 16, 4, 12, 3e-4
 

@@ -13,8 +13,111 @@ import dataclasses
 import math
 from typing import Any
 
-from plait.onebit_optim.grad_control import LossScaling, check_loss_scaling, check_max_grad_norm
-from plait.onebit_optim.settle import SettleConfig, check_freeze_step
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SettleConfig:
+    """How "the variance has settled" is measured (:mod:`plait.onebit_optim.rules.settle`).
+
+    Attributes:
+        threshold: the variance has settled when the largest relative change of a tensor's
+            summed bias-corrected variance over ``window`` steps is at most this (> 0).
+        window: the number of steps the change is measured over (>= 1).
+        min_step: ``freeze_step="auto"`` never freezes before this step (>= ``window + 1``, so
+            the first decision sees a whole window).
+        max_step: ``freeze_step="auto"`` freezes after this step even if the variance is still
+            moving (>= ``min_step``).
+    """
+
+    threshold: float = 0.02
+    window: int = 10
+    min_step: int = 20
+    max_step: int = 10_000
+
+    def __post_init__(self) -> None:
+        owner = "SettleConfig"
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
+                or not math.isfinite(self.threshold) or self.threshold <= 0:
+            raise ValueError(f"{owner}.threshold={self.threshold!r} must be a finite number > 0; pass e.g. 0.02.")
+        for name, minimum in (("window", 1), ("min_step", self.window + 1 if _is_int(self.window) else 2),
+                              ("max_step", self.min_step if _is_int(self.min_step) else 2)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                raise ValueError(f"{owner}.{name}={value!r} must be an integer >= {minimum}"
+                                 f"{' (window + 1)' if name == 'min_step' else ''}"
+                                 f"{' (min_step)' if name == 'max_step' else ''}; pass e.g. {max(minimum, 20)}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_freeze_step(owner: str, value: object) -> None:
+    """Validate a ``freeze_step`` field: an integer >= 1 or ``"auto"``.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    if value == "auto":
+        return
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{owner}.freeze_step={value!r} must be an integer >= 1 or 'auto' (freeze when the "
+                         "variance has settled, see SettleConfig); pass e.g. 'auto' or 2000.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaling:
+    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s settings and semantics.
+
+    Attributes:
+        init_scale: the first scale (> 0).
+        growth_factor: the scale is multiplied by this after ``growth_interval`` taken steps in a row (> 1).
+        backoff_factor: the scale is multiplied by this on a skipped step (in (0, 1)).
+        growth_interval: taken steps in a row before the scale grows (>= 1).
+    """
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        owner = "LossScaling"
+        if not _finite(self.init_scale) or self.init_scale <= 0:
+            raise ValueError(f"{owner}.init_scale={self.init_scale!r} must be a finite number > 0; pass e.g. 65536.")
+        if not _finite(self.growth_factor) or self.growth_factor <= 1:
+            raise ValueError(f"{owner}.growth_factor={self.growth_factor!r} must be a finite number > 1; pass e.g. 2.")
+        if not _finite(self.backoff_factor) or not 0 < self.backoff_factor < 1:
+            raise ValueError(f"{owner}.backoff_factor={self.backoff_factor!r} must be in (0, 1); pass e.g. 0.5.")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"{owner}.growth_interval={self.growth_interval!r} must be an integer >= 1; "
+                             "pass e.g. 2000.")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_max_grad_norm(owner: str, value: object) -> None:
+    """Validate a ``max_grad_norm`` field (``None``, or a finite number > 0).
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    if value is not None and (not _finite(value) or value <= 0):
+        raise ValueError(f"{owner}.max_grad_norm={value!r} must be None (no clipping) or a finite number > 0; "
+                         "pass e.g. 1.0.")
+
+
+def check_loss_scaling(owner: str, value: object) -> None:
+    """Validate a ``loss_scaling`` field (``None`` or a :class:`LossScaling`).
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    if value is not None and not isinstance(value, LossScaling):
+        raise ValueError(f"{owner}.loss_scaling={value!r} must be None or a LossScaling; pass e.g. LossScaling().")
+
 
 
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
@@ -34,16 +137,16 @@ class OnebitAdamConfig:
     Attributes:
         freeze_step: steps of plain (full-precision, all-reduced) Adam before the variance is
             frozen and the momentum is exchanged in 1 bit (at least 1), or ``"auto"``: freeze
-            once the variance has settled (``settle``; :mod:`plait.onebit_optim.settle`).
+            once the variance has settled (``settle``; :mod:`plait.onebit_optim.rules.settle`).
             DeepSpeed's papers use 15-25% of the run; a fixed step before the variance has
             settled logs a WARNING with the measured change. ``"auto"`` works in plain data
-            parallel and under ZeRO-1/2 (:mod:`plait.onebit_optim.zero_settle`).
+            parallel and under ZeRO-1/2 (:mod:`plait.onebit_optim.under_zero.settle`).
         settle: how "settled" is measured, for ``"auto"`` and for the warning.
         max_grad_norm: clip the gradient to this global norm before the optimizer uses it
             (``None``: no clipping). During warm-up the averaged gradient, with
             ``torch.nn.utils.clip_grad_norm_`` (bit for bit DDP + clipping); after the freeze each
             rank's own, by the RMS over ranks of their norms
-            (:mod:`plait.onebit_optim.grad_control`). Plain data parallel only (under ZeRO use
+            (:mod:`plait.onebit_optim.exchange.grad_control`). Plain data parallel only (under ZeRO use
             ``ZeroConfig.max_grad_norm``).
         loss_scaling: dynamic loss scaling for fp16 (``None``: off), ``GradScaler``'s semantics:
             call ``optimizer.scale_loss(loss).backward()``; a step whose gradient is not finite
@@ -52,7 +155,7 @@ class OnebitAdamConfig:
         variance_floor: when the variance freezes, every element's variance is raised to at
             least this fraction of its tensor's mean, so an element the warm-up never or rarely
             saw (an unseen embedding row) cannot step by ``|m| / eps``
-            (:mod:`plait.onebit_optim.variance_floor`). Where no element is below it, the update
+            (:mod:`plait.onebit_optim.rules.variance_floor`). Where no element is below it, the update
             is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
     """
 
@@ -143,7 +246,7 @@ class ZeroOneAdamConfig:
         variance_floor: every element's variance, wherever it divides the momentum, is at
             least this fraction of its tensor's mean (raised in place when the variance
             freezes), so elements the variance steps never or rarely saw cannot step by
-            ``|m| / eps`` (:mod:`plait.onebit_optim.variance_floor`). Where no element is below
+            ``|m| / eps`` (:mod:`plait.onebit_optim.rules.variance_floor`). Where no element is below
             it, the update is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
     """
 

@@ -148,7 +148,7 @@ class _DataParallelLamb:
 
     def step(self) -> None:
         """Average the gradients over the ranks, then one LAMB step."""
-        from plait.onebit_optim.exchange import average_gradients
+        from plait.onebit_optim.exchange.compressed import average_gradients
 
         average_gradients([p.grad for p in self.params])
         self.lamb.step()

@@ -1,6 +1,6 @@
 """``freeze_step="auto"`` (and the early-freeze warning) under ZeRO stages 1 and 2.
 
-The decision is :class:`plait.onebit_optim.settle.FreezePoint`'s, on the same statistic as in plain
+The decision is :class:`plait.onebit_optim.rules.settle.FreezePoint`'s, on the same statistic as in plain
 data parallel: per tensor, the sum of its bias-corrected variance ``sum(v) / (1 - beta2^t)``.
 What changes under ZeRO is where the variance lives: a rank holds one contiguous shard of each
 flat unit (several tensors end to end), so a tensor's elements may be split across shard
@@ -25,7 +25,7 @@ import torch
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
-from plait.onebit_optim.settle import FreezePoint
+from plait.onebit_optim.rules.settle import FreezePoint
 
 META, HISTORY = "ext.onebit.freeze.meta", "ext.onebit.freeze.history"
 

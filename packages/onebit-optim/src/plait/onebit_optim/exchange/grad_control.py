@@ -29,68 +29,13 @@ feedback and the step counter (so the warm-up counts taken steps). The scale the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import torch
 
 from plait.kernels import collectives
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossScaling:
-    """Dynamic loss scaling, with ``torch.amp.GradScaler``'s settings and semantics.
-
-    Attributes:
-        init_scale: the first scale (> 0).
-        growth_factor: the scale is multiplied by this after ``growth_interval`` taken steps in a row (> 1).
-        backoff_factor: the scale is multiplied by this on a skipped step (in (0, 1)).
-        growth_interval: taken steps in a row before the scale grows (>= 1).
-    """
-
-    init_scale: float = 2.0 ** 16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        owner = "LossScaling"
-        if not _finite(self.init_scale) or self.init_scale <= 0:
-            raise ValueError(f"{owner}.init_scale={self.init_scale!r} must be a finite number > 0; pass e.g. 65536.")
-        if not _finite(self.growth_factor) or self.growth_factor <= 1:
-            raise ValueError(f"{owner}.growth_factor={self.growth_factor!r} must be a finite number > 1; pass e.g. 2.")
-        if not _finite(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            raise ValueError(f"{owner}.backoff_factor={self.backoff_factor!r} must be in (0, 1); pass e.g. 0.5.")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
-            raise ValueError(f"{owner}.growth_interval={self.growth_interval!r} must be an integer >= 1; "
-                             "pass e.g. 2000.")
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_max_grad_norm(owner: str, value: object) -> None:
-    """Validate a ``max_grad_norm`` field (``None``, or a finite number > 0).
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
-    if value is not None and (not _finite(value) or value <= 0):
-        raise ValueError(f"{owner}.max_grad_norm={value!r} must be None (no clipping) or a finite number > 0; "
-                         "pass e.g. 1.0.")
-
-
-def check_loss_scaling(owner: str, value: object) -> None:
-    """Validate a ``loss_scaling`` field (``None`` or a :class:`LossScaling`).
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
-    if value is not None and not isinstance(value, LossScaling):
-        raise ValueError(f"{owner}.loss_scaling={value!r} must be None or a LossScaling; pass e.g. LossScaling().")
+from plait.onebit_optim.config import LossScaling
 
 
 class GradientControl:

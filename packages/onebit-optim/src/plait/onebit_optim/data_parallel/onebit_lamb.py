@@ -15,7 +15,7 @@ towards 1 by the share of the update that is weight decay, clamped to
 ``[factor_min, factor_max]`` and to ``+-factor_threshold`` of the previous step's factor.
 
 When the variance freezes it is raised to its floor (``config.variance_floor`` of each tensor's
-mean, :mod:`plait.onebit_optim.variance_floor`), as 1-bit Adam's. The trust ratio bounds the
+mean, :mod:`plait.onebit_optim.rules.variance_floor`), as 1-bit Adam's. The trust ratio bounds the
 norm of each tensor's step, so an element with a frozen variance near 0 cannot explode the
 loss as in 1-bit Adam; it takes most of its tensor's step instead (``m / eps`` dwarfs the rest),
 and the loss drifts up (on an LM with mostly unseen embedding rows, 7.9 to 10-15 within 12
@@ -29,86 +29,18 @@ from typing import Any
 
 import torch
 
-from plait.onebit_optim.base import CompressedOptimizer, check_hyperparameters, name_of, pick_config, run_closure
 from plait.onebit_optim.config import OnebitLambConfig
-from plait.onebit_optim.settle import FreezePoint, FreezePointOwner, variance_sums
-from plait.onebit_optim.variance_floor import floor_variance_
-
-
-def _init_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
-    if not state:
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
-def lamb_direction_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
-    """Advance ``state``'s step and moments with ``p.grad`` (in place) and return LAMB's update
-    before its trust ratio: ``m / (sqrt(v) + eps) + weight_decay * p``.
-
-    Shared by :class:`Lamb` (whole tensors) and 1-bit LAMB under ZeRO (shard pieces of flat
-    masters, :mod:`plait.onebit_optim.zero_lamb`): the arithmetic is elementwise, so both give
-    the same bits for the same elements.
-    """
-    beta1, beta2 = group["betas"]
-    state["step"] += 1
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-    update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
-    if group["weight_decay"]:
-        update.add_(p, alpha=group["weight_decay"])
-    return update
-
-
-def frozen_lamb_direction(p: torch.Tensor, state: dict[str, Any], momentum: torch.Tensor, last_momentum: torch.Tensor,
-                          group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The compressed-phase part of 1-bit LAMB that is elementwise, shared by :class:`OnebitLamb`
-    and its ZeRO inner optimizer.
-
-    The averaged gradient of the step is recovered from how the synchronised momentum moved
-    (``last_momentum``, consumed in place, to ``momentum``) and updates the fresh variance
-    ``state["exp_avg_sq_fresh"]``; ``state["exp_avg"]`` becomes ``momentum``.
-
-    Returns:
-        ``(denominator, preliminary update, update)``: ``sqrt(v_frozen) + eps``,
-        ``m / denominator`` and that plus ``weight_decay * p``.
-    """
-    beta1, beta2 = group["betas"]
-    eps, weight_decay = group["eps"], group["weight_decay"]
-    state["step"] += 1
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    fresh = state.setdefault("exp_avg_sq_fresh", exp_avg_sq.clone())
-    grad = (momentum - last_momentum.mul_(beta1)).div_(1 - beta1)
-    if exp_avg is not momentum:
-        exp_avg.copy_(momentum)
-    fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = exp_avg_sq.sqrt().add_(eps)
-    prelim = exp_avg / denom
-    update = prelim.add(p, alpha=weight_decay) if weight_decay else prelim
-    return denom, prelim, update
-
-
-def lamb_update_(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], max_coeff: float,
-                 min_coeff: float) -> float:
-    """One LAMB step of ``p`` from ``p.grad``, in place; returns the trust ratio it used.
-
-    Args:
-        p: the parameter (its ``grad`` is the gradient to apply).
-        state: its state (``exp_avg``, ``exp_avg_sq``, ``step``), created when empty.
-        group: its param group (``lr``, ``betas``, ``eps``, ``weight_decay``).
-        max_coeff, min_coeff: the trust ratio's bounds.
-
-    Returns:
-        The clamped trust ratio ``||p|| / ||update||`` (1 where either norm is 0).
-    """
-    update = lamb_direction_(p, _init_state(state, p), group)
-    weight_norm, update_norm = p.norm().item(), update.norm().item()
-    coeff = weight_norm / update_norm if weight_norm > 0 and update_norm > 0 else 1.0
-    coeff = min(max(coeff, min_coeff), max_coeff)
-    p.add_(update, alpha=-group["lr"] * coeff)
-    return coeff
+from plait.onebit_optim.data_parallel.base import (
+    CompressedOptimizer,
+    FreezePointOwner,
+    check_hyperparameters,
+    name_of,
+    pick_config,
+    run_closure,
+)
+from plait.onebit_optim.rules.lamb import exact_norm, frozen_lamb_direction, lamb_state, lamb_update_
+from plait.onebit_optim.rules.settle import FreezePoint, variance_sums
+from plait.onebit_optim.rules.variance_floor import floor_variance_
 
 
 class Lamb(torch.optim.Optimizer):
@@ -201,7 +133,7 @@ class OnebitLamb(FreezePointOwner, CompressedOptimizer):
         fresh variance is started from it)."""
         for group in self.param_groups:
             for p in self.params_with_grad(group):
-                floor_variance_(_init_state(self.state[p], p)["exp_avg_sq"], self.config.variance_floor)
+                floor_variance_(lamb_state(self.state[p], p)["exp_avg_sq"], self.config.variance_floor)
 
     def _warmup_update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         cfg, state = self.config, self.state[p]
@@ -215,7 +147,7 @@ class OnebitLamb(FreezePointOwner, CompressedOptimizer):
         if not params:
             return
         beta1 = group["betas"][0]
-        states = [_init_state(self.state[p], p) for p in params]
+        states = [lamb_state(self.state[p], p) for p in params]
         previous = [s["exp_avg"].clone() for s in states]
         for p, state in zip(params, states):
             state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
@@ -229,8 +161,8 @@ class OnebitLamb(FreezePointOwner, CompressedOptimizer):
         denom, prelim, update = frozen_lamb_direction(p, state, state["exp_avg"], last_momentum, group)
         factor = (denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"])).max().item()
         if weight_decay:
-            update_norm = update.norm().item()
-            ratio = min(1.0, prelim.norm().item() / update_norm) if update_norm > 0 else 1.0
+            update_norm = exact_norm(update)
+            ratio = min(1.0, exact_norm(prelim) / update_norm) if update_norm > 0 else 1.0
             factor = factor * ratio + (1 - ratio)
         factor = min(max(factor, cfg.factor_min), cfg.factor_max)
         last = state.get("last_factor", 1.0)

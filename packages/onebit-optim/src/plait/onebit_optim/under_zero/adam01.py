@@ -27,7 +27,7 @@ step is one of three kinds, decided by the same schedule as :class:`~plait.onebi
 
 Variance floor (``config.variance_floor``, as plain 0/1 Adam's): on variance and 1-bit steps the
 denominator's variance is floored with each tensor's mean summed across the shards (one all-reduce
-of ``8 x tensors`` bytes per unit, :mod:`plait.onebit_optim.zero_variance_floor`); at the first
+of ``8 x tensors`` bytes per unit, :mod:`plait.onebit_optim.under_zero.variance_floor`); at the first
 local step the gathered whole-unit variance is floored in place, its means taken locally.
 
 Per-rank memory. The variance phase holds what ZeRO + Adam holds (momentum and variance shards)
@@ -39,7 +39,7 @@ shards become views of them (no second copy); an fp32 anchor (the last synchroni
 joins them, and with bf16 compute an fp32 copy of the parameters (bf16 cannot hold a local step's
 update). The README states the bytes per parameter.
 
-Checkpoints: the pieces of :class:`~plait.onebit_optim.zero.OnebitZeroExchange` (step counter,
+Checkpoints: the pieces of :class:`~plait.onebit_optim.under_zero.exchange.OnebitZeroExchange` (step counter,
 error feedback, masks) plus ``ext.onebit.zero_one.counters`` (the two schedules). In the local-step
 phase a checkpoint is taken at a synchronisation step, when every rank holds the same parameters
 and momentum: between two, each rank's copy is its own and there is no one model to save, so
@@ -58,11 +58,12 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
-from plait.onebit_optim.base import run_closure
 from plait.onebit_optim.config import ZeroOneAdamConfig
-from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner, _UnitState, chunk_of
-from plait.onebit_optim.zero_one_adam import resynchronise_, zero_one_update_
-from plait.onebit_optim.zero_variance_floor import floor_nbytes, floor_unit_, floored_shard
+from plait.onebit_optim.data_parallel.base import run_closure
+from plait.onebit_optim.rules.adam01 import resynchronise_, zero_one_update_
+from plait.onebit_optim.under_zero.exchange import OnebitZeroExchange
+from plait.onebit_optim.under_zero.layout import ShardedInner, UnitState, chunk_of
+from plait.onebit_optim.under_zero.variance_floor import floor_nbytes, floor_unit_, floored_shard
 
 VARIANCE, ONEBIT, LOCAL = "variance", "1-bit", "local"
 
@@ -91,7 +92,7 @@ def zero_one_step_nbytes(units: list[tuple[int, int, int]], world: int, kind: st
 
     With ``variance_floor`` (a non-zero ``ZeroOneAdamConfig.variance_floor``) variance and 1-bit
     steps add per unit the floor's per-tensor mean all-reduce (``8 x tensors``,
-    :func:`plait.onebit_optim.zero_variance_floor.floor_nbytes`).
+    :func:`plait.onebit_optim.under_zero.variance_floor.floor_nbytes`).
 
     (The first local step, and the first after a load, also all-gathers the momentum and variance
     shards, and with bf16 compute the masters, once: ``4 x padded`` each.)
@@ -206,11 +207,11 @@ class ZeroOneZeroExchange(OnebitZeroExchange):
         if self.step_kind() != LOCAL:
             super().run_deferred()
 
-    def _gather_momentum(self, state: _UnitState) -> None:
+    def _gather_momentum(self, state: UnitState) -> None:
         """0/1 Adam keeps no momentum in 1 bit: nothing to gather."""
 
     # ---- 1-bit steps: the gradient ------------------------------------------------------------
-    def _exchange(self, state: _UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor | None:
+    def _exchange(self, state: UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor | None:
         """The unit's 1-bit gradient exchange; returns the owner's averaged gradient shard, or
         ``None`` (errors untouched) when some rank's gradient is not finite."""
         if state.world == 1:  # the average of one value is the value
@@ -296,7 +297,7 @@ class ZeroOneZeroExchange(OnebitZeroExchange):
             out[key] = grad * coefficient if coefficient != 1.0 else grad  # never in place: stage 1's buffer
         return out
 
-    def _average_change(self, state: _UnitState, change: torch.Tensor) -> torch.Tensor:
+    def _average_change(self, state: UnitState, change: torch.Tensor) -> torch.Tensor:
         """The 1-bit average of a unit's parameter change, decoded whole on every rank, masked.
 
         Raises:
@@ -354,7 +355,7 @@ class ZeroOneZeroExchange(OnebitZeroExchange):
 class ShardedZeroOneAdam(ShardedInner):
     """The inner optimizer of 0/1 Adam under ZeRO, over the fp32 master shards (see the module
     docstring). ``zero_shard`` builds it through
-    :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`; it is not meant to be built by hand.
+    :func:`plait.onebit_optim.under_zero.compose.compose_with_zero`; it is not meant to be built by hand.
     """
 
     EXCHANGE: ZeroOneZeroExchange  # type: ignore[assignment]

@@ -1,6 +1,6 @@
 """The variance floor under ZeRO: each tensor's mean variance, from the shards of a flat unit.
 
-The floor (:mod:`plait.onebit_optim.variance_floor`) raises every element's variance to at least
+The floor (:mod:`plait.onebit_optim.rules.variance_floor`) raises every element's variance to at least
 ``ratio x mean(v)`` of its own tensor. Under ZeRO a rank holds one contiguous shard of a flat
 unit (several tensors laid end to end, padded), so a tensor's elements are spread over shards
 and its mean is not local. Each rank sums the pieces of every tensor it holds (float64, one
@@ -67,7 +67,7 @@ def _shard_floors(unit: Any, shard: torch.Tensor, ratio: float, *, name: str) ->
 
 
 def floored_shard(unit: Any, exp_avg_sq: torch.Tensor, ratio: float, *, name: str) -> torch.Tensor:
-    """:func:`~plait.onebit_optim.variance_floor.floored` for a ZeRO shard: a new tensor whose
+    """:func:`~plait.onebit_optim.rules.variance_floor.floored` for a ZeRO shard: a new tensor whose
     every element is at least ``ratio x`` the mean of its own tensor (the same tensor, untouched,
     and no communication when ``ratio`` is 0).
 
@@ -86,7 +86,7 @@ def floored_shard(unit: Any, exp_avg_sq: torch.Tensor, ratio: float, *, name: st
 
 
 def floor_shard_(unit: Any, exp_avg_sq: torch.Tensor, ratio: float, *, name: str) -> int:
-    """:func:`~plait.onebit_optim.variance_floor.floor_variance_` for a ZeRO shard: raise it to
+    """:func:`~plait.onebit_optim.rules.variance_floor.floor_variance_` for a ZeRO shard: raise it to
     its floor in place (when the variance freezes).
 
     Args:

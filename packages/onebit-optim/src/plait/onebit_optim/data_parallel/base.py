@@ -19,8 +19,23 @@ from typing import Any
 import torch
 
 from plait.kernels import collectives
-from plait.onebit_optim.exchange import CompressedExchange, average_gradients, world_of
-from plait.onebit_optim.grad_control import GradientControl
+from plait.onebit_optim.exchange.compressed import CompressedExchange, average_gradients, world_of
+from plait.onebit_optim.exchange.grad_control import GradientControl
+from plait.onebit_optim.rules.settle import FreezePoint
+
+# How these optimizers compose with ZeRO-1/2: set by plait.onebit_optim.under_zero.compose, the floor
+# above this one, when the package is imported (a lower floor never imports a higher one).
+_zero_composition: Callable[..., Any] | None = None
+
+
+def set_zero_composition(compose: Callable[..., Any]) -> None:
+    """Install the function :meth:`CompressedOptimizer.compose_with_zero` delegates to.
+
+    Args:
+        compose: :func:`plait.onebit_optim.under_zero.compose.compose_with_zero`.
+    """
+    global _zero_composition
+    _zero_composition = compose
 
 
 def check_hyperparameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -116,10 +131,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def compose_with_zero(cls, optimizer: Any, zero_config: Any, **kwargs: Any) -> Any:
         """Called by plait-zero-sharding's ``zero_shard`` (by name): the reducer and inner
         optimizer of 1-bit Adam under ZeRO-1/2, or a refusal naming what works
-        (:func:`plait.onebit_optim.zero_optimizer.compose_with_zero`)."""
-        from plait.onebit_optim.zero_optimizer import compose_with_zero
-
-        return compose_with_zero(optimizer, zero_config, **kwargs)
+        (:func:`plait.onebit_optim.under_zero.compose.compose_with_zero`)."""
+        if _zero_composition is None:  # only when this module was loaded outside its package
+            raise RuntimeError("the ZeRO composition of the 1-bit optimizers is not installed; import "
+                               "plait.onebit_optim (it imports plait.onebit_optim.under_zero.compose).")
+        return _zero_composition(optimizer, zero_config, **kwargs)
 
     def _check_masks(self, masks: dict[torch.Tensor, torch.Tensor]) -> dict[int, torch.Tensor]:
         owned = {id(p): p for group in self.param_groups for p in group["params"]}
@@ -144,7 +160,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss x`` the current loss scale: call ``optimizer.scale_loss(loss).backward()``
-        (``config.loss_scaling``; :mod:`plait.onebit_optim.grad_control`).
+        (``config.loss_scaling``; :mod:`plait.onebit_optim.exchange.grad_control`).
 
         Raises:
             RuntimeError: the config has no loss scaling.
@@ -268,3 +284,26 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 self.exchanges[index] = None
             else:
                 self.exchange(index).load_state_dict(saved)
+
+
+class FreezePointOwner:
+    """The members an optimizer with a :class:`FreezePoint` (``self.freeze_point``) shares: its
+    ``freeze_step`` and the freeze point in the saved 1-bit state. Mixed in before the optimizer base."""
+
+    freeze_point: FreezePoint
+
+    @property
+    def freeze_step(self) -> int | None:
+        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
+        (``None`` until the variance has settled)."""
+        return self.freeze_point.step
+
+    def onebit_state(self) -> dict[str, Any]:
+        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
+        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}  # type: ignore[misc]
+
+    def load_onebit_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
+        super().load_onebit_state(state)  # type: ignore[misc]
+        if "freeze" in state:
+            self.freeze_point.load_state_dict(state["freeze"])

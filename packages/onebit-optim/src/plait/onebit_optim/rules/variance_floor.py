@@ -30,7 +30,7 @@ Where every element already has ``v >= ratio x mean(v)`` the clamp returns the s
 the optimizer is the published algorithm bit for bit. ``ratio=0`` turns the floor off.
 
 The floor is a per-tensor statistic. Under ZeRO a shard holds pieces of flat units; each
-tensor's mean is then summed across the shards (:mod:`plait.onebit_optim.zero_variance_floor`)
+tensor's mean is then summed across the shards (:mod:`plait.onebit_optim.under_zero.variance_floor`)
 and the same clamp applies.
 """
 
@@ -50,7 +50,7 @@ def variance_floor(exp_avg_sq: torch.Tensor, ratio: float) -> torch.Tensor:
         The floor.
     """
     # Summed in float64, so that a ZeRO shard's partial sums, all-reduced, give the same floor
-    # after rounding (:mod:`plait.onebit_optim.zero_variance_floor`).
+    # after rounding (:mod:`plait.onebit_optim.under_zero.variance_floor`).
     mean = exp_avg_sq.sum(dtype=torch.float64) / max(exp_avg_sq.numel(), 1)
     return mean.mul_(ratio).to(exp_avg_sq.dtype)
 

@@ -30,65 +30,16 @@ counts 0 extra bytes and checks the decision on every rank).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from plait.onebit_optim.config import SettleConfig
+
 logger = logging.getLogger("plait.onebit_optim")
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SettleConfig:
-    """How "the variance has settled" is measured (:mod:`plait.onebit_optim.settle`).
-
-    Attributes:
-        threshold: the variance has settled when the largest relative change of a tensor's
-            summed bias-corrected variance over ``window`` steps is at most this (> 0).
-        window: the number of steps the change is measured over (>= 1).
-        min_step: ``freeze_step="auto"`` never freezes before this step (>= ``window + 1``, so
-            the first decision sees a whole window).
-        max_step: ``freeze_step="auto"`` freezes after this step even if the variance is still
-            moving (>= ``min_step``).
-    """
-
-    threshold: float = 0.02
-    window: int = 10
-    min_step: int = 20
-    max_step: int = 10_000
-
-    def __post_init__(self) -> None:
-        owner = "SettleConfig"
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float) \
-                or not math.isfinite(self.threshold) or self.threshold <= 0:
-            raise ValueError(f"{owner}.threshold={self.threshold!r} must be a finite number > 0; pass e.g. 0.02.")
-        for name, minimum in (("window", 1), ("min_step", self.window + 1 if _is_int(self.window) else 2),
-                              ("max_step", self.min_step if _is_int(self.min_step) else 2)):
-            value = getattr(self, name)
-            if not _is_int(value) or value < minimum:
-                raise ValueError(f"{owner}.{name}={value!r} must be an integer >= {minimum}"
-                                 f"{' (window + 1)' if name == 'min_step' else ''}"
-                                 f"{' (min_step)' if name == 'max_step' else ''}; pass e.g. {max(minimum, 20)}.")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_freeze_step(owner: str, value: object) -> None:
-    """Validate a ``freeze_step`` field: an integer >= 1 or ``"auto"``.
-
-    Raises:
-        ValueError: naming the field and the fix.
-    """
-    if value == "auto":
-        return
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{owner}.freeze_step={value!r} must be an integer >= 1 or 'auto' (freeze when the "
-                         "variance has settled, see SettleConfig); pass e.g. 'auto' or 2000.")
 
 
 def variance_sums(params_and_states: list[tuple[torch.Tensor, dict[str, Any], float]]) -> list[float]:
@@ -177,28 +128,6 @@ class FreezePoint:
         self.history = [list(h) for h in state["history"]]
         self.warned = bool(state["warned"])
 
-
-class FreezePointOwner:
-    """The members an optimizer with a :class:`FreezePoint` (``self.freeze_point``) shares: its
-    ``freeze_step`` and the freeze point in the saved 1-bit state. Mixed in before the optimizer base."""
-
-    freeze_point: FreezePoint
-
-    @property
-    def freeze_step(self) -> int | None:
-        """The last warm-up step: ``config.freeze_step``, or with ``"auto"`` the step it chose
-        (``None`` until the variance has settled)."""
-        return self.freeze_point.step
-
-    def onebit_state(self) -> dict[str, Any]:
-        """The step counter and the freeze point (``"auto"``'s decision and observations)."""
-        return {**super().onebit_state(), "freeze": self.freeze_point.state_dict()}  # type: ignore[misc]
-
-    def load_onebit_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`onebit_state` (a state saved before the freeze point was kept loads too)."""
-        super().load_onebit_state(state)  # type: ignore[misc]
-        if "freeze" in state:
-            self.freeze_point.load_state_dict(state["freeze"])
 
 
 def _describe(change: float | None) -> str:

@@ -2,7 +2,7 @@
 the 1-bit exchange.
 
 ``zero_shard(model, OnebitAdam, ZeroConfig(stage=2), lr=..., onebit_config=OnebitAdamConfig(...))`` (or
-an ``OnebitAdam`` instance) calls :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`
+an ``OnebitAdam`` instance) calls :func:`plait.onebit_optim.under_zero.compose.compose_with_zero`
 (plait-zero-sharding looks the hook up by name; nothing here imports it). It returns an
 engine-wide reducer, :class:`OnebitZeroExchange` (this module), and the inner optimizer class,
 ``ShardedOnebitAdam``, built over the fp32 master shards. Per step, per ZeRO unit (a flat
@@ -12,7 +12,7 @@ bucket, padded so rank ``r`` owns ``[r * shard, (r + 1) * shard)``):
   optimizer is torch's AdamW kernel on the averaged shards, so parameters equal ZeRO +
   ``torch.optim.AdamW`` bit for bit; with ``freeze_step="auto"`` the step is chosen when the
   variance has settled, from per-tensor sums completed by one small all-reduce after each
-  warm-up step (:mod:`plait.onebit_optim.zero_settle`);
+  warm-up step (:mod:`plait.onebit_optim.under_zero.settle`);
 * after it the reducer receives this rank's local gradient bucket and runs the worker side of
   the compressed all-reduce on its local momentum ``beta1 m + (1 - beta1) g`` (``m`` the full
   synchronised momentum of the unit, decoded from the 1-bit form every rank kept from the last
@@ -22,7 +22,7 @@ bucket, padded so rank ``r`` owns ``[r * shard, (r + 1) * shard)``):
   momentum of the whole unit in 1 bit for the next step. The owner's decoded chunk is the
   averaged momentum of its shard; the inner optimizer steps the shard's master with it and the
   frozen variance (raised, at the first compressed step, to its floor: each tensor's mean summed
-  across the shards, :mod:`plait.onebit_optim.zero_variance_floor`); ZeRO's exact post-step
+  across the shards, :mod:`plait.onebit_optim.under_zero.variance_floor`); ZeRO's exact post-step
   parameter all-gather follows unchanged.
 
 This is plain-data-parallel 1-bit Adam with one exchange per ZeRO unit (instead of one per
@@ -36,14 +36,14 @@ the optimizer's sharded ``exp_avg``. Resharding the worker error to another worl
 :func:`expect_checkpoint_world`.
 
 1-bit LAMB exchanges its momentum the same way (``zero_shard(model, OnebitLamb, ...)``); its inner
-optimizer is :class:`plait.onebit_optim.zero_lamb.ShardedOnebitLamb`, whose per-tensor
+optimizer is :class:`plait.onebit_optim.under_zero.onebit_lamb.ShardedOnebitLamb`, whose per-tensor
 coefficients this exchange commits on ``on_step`` and saves with its own pieces.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,10 @@ from plait.kernels import collectives
 from plait.kernels.ops.sign import compress_with_error_feedback, unpack_scaled_signs
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec, piece_key
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig
-from plait.onebit_optim.settle import FreezePoint
-from plait.onebit_optim.zero_settle import freeze_pieces, load_freeze_pieces, shard_variance_sums
+from plait.onebit_optim.rules.settle import FreezePoint
+from plait.onebit_optim.under_zero.layout import ShardedInner, UnitState, chunk_of, from_logical, to_logical
+from plait.onebit_optim.under_zero.settle import freeze_pieces, load_freeze_pieces, shard_variance_sums
 
-if TYPE_CHECKING:
-    from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
-    from plait.onebit_optim.zero_optimizer import ShardedOnebitAdam
 
 def expect_checkpoint_world(optimizer_or_model: Any, world: int) -> None:
     """Before loading a checkpoint saved at another world size: read its worker errors as rows of
@@ -80,36 +78,6 @@ def expect_checkpoint_world(optimizer_or_model: Any, world: int) -> None:
     exchange.checkpoint_world = world
 
 
-class _UnitState:
-    """One unit's exchange layout and error feedback (chunk ``r`` of ``cp`` elements holds shard ``r``)."""
-
-    def __init__(self, unit: Any) -> None:
-        self.unit = unit
-        self.world, self.rank, self.shard = unit.group_size, unit.group_rank, unit.shard_numel
-        self.chunk = chunk_of(self.shard)
-        device = unit.device
-        self.worker_error = torch.zeros(self.world * self.chunk, dtype=torch.float32, device=device)
-        self.server_error = torch.zeros(self.chunk, dtype=torch.float32, device=device)
-        self.signs: torch.Tensor | None = None  # all-gathered server signs: the synchronised momentum in 1 bit
-        self.scales: torch.Tensor | None = None
-        self.factors: list[float] = []
-        self.momentum: torch.Tensor | None = None  # this step's averaged momentum shard, for the inner step
-
-
-def chunk_of(shard: int) -> int:
-    """Server chunk size for a ZeRO shard of ``shard`` elements: rounded up to whole sign bytes."""
-    return -(-shard // 8) * 8
-
-
-def exchange_nbytes(unit_numels: list[tuple[int, int]], world: int) -> int:
-    """Logical bytes one compressed step's exchanges record per rank, from ``(shard_numel, tensors)``
-    per unit: all-to-all and all-gather of signs (``W x chunk / 8`` each), the two scale
-    all-gathers (``4 W`` each) and the per-tensor RMS all-reduce (``4 x tensors``)."""
-    total = 0
-    for shard, tensors in unit_numels:
-        n = world * chunk_of(shard)
-        total += 2 * (n // 8) + 2 * 4 * world + 4 * tensors
-    return total
 
 
 class OnebitZeroExchange:
@@ -118,7 +86,7 @@ class OnebitZeroExchange:
 
     Args:
         config: the ``OnebitAdamConfig`` or ``OnebitLambConfig`` (its ``freeze_step``, an integer
-            or ``"auto"``, and ``settle`` are read here: :mod:`plait.onebit_optim.zero_settle`).
+            or ``"auto"``, and ``settle`` are read here: :mod:`plait.onebit_optim.under_zero.settle`).
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
@@ -126,9 +94,9 @@ class OnebitZeroExchange:
 
     def __init__(self, config: OnebitAdamConfig | OnebitLambConfig, masks: dict[int, torch.Tensor]) -> None:
         self.config, self.masks = config, masks
-        self.optimizer: ShardedOnebitAdam | ShardedOnebitLamb | None = None
+        self.optimizer: ShardedInner | None = None
         self.engine: Any = None
-        self.units: dict[str, _UnitState] = {}
+        self.units: dict[str, UnitState] = {}
         self.steps = torch.zeros(1, dtype=torch.int64)  # updates taken (a tensor: a checkpoint piece)
         # When the variance freezes (fixed or "auto"); 0/1 Adam's config has no freeze_step.
         self.freeze_point = FreezePoint(
@@ -154,7 +122,7 @@ class OnebitZeroExchange:
                              "ZeroConfig.shard_dims (HSDP replicas), whose gradients the 1-bit exchange would not "
                              "average. Shard over every data-parallel dimension (shard_dims) or pass mesh['dp'].")
         self.engine = engine
-        self.units = {unit.key: _UnitState(unit) for unit in engine.units}
+        self.units = {unit.key: UnitState(unit) for unit in engine.units}
         config = engine.config
         # Clipping needs every unit's local gradient before the first one is exchanged, and an
         # fp16 step may be skipped after backward: both exchange at the step, not during backward,
@@ -305,7 +273,7 @@ class OnebitZeroExchange:
         return math.sqrt(float(squares) / world) / scale
 
     # ---- the exchange -------------------------------------------------------------------------
-    def _gather_momentum(self, state: _UnitState) -> None:
+    def _gather_momentum(self, state: UnitState) -> None:
         """Exact all-gather of a unit's ``exp_avg`` shards (once: at its first compressed step and
         after a checkpoint load); the full fp32 momentum is used right away by the exchange."""
         unit = state.unit
@@ -319,7 +287,7 @@ class OnebitZeroExchange:
                                            name=f"{self.NAME} momentum all-gather of `{unit.key}` (once)")
         state.signs, state.scales, state.factors = None, full, []
 
-    def _full_momentum(self, state: _UnitState) -> torch.Tensor:
+    def _full_momentum(self, state: UnitState) -> torch.Tensor:
         """The unit's synchronised momentum (padded flat fp32), decoded from the 1-bit form."""
         unit = state.unit
         if state.signs is None:  # gathered in fp32 (first compressed step / after a load)
@@ -339,7 +307,7 @@ class OnebitZeroExchange:
         flat[unit.numel:].zero_()
         return flat
 
-    def _exchange(self, state: _UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor | None:
+    def _exchange(self, state: UnitState, grads: torch.Tensor, group: Any) -> torch.Tensor | None:
         """The unit's 1-bit exchange of ``beta1 m + (1 - beta1) grads`` (fp32, unscaled); returns the
         owner's averaged momentum shard, or ``None`` (state untouched) when it is not finite somewhere."""
         unit, world = state.unit, state.world
@@ -367,7 +335,7 @@ class OnebitZeroExchange:
         state.signs, state.scales, state.factors = signs, scales, factors
         return self._own_shard(state, own, factors)
 
-    def _scaled_buffer(self, state: _UnitState, local: torch.Tensor,
+    def _scaled_buffer(self, state: UnitState, local: torch.Tensor,
                        group: Any) -> tuple[torch.Tensor, list[float]] | None:
         """``local`` (the unit's padded flat fp32 values, not modified) brought to a common scale
         per tensor (its RMS averaged over ranks: one all-reduce of ``4 x tensors`` bytes, as the
@@ -389,7 +357,7 @@ class OnebitZeroExchange:
         buffer[:, :state.shard].copy_(logical.view(world, state.shard))
         return buffer.view(-1), factors
 
-    def _own_shard(self, state: _UnitState, own: torch.Tensor, factors: list[float]) -> torch.Tensor:
+    def _own_shard(self, state: UnitState, own: torch.Tensor, factors: list[float]) -> torch.Tensor:
         """This rank's decoded server chunk as its shard of the unit: unscaled per tensor, masked,
         padding zero."""
         unit = state.unit
@@ -406,7 +374,7 @@ class OnebitZeroExchange:
         shard[max(0, unit.numel - lo):].zero_()
         return shard
 
-    def _compressed_allreduce(self, state: _UnitState, buffer: torch.Tensor, group: Any, key: str, *,
+    def _compressed_allreduce(self, state: UnitState, buffer: torch.Tensor, group: Any, key: str, *,
                               gather: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """``plait.kernels.collectives.compressed_allreduce``'s algorithm, keeping the packed server
         signs (the 1-bit values every rank holds) and decoding only this rank's chunk. With
@@ -502,9 +470,9 @@ class OnebitZeroExchange:
             unit_state = self.units[key]
             world_old = self.checkpoint_world
             assert world_old is not None
-            logical_worker = _to_logical(rows.mean(dim=0), world_old, old_shard, unit_state.unit.numel)
-            logical_server = _to_logical(server, world_old, old_shard, unit_state.unit.numel)
-            unit_state.worker_error.copy_(_from_logical(logical_worker, unit_state))
+            logical_worker = to_logical(rows.mean(dim=0), world_old, old_shard, unit_state.unit.numel)
+            logical_server = to_logical(server, world_old, old_shard, unit_state.unit.numel)
+            unit_state.worker_error.copy_(from_logical(logical_worker, unit_state))
             lo, hi = unit_state.unit.shard_range
             mine = torch.zeros(unit_state.chunk, device=unit_state.unit.device)
             part = logical_server[lo:min(hi, unit_state.unit.numel)]
@@ -516,34 +484,3 @@ class OnebitZeroExchange:
         for unit_state in self.units.values():
             unit_state.signs = unit_state.scales = None
             unit_state.momentum = None
-
-
-def _to_logical(exchange_layout: torch.Tensor, world: int, shard: int, numel: int) -> torch.Tensor:
-    """Exchange-layout values (``world`` chunks, each a shard and padding) as the unit's ``numel``
-    elements."""
-    chunk = chunk_of(shard)
-    return exchange_layout.view(world, chunk)[:, :shard].reshape(-1)[:numel]
-
-
-def _from_logical(values: torch.Tensor, state: _UnitState) -> torch.Tensor:
-    flat = torch.zeros(state.world * state.shard, device=values.device)
-    flat[:values.numel()] = values
-    out = torch.zeros(state.world, state.chunk, device=values.device)
-    out[:, :state.shard] = flat.view(state.world, state.shard)
-    return out.view(-1)
-
-
-class ShardedInner(torch.optim.Optimizer):
-    """Base of the inner optimizers ``zero_shard`` builds over the fp32 master shards for the three
-    1-bit optimizers (through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`, which
-    sets ``EXCHANGE``, the reducer they cooperate with); not meant to be built by hand.
-    """
-
-    EXCHANGE: OnebitZeroExchange
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.exchange = self.EXCHANGE
-        self.exchange.optimizer = self
-        self.config = self.exchange.config

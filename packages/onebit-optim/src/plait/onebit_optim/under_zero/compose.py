@@ -1,20 +1,22 @@
-"""The optimizer side of 1-bit Adam, 1-bit LAMB and 0/1 Adam under ZeRO: what ``zero_shard`` builds
-for them, and 1-bit Adam's inner optimizer over the fp32 master shards (see :mod:`plait.onebit_optim.zero`
-for the exchange, :mod:`plait.onebit_optim.zero_lamb` for LAMB's inner optimizer and
-:mod:`plait.onebit_optim.zero_one_zero` for 0/1 Adam's exchange and inner optimizer)."""
+"""What ``zero_shard`` builds for 1-bit Adam, 1-bit LAMB and 0/1 Adam: the checks, the engine-wide
+reducer (:mod:`plait.onebit_optim.under_zero.exchange`; 0/1 Adam's in
+:mod:`plait.onebit_optim.under_zero.adam01`) and the inner optimizer over the fp32 master shards
+(:mod:`plait.onebit_optim.under_zero.onebit_adam`, :mod:`plait.onebit_optim.under_zero.onebit_lamb`,
+:mod:`plait.onebit_optim.under_zero.adam01`). The optimizers' ``compose_with_zero`` hook
+delegates here (installed by :mod:`plait.onebit_optim` at import)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from plait.onebit_optim.adam import adam_state, adamw_step, frozen_variance_update
-from plait.onebit_optim.base import check_hyperparameters, run_closure
 from plait.onebit_optim.config import OnebitAdamConfig, OnebitLambConfig, ZeroOneAdamConfig
-from plait.onebit_optim.zero import OnebitZeroExchange, ShardedInner
-from plait.onebit_optim.zero_variance_floor import floor_shard_
+from plait.onebit_optim.data_parallel.base import check_hyperparameters
+from plait.onebit_optim.under_zero.adam01 import ShardedZeroOneAdam, ZeroOneZeroExchange
+from plait.onebit_optim.under_zero.exchange import OnebitZeroExchange
+from plait.onebit_optim.under_zero.onebit_adam import ShardedOnebitAdam
+from plait.onebit_optim.under_zero.onebit_lamb import ShardedOnebitLamb
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # The optimizers that compose with ZeRO-1/2: their config class.
@@ -69,9 +71,6 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     if param_groups is not None:
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
-    from plait.onebit_optim.zero_lamb import ShardedOnebitLamb
-    from plait.onebit_optim.zero_one_zero import ShardedZeroOneAdam, ZeroOneZeroExchange
-
     exchange = (ZeroOneZeroExchange if name == "ZeroOneAdam" else OnebitZeroExchange)(config, masks)
     base = {"OnebitAdam": ShardedOnebitAdam, "OnebitLamb": ShardedOnebitLamb, "ZeroOneAdam": ShardedZeroOneAdam}[name]
     inner = type(name, (base,), {"EXCHANGE": exchange, "__module__": __name__})
@@ -117,45 +116,3 @@ def _class_options(name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[int, to
         raise ValueError(f"{name}: unknown option(s) {unknown}; it takes {list(HYPERPARAMETERS)}, "
                          "onebit_config, momentum_masks.")
     return config, masks, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **kwargs}
-
-
-class ShardedOnebitAdam(ShardedInner):
-    """The inner optimizer of 1-bit Adam under ZeRO, over the fp32 master shards.
-
-    Warm-up: torch's AdamW kernel on the averaged gradient shards. After it: the averaged
-    momentum shard from :class:`OnebitZeroExchange` and the frozen variance. ``zero_shard``
-    builds it (through :func:`compose_with_zero`); it is not meant to be built by hand.
-    """
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of the master shards (see the class docstring)."""
-        loss = run_closure(closure)
-        self.exchange.run_deferred()  # clipping / fp16: the units are exchanged now
-        keys = {id(m): k for k, m in self.exchange.engine.placement.masters().items()} if self.exchange.engine else {}
-        compressed = self.exchange.compressing and any(
-            self.exchange.take_momentum(k) is not None for k in keys.values())
-        for group in self.param_groups:
-            if compressed:
-                self._compressed_step(group, keys)
-            else:
-                self._adamw_step(group)
-        return loss
-
-    def _state(self, p: torch.Tensor) -> dict[str, Any]:
-        return adam_state(self.state[p], p)
-
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        adamw_step(self.state, [p for p in group["params"] if p.grad is not None], group)
-
-    def _compressed_step(self, group: dict[str, Any], keys: dict[int, str]) -> None:
-        for p in group["params"]:
-            momentum = self.exchange.take_momentum(keys.get(id(p), ""))
-            if momentum is None:
-                continue
-            state = self._state(p)
-            if int(self.exchange.steps[0]) == self.exchange.freeze_step:  # the variance freezes now
-                unit = self.exchange.units[keys[id(p)]].unit
-                floor_shard_(unit, state["exp_avg_sq"], self.config.variance_floor, name="OnebitAdam")
-            state["exp_avg"].copy_(momentum)
-            frozen_variance_update(p, state, group, self.exchange.freeze_step)

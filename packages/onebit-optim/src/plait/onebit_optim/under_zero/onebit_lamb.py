@@ -1,17 +1,18 @@
 """1-bit LAMB under ZeRO stages 1 and 2: the inner optimizer over the fp32 master shards.
 
-The exchange is 1-bit Adam's (:class:`plait.onebit_optim.zero.OnebitZeroExchange`: the momentum
+The exchange is 1-bit Adam's (:class:`plait.onebit_optim.under_zero.exchange.OnebitZeroExchange`: the momentum
 is what crosses the network in both algorithms). What LAMB adds are per-tensor quantities that a
 flat ZeRO shard cuts across: the norms of the parameter and of the update (the trust ratio),
 during warm-up, and after it the norms of the preliminary update and the update and the largest
 ratio of the frozen to the fresh variance denominator (the coefficient's factor). Each rank
-computes them over the pieces of each tensor it owns; one all-reduce per unit and step completes
-them (sums of squares in float64; the ratio by a MAX all-reduce, exact in any order).
+computes them over the pieces of each tensor it owns and all-reduces per unit and step complete
+them: the ratio by a MAX all-reduce (exact in any order), the norms by an exact sum
+(:mod:`plait.onebit_optim.rules.lamb`: a MAX all-reduce of the pieces' largest magnitudes, then a
+SUM all-reduce of their squares in int64 fixed point).
 
-Numerics against :class:`plait.onebit_optim.OnebitLamb`: a piece's norm is taken in fp32 (as
-``Tensor.norm`` does) and squared in float64 (exact), so with one piece per tensor (one rank)
-the norms, and with them every update, are the plain optimizer's bit for bit; with several
-pieces only the summation of the pieces differs.
+Numerics against :class:`plait.onebit_optim.OnebitLamb`: it takes the same exact norm of each
+whole tensor, and integers add the same however the tensor is cut, so the norms, and with them
+every update, are the plain optimizer's bit for bit at any world size.
 
 The per-tensor trust-ratio average (``lamb_coeff_freeze``) and the last factor are the same on
 every rank (computed from all-reduced norms). They are committed when the engine says a step was
@@ -29,10 +30,16 @@ import torch.distributed as dist
 
 from plait.kernels import collectives
 from plait.kernels.sharded_state import ShardedTensor, ShardSpec
-from plait.onebit_optim.base import run_closure
-from plait.onebit_optim.lamb import frozen_lamb_direction, lamb_direction_
-from plait.onebit_optim.zero import ShardedInner
-from plait.onebit_optim.zero_variance_floor import floor_shard_
+from plait.onebit_optim.data_parallel.base import run_closure
+from plait.onebit_optim.rules.lamb import (
+    frozen_lamb_direction,
+    lamb_direction_,
+    norm_exponent,
+    norm_from_limbs,
+    square_limbs,
+)
+from plait.onebit_optim.under_zero.layout import ShardedInner
+from plait.onebit_optim.under_zero.variance_floor import floor_shard_
 
 
 def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -48,7 +55,7 @@ def _lamb_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
 
 class ShardedOnebitLamb(ShardedInner):
     """The inner optimizer of 1-bit LAMB under ZeRO (see the module docstring). ``zero_shard``
-    builds it through :func:`plait.onebit_optim.zero_optimizer.compose_with_zero`."""
+    builds it through :func:`plait.onebit_optim.under_zero.compose.compose_with_zero`."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
@@ -151,15 +158,32 @@ class ShardedOnebitLamb(ShardedInner):
 
 def _tensor_norms(unit: Any, flats: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Whole-tensor L2 norms (float64, one per slot of ``unit``) of each shard-shaped tensor in
-    ``flats``: fp32 norms of this rank's pieces, squared, summed over the unit's group."""
-    squares = torch.zeros(len(flats), len(unit.slots), dtype=torch.float64)
-    for slot, _, (slo, shi) in unit.local_pieces():
-        index = unit.slots.index(slot)
+    ``flats``, summed exactly (:mod:`plait.onebit_optim.rules.lamb`): a MAX all-reduce of the
+    pieces' largest magnitudes fixes each tensor's fixed-point exponent, a SUM all-reduce of the
+    pieces' int64 limbs completes the sums. Bit for bit ``exact_norm`` of the whole tensor, at any
+    world size (``8 + 16`` bytes per tensor and row)."""
+    pieces = [(unit.slots.index(slot), slo, shi) for slot, _, (slo, shi) in unit.local_pieces() if shi > slo]
+    maxima = torch.zeros(len(flats), len(unit.slots), dtype=torch.float64)
+    for index, slo, shi in pieces:
         for row, flat in enumerate(flats):
-            squares[row, index] = float(torch.linalg.vector_norm(flat[slo:shi])) ** 2
+            maxima[row, index] = float(flat[slo:shi].abs().max())
+    maxima.nan_to_num_(nan=float("inf"))  # a NaN piece makes its tensor's norm inf (a MAX keeps inf)
     if unit.group_size > 1:
-        collectives.all_reduce(squares, group=unit.group, name=f"OnebitLamb per-tensor norm all-reduce of `{unit.key}`")
-    return tuple(squares.sqrt())
+        collectives.all_reduce(maxima, op=dist.ReduceOp.MAX, group=unit.group,
+                               name=f"OnebitLamb per-tensor norm maximum all-reduce of `{unit.key}`")
+    finite = maxima.isfinite()
+    exponents = [[norm_exponent(v) if ok else 0 for v, ok in zip(row, oks)]
+                 for row, oks in zip(maxima.tolist(), finite.tolist())]
+    limbs = torch.zeros(len(flats), len(unit.slots), 2, dtype=torch.int64)
+    for index, slo, shi in pieces:
+        for row, flat in enumerate(flats):
+            if bool(finite[row, index]):
+                limbs[row, index] += square_limbs(flat[slo:shi], exponents[row][index])
+    if unit.group_size > 1:
+        collectives.all_reduce(limbs, group=unit.group, name=f"OnebitLamb per-tensor norm all-reduce of `{unit.key}`")
+    norms = torch.tensor([[norm_from_limbs(limbs[row, t], exponents[row][t]) for t in range(len(unit.slots))]
+                          for row in range(len(flats))], dtype=torch.float64)
+    return tuple(torch.where(finite, norms, maxima))
 
 
 def _tensor_max(unit: Any, flat: torch.Tensor) -> torch.Tensor:
