@@ -1,7 +1,14 @@
 """engine.load_checkpoint resumes a checkpoint written by DeepSpeed 0.19.8 itself (ZeRO 1/2/3, fp32 and bf16,
 W=1 gloo, and one written at W=2 resumed at W=1): the next losses equal DeepSpeed continuing the same
-checkpoint, with its step, scheduler and client state. (fp16: DeepSpeed refuses fp16 on a CPU, so no
-fp16 checkpoint of its own can be written here.)"""
+checkpoint, with its step, scheduler and client state.
+
+fp16 (ZeRO-2 and ZeRO-3, dynamic loss scale with overflows and growths before the save): DeepSpeed
+refuses fp16 on a CPU whose oneDNN lacks fp16 kernels (its engine checks
+``get_accelerator().is_fp16_supported()``); only that check is lifted, on DeepSpeed's CPU accelerator
+class, and its fp16 ZeRO paths then run as written (fp16 weights and gradients, fp32 masters, overflow
+checks, dynamic scaling). The loss scaler carries over: scale, skipped steps, hysteresis and the good
+steps towards the next growth.
+"""
 
 import json
 import os
@@ -20,6 +27,13 @@ pytest.importorskip("plait.universal_ckpt")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 deepspeed = pytest.importorskip("deepspeed")
 from plait.zero_sharding.deepspeed import initialize  # noqa: E402
+
+JOB = pathlib.Path(__file__).resolve().parent / "deepspeed_resume_job.py"
+sys.path.insert(0, str(JOB.parent))
+try:
+    from deepspeed_resume_job import allow_fp16_on_cpu, batch, config, net
+finally:
+    sys.path.remove(str(JOB.parent))
 
 
 def _config(stage: int) -> dict:
@@ -123,7 +137,7 @@ def _port() -> int:
 def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) -> None:
     """DeepSpeed trains at W=2 (4 samples a rank) and continues; plait resumes its checkpoint at W=1
     with the same 8 samples a step: each loss is the mean of DeepSpeed's two ranks' losses."""
-    job = pathlib.Path(__file__).resolve().parent / "deepspeed_resume_job.py"
+    job = JOB
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -132,11 +146,6 @@ def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) 
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     theirs = [json.loads((tmp_path / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
-    sys.path.insert(0, str(job.parent))
-    try:
-        from deepspeed_resume_job import batch, config, net
-    finally:
-        sys.path.remove(str(job.parent))
     model = net()
     ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp32", 8))
     ours.load_checkpoint(str(tmp_path / "ckpt"))
@@ -147,3 +156,84 @@ def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) 
         ours.backward(loss)
         ours.step()
         assert loss.item() == pytest.approx((theirs[0][index] + theirs[1][index]) / 2, rel=1e-5), step
+
+
+@pytest.fixture
+def _fp16_on_cpu():
+    undo = allow_fp16_on_cpu()
+    yield
+    undo()
+
+
+def _step(engine, step: int, ranks: tuple[int, ...]) -> float:
+    pieces = [batch(step, rank, torch.float16) for rank in ranks]
+    x, y = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+    loss = F.cross_entropy(engine(x).float(), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _their_scaler(engine) -> tuple[float, int]:
+    scaler = engine.optimizer.loss_scaler
+    return scaler.cur_scale, engine.skipped_steps
+
+
+def _our_scaler(engine) -> tuple[float, int]:
+    scaler = engine.optimizer.scaler
+    return scaler.scale, scaler.skipped_steps
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.usefixtures("_fp16_on_cpu")
+def test_resume_fp16_deepspeed_checkpoint_continues_as_deepspeed(stage: int, tmp_path) -> None:
+    model = net()
+    theirs, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config(stage, "fp16", 4))
+    for step in range(3):
+        _step(theirs, step, (0,))
+    theirs.save_checkpoint(str(tmp_path))
+    saved_scaler = _their_scaler(theirs)
+    assert saved_scaler[1] > 0 and saved_scaler[0] != 2.0 ** config(stage, "fp16", 4)["fp16"]["initial_scale_power"]
+    expected = [(_step(theirs, step, (0,)), _their_scaler(theirs)) for step in range(3, 7)]
+
+    model = net()
+    ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp16", 4))
+    ours.load_checkpoint(str(tmp_path))
+    assert ours.global_steps == 3 and _our_scaler(ours) == saved_scaler
+    got = [(_step(ours, step, (0,)), _our_scaler(ours)) for step in range(3, 7)]
+    for (loss, scaler), (their_loss, their_scaler) in zip(got, expected, strict=True):
+        assert loss == pytest.approx(their_loss, rel=1e-5)
+        assert scaler == their_scaler
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.usefixtures("_fp16_on_cpu")
+def test_resume_two_rank_fp16_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) -> None:
+    """DeepSpeed trains fp16 at W=2 (4 samples a rank); plait resumes at W=1 on the same 8 samples a step,
+    with DeepSpeed's scaler state: the next three losses are the mean of DeepSpeed's two ranks' losses
+    within 5e-5 and the scaler goes as DeepSpeed's through the first two steps (a growth among them).
+
+    Not 1e-5: DeepSpeed rounds each rank's gradient sum to fp16 and all-reduces in fp16, plait at W=1
+    rounds the 8-sample sum once, which moves the loss by about 2e-5 after two updates. Not further:
+    whether a step overflows is decided on fp16 gradients, so it depends on how the batch is split
+    (DeepSpeed's step 5 overflows in one rank's 4-sample gradients, plait's 8-sample ones do not)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_port()), str(JOB), str(tmp_path), str(stage), "fp16"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = [json.loads((tmp_path / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
+    scalers = json.loads((tmp_path / "scaler.json").read_text())
+    assert scalers[0][1] > 0 and scalers[2][0] > scalers[1][0]  # overflows before the save, a growth after
+    model = net()
+    ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp16", 8))
+    ours.load_checkpoint(str(tmp_path / "ckpt"))
+    assert ours.global_steps == 3 and list(_our_scaler(ours)) == scalers[0]
+    for index, step in enumerate(range(3, 6)):
+        loss = _step(ours, step, (0, 1))
+        assert loss == pytest.approx((theirs[0][index] + theirs[1][index]) / 2, rel=5e-5), step
+        if index < 2:
+            assert list(_our_scaler(ours)) == scalers[index + 1], step

@@ -94,8 +94,10 @@ def test_the_mapping_and_refusals_name_the_argument():
             config.noise_eps) == ("position", True, "first", "gumbel_after_first", 1.0)
     assert plait_ds.deepspeed_moe_config(H, E, k=1, use_rts=False).drop_policy == "position"
     assert plait_ds.deepspeed_moe_config(H, E, k=2, drop_tokens=False).capacity_factor is None
-    with pytest.raises(ValueError, match=r"ep_size=2.*apply_expert_parallel"):
-        plait_ds.MoE(H, _expert("sequential"), num_experts=E, ep_size=2)
+    with pytest.raises(ValueError, match=r"num_experts=4, ep_size=3\): ep_size must divide num_experts"):
+        plait_ds.MoE(H, _expert("sequential"), num_experts=E, ep_size=3)
+    with pytest.raises(ValueError, match=r"ep_size=0\) must be a positive int"):
+        plait_ds.MoE(H, _expert("sequential"), num_experts=E, ep_size=0)
     with pytest.raises(ValueError, match="use_tutel"):
         plait_ds.MoE(H, _expert("sequential"), num_experts=E, use_tutel=True)
     with pytest.raises(ValueError, match="noisy_gate_policy='Jitter' with k=2"):

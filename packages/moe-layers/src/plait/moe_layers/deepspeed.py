@@ -7,6 +7,13 @@ maps onto :class:`~plait.moe_layers.MoEConfig` switches that reproduce DeepSpeed
 ``top1gating``/``top2gating``/``topkgating`` and against the whole DeepSpeed layer); the experts are
 copies of the given module, as DeepSpeed makes them; a DeepSpeed state dict loads under its own key
 names. deepspeed itself is not needed.
+
+``ep_size > 1`` lays the ranks out as DeepSpeed does (``ep_size`` consecutive ranks per
+expert-parallel group, each keeping ``num_experts / ep_size`` consecutive experts; the ranks with
+the same place in their groups form the expert-data-parallel groups) through
+:func:`~plait.moe_layers.make_expert_parallel_groups` and
+:func:`~plait.moe_layers.apply_expert_parallel`. The groups are made once per ``ep_size`` and
+shared by every layer of that size, as DeepSpeed names them ``ep_size_<n>``.
 """
 
 from __future__ import annotations
@@ -15,16 +22,21 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait.moe_layers.config import MoEConfig
 from plait.moe_layers.layer import MoE as PlaitMoE
+from plait.moe_layers.parallel import ExpertParallelGroups, apply_expert_parallel, make_expert_parallel_groups
 
 # DeepSpeed's key prefixes -> this layer's (the router's weight, the experts, the residual MLP).
 _DEEPSPEED_KEYS = (("deepspeed_moe.gate.wg.weight", "router.weight"),
                    ("deepspeed_moe.experts.deepspeed_experts.", "experts.experts."),
                    ("mlp.", "dense."))
 _JITTER_EPS = 1e-2  # DeepSpeed's multiplicative_jitter epsilon
+# ep_size -> (the default group it was made under, its groups): one set per size, as DeepSpeed's
+# "ep_size_<n>" groups, remade if the default process group is replaced.
+_GROUPS: dict[int, tuple[Any, ExpertParallelGroups]] = {}
 
 
 def deepspeed_moe_config(hidden_size: int, num_experts: int = 1, k: int = 1, capacity_factor: float = 1.0,
@@ -83,12 +95,16 @@ class MoE(PlaitMoE):
         num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, use_residual,
         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling: as DeepSpeed's
             (:func:`deepspeed_moe_config` says what each becomes).
-        ep_size: must be 1 here; shard the experts afterwards with
-            :func:`~plait.moe_layers.apply_expert_parallel` (plait's expert parallelism).
+        ep_size: ranks that split the experts (DeepSpeed's layout, see the module docstring);
+            above 1 this rank keeps its ``num_experts / ep_size`` experts and the constructor is
+            a collective call the first time a size is used (every rank builds its layers in the
+            same order, after ``torch.distributed`` is initialised).
         use_tutel, enable_expert_tensor_parallelism: must be ``False``.
 
     Raises:
-        ValueError: an argument plait cannot honour, named with what to do instead.
+        ValueError: an argument plait cannot honour, named with what to do instead, or an
+            ``ep_size`` that does not divide ``num_experts`` or the world size.
+        RuntimeError: ``ep_size > 1`` without ``torch.distributed`` initialised.
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
@@ -105,6 +121,8 @@ class MoE(PlaitMoE):
         nn.init.kaiming_uniform_(self.router.weight, a=5 ** 0.5)
         if use_residual:
             self.dense = expert  # DeepSpeed's residual MLP is the given module itself, not a copy
+        if ep_size > 1:
+            apply_expert_parallel(self, _expert_parallel_groups(ep_size))
         self._register_load_state_dict_pre_hook(_rename_deepspeed_keys)
         self._last_expert_ids: torch.Tensor | None = None
         self.router.register_forward_hook(self._remember_choice)
@@ -132,10 +150,21 @@ class MoE(PlaitMoE):
         return out, losses.load_balancing, counts
 
 
+def _expert_parallel_groups(ep_size: int) -> ExpertParallelGroups:
+    """The groups of ``ep_size``, made on first use (a collective call) and shared afterwards."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    cached = _GROUPS.get(ep_size)
+    if cached is None or cached[0] is not world:
+        _GROUPS[ep_size] = (world, make_expert_parallel_groups(ep_size))
+    return _GROUPS[ep_size][1]
+
+
 def _refuse_unsupported(num_experts: int, ep_size: int, use_tutel: bool, expert_tp: bool) -> None:
-    if ep_size != 1:
-        raise ValueError(f"MoE(ep_size={ep_size}): build the layer with ep_size=1 and shard its experts with "
-                         "plait.moe_layers.apply_expert_parallel (plait's expert parallelism, by its own groups).")
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"MoE(ep_size={ep_size!r}) must be a positive int (1: no expert parallelism).")
+    if isinstance(num_experts, int) and num_experts % ep_size:
+        raise ValueError(f"MoE(num_experts={num_experts}, ep_size={ep_size}): ep_size must divide num_experts; "
+                         f"use one of {[d for d in range(1, num_experts + 1) if num_experts % d == 0]}.")
     if use_tutel:
         raise ValueError("MoE(use_tutel=True): Tutel is not used by plait; pass use_tutel=False (plait's grouped "
                          "dispatch is its own).")

@@ -65,6 +65,10 @@ class ZeroConfig:
         loss_scale: fp16 only: a fixed loss scale, or 0 for dynamic loss scaling.
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: good steps before the scale grows by ``growth_factor``.
+        loss_scale_window_offset: extra good steps the start and every overflow cost before the
+            first growth: 0 grows after ``loss_scale_window`` good steps, then every window
+            (``torch.amp.GradScaler``'s rule); 1 grows after ``loss_scale_window + 1``, then every
+            window (DeepSpeed's ``DynamicLossScaler``; the DeepSpeed config translator sets it).
         growth_factor: multiplier when the scale grows.
         backoff_factor: multiplier applied on overflow.
         hysteresis: overflowing steps tolerated before the scale backs off (each one is still
@@ -117,6 +121,7 @@ class ZeroConfig:
     loss_scale: float = 0.0
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
+    loss_scale_window_offset: int = 0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     hysteresis: int = 2
@@ -139,6 +144,7 @@ class ZeroConfig:
         self._positive_int("param_persistence_threshold", minimum=0, hint="0 shards every parameter")
         self._positive_int("initial_scale_power", minimum=0, hint="16 is typical")
         self._positive_int("loss_scale_window", minimum=1, hint="1000 is typical")
+        self._positive_int("loss_scale_window_offset", minimum=0, hint="0 (torch's rule) or 1 (DeepSpeed's)")
         self._positive_int("hysteresis", minimum=1, hint="2 is typical")
         self._positive_int("check_replicas_every", minimum=0, hint="0 disables the check")
         object.__setattr__(self, "compute_dtype", _as_dtype("compute_dtype", self.compute_dtype, allow_none=False))

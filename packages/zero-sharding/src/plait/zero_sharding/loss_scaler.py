@@ -16,7 +16,8 @@ class LossScaler:
     """Loss scale state machine.
 
     Dynamic mode (``config.loss_scale == 0``): start at ``2 ** initial_scale_power``; after
-    ``loss_scale_window`` consecutive good steps multiply by ``growth_factor``; on an overflow
+    ``loss_scale_window`` consecutive good steps (``loss_scale_window_offset`` more for the first
+    growth after the start or an overflow) multiply by ``growth_factor``; on an overflow
     skip the step and, once ``hysteresis`` overflows have been seen since the last growth,
     multiply by ``backoff_factor`` (never below ``min_loss_scale``). Static mode keeps
     ``loss_scale``. Without fp16 the scale is 1 and never changes.
@@ -33,7 +34,8 @@ class LossScaler:
         self.scale = float(2 ** config.initial_scale_power) if self.dynamic else (config.loss_scale or 1.0)
         if not enabled:
             self.scale = 1.0
-        self.good_steps = 0
+        # Counts from -offset where an offset delays the first growth (see ZeroConfig).
+        self.good_steps = -config.loss_scale_window_offset
         self.hysteresis_left = config.hysteresis
         self.skipped_steps = 0
 
@@ -44,7 +46,7 @@ class LossScaler:
         if not self.dynamic:
             return
         if overflow:
-            self.good_steps = 0
+            self.good_steps = -self.config.loss_scale_window_offset
             if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
             else:

@@ -72,13 +72,22 @@ def _concat_flat(parts: list[torch.Tensor], paddings: list[int], total: int, wha
                                 f"the parameters {total}; unsupported layout.")
 
 
+def _fields(state: dict | list, group: int) -> list[str]:
+    """The base optimizer's state names for ``group``; none before its first step (every step so far
+    skipped by fp16 overflows): the import then holds no moments, and a target that keeps them
+    names each missing one when it loads."""
+    if isinstance(state, dict):
+        return list(state.get(group, {}))
+    return list(state[group]) if group < len(state) else []
+
+
 def _stage12(optims: list[dict], shapes: list[dict], copy: bool = True) -> Iterator[tuple[str, str, torch.Tensor]]:
     for group, names in enumerate(shapes):
         total = sum(math.prod(s) for s in names.values())
         pads = [int(o.get("group_paddings", [0] * len(shapes))[group]) for o in optims]
         flats = {"model": _concat_flat([o["single_partition_of_fp32_groups"][group] for o in optims], pads, total,
                                        "fp32 partitions")}
-        for field in optims[0]["base_optimizer_state"]["state"][group]:
+        for field in _fields(optims[0]["base_optimizer_state"]["state"], group):
             values = [o["base_optimizer_state"]["state"][group][field] for o in optims]
             if values[0].dim() == 0:
                 flats[f"optim.{field}"] = values[0]
@@ -91,7 +100,7 @@ def _stage3(optims: list[dict], shapes: list[dict]) -> Iterator[tuple[str, str, 
     world = len(optims)
     for group, names in enumerate(shapes):
         flats = {"model": [o["fp32_flat_groups"][group] for o in optims]}
-        for field in optims[0]["optimizer_state_dict"]["state"][group]:
+        for field in _fields(optims[0]["optimizer_state_dict"]["state"], group):
             flats[f"optim.{field}"] = [o["optimizer_state_dict"]["state"][group][field] for o in optims]
         offset = 0
         for name, shape in names.items():
@@ -123,12 +132,27 @@ def _split(flats: dict[str, torch.Tensor], names: dict, copy: bool = True) -> It
         offset += numel
 
 
-def _loss_scale(scaler: Any) -> float:
-    """DeepSpeed pickles its loss scaler object; its ``cur_scale`` is what carries over."""
+def _loss_scaler(scaler: Any, skipped_steps: Any) -> torch.Tensor:
+    """DeepSpeed's pickled loss scaler as plait's ``zero.loss_scaler`` row.
+
+    The row is ``[scale, good_steps, hysteresis_left, skipped_steps]``. DeepSpeed's dynamic scaler
+    keeps ``cur_iter`` and ``last_overflow_iter`` and grows the scale on a step that follows a
+    positive multiple of ``scale_window`` good steps since the last overflow; plait grows on the step
+    that completes ``loss_scale_window`` good steps. ``good_steps`` is set so that plait's next growth
+    falls on the step DeepSpeed's would (``-1`` right after an overflow: DeepSpeed waits one step
+    longer there); the growths after it follow every window, as DeepSpeed's do, and with
+    ``ZeroConfig.loss_scale_window_offset=1`` (what the DeepSpeed config translator sets) so do those
+    after later overflows. A static or absent scaler gives its scale, no good steps and no hysteresis.
+    """
     state = scaler if isinstance(scaler, dict) else getattr(scaler, "state", None)
-    if isinstance(state, dict) and "cur_scale" in state:
-        return float(state["cur_scale"])
-    return 1.0
+    state = state if isinstance(state, dict) else {}
+    scale = float(state.get("cur_scale", 1.0))
+    good, hysteresis = 0.0, 0.0
+    if state.get("dynamic") and "cur_iter" in state and "last_overflow_iter" in state:
+        done = int(state["cur_iter"]) - int(state["last_overflow_iter"]) - 1  # good steps since the last overflow
+        good = float(-1 if done == 0 else (done - 1) % int(state["scale_window"]))
+        hysteresis = float(state.get("cur_hysteresis", 1))
+    return torch.tensor([scale, good, hysteresis, float(skipped_steps or 0)], dtype=torch.float64)
 
 
 def import_deepspeed(src: str | os.PathLike, dst_root: str | os.PathLike, *, tag: str | None = None,
@@ -154,7 +178,7 @@ def import_deepspeed(src: str | os.PathLike, dst_root: str | os.PathLike, *, tag
     path = _tag_dir(Path(src), tag)
     if deepspeed_mp.is_model_parallel(path):
         return deepspeed_mp.import_model_parallel(path, Path(dst_root), key=key, load=_load, split=_stage12,
-                                                  loss_scale=_loss_scale, progress=progress)
+                                                  loss_scaler=_loss_scaler, progress=progress)
     optim_files = sorted(path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
     optims = [_load(f)["optimizer_state_dict"] for f in optim_files]
     model_file = path / "mp_rank_00_model_states.pt"
@@ -164,7 +188,7 @@ def import_deepspeed(src: str | os.PathLike, dst_root: str | os.PathLike, *, tag
     stage = int(optims[0]["zero_stage"])
     shapes = [{n: tuple(s) for n, s in group.items()} for group in model_state["param_shapes"]]
     pieces = _stage3(optims, shapes) if stage == 3 else _stage12(optims, shapes)
-    scale = _loss_scale(optims[0].get("loss_scaler"))
+    scaler = _loss_scaler(optims[0].get("loss_scaler"), model_state.get("skipped_steps"))
 
     def tensors() -> Iterator[tuple[str, str, str, torch.Tensor]]:
         for prefix, name, tensor in pieces:
@@ -174,8 +198,7 @@ def import_deepspeed(src: str | os.PathLike, dst_root: str | os.PathLike, *, tag
                 yield key, f"{prefix}.{name}", "optimizer_state", tensor
         for name in model_state.get("buffer_names") or []:
             yield key, f"buffer.{name}", "buffer", model_state["module"][name].clone()
-        yield key, "zero.loss_scaler", "other", torch.tensor(
-            [scale, 0.0, 0.0, float(model_state.get("skipped_steps", 0))], dtype=torch.float64)
+        yield key, "zero.loss_scaler", "other", scaler
 
     base = optims[0].get("base_optimizer_state") or optims[0].get("optimizer_state_dict") or {}
     objects = {0: {"deepspeed": {"global_steps": model_state.get("global_steps"),

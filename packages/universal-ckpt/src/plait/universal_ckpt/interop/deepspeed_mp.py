@@ -294,10 +294,11 @@ def pipeline_buffers(path: Path, load: Callable[[Path], dict],
 
 
 def import_model_parallel(path: Path, dst_root: Path, *, key: str, load: Callable[[Path], dict], split: Callable,
-                          loss_scale: Callable[[Any], float], progress: Callable[[int], None] | None) -> Path:
+                          loss_scaler: Callable[[Any, Any], torch.Tensor],
+                          progress: Callable[[int], None] | None) -> Path:
     """Convert a DeepSpeed AutoTP or ``PipelineModule`` tag directory into a universal checkpoint."""
     pieces, first, layout, rank0_optims = model_parallel_tensors(path, load, split)
-    scale = loss_scale(rank0_optims[0].get("loss_scaler"))
+    scaler = loss_scaler(rank0_optims[0].get("loss_scaler"), first.get("skipped_steps"))
     param_names = {n for group in first["param_shapes"] for n in group}
 
     def tensors() -> Iterator[tuple[str, str, str, torch.Tensor, dict | None]]:
@@ -314,8 +315,7 @@ def import_model_parallel(path: Path, dst_root: Path, *, key: str, load: Callabl
         else:
             for name in first.get("buffer_names") or []:
                 yield key, f"buffer.{name}", "buffer", first["module"][name].clone(), None
-        yield key, "zero.loss_scaler", "other", torch.tensor(
-            [scale, 0.0, 0.0, float(first.get("skipped_steps", 0))], dtype=torch.float64), None
+        yield key, "zero.loss_scaler", "other", scaler, None
 
     base = rank0_optims[0].get("base_optimizer_state") or {}
     info = dict(first.get("universal_checkpoint_info") or {})

@@ -246,6 +246,7 @@ def _zero_config(config: dict[str, Any]) -> ZeroConfig:
         fields["compute_dtype"] = torch.bfloat16
     elif fp16.get("enabled"):
         fields["compute_dtype"] = torch.float16
+        fields["loss_scale_window_offset"] = 1  # DeepSpeed grows one good step later after the start/an overflow
         for ds_name, ours in (("loss_scale", "loss_scale"), ("initial_scale_power", "initial_scale_power"),
                               ("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"),
                               ("min_loss_scale", "min_loss_scale")):

@@ -124,7 +124,8 @@ _BUILTIN = [
     Key(path="fp16.enabled", action="mapped", effect="ZeroConfig.compute_dtype=torch.float16"),
     Key(path="fp16.loss_scale", action="mapped", effect="ZeroConfig.loss_scale (0: dynamic)"),
     Key(path="fp16.initial_scale_power", action="mapped", effect="ZeroConfig.initial_scale_power"),
-    Key(path="fp16.loss_scale_window", action="mapped", effect="ZeroConfig.loss_scale_window"),
+    Key(path="fp16.loss_scale_window", action="mapped", effect="ZeroConfig.loss_scale_window, with "
+        "loss_scale_window_offset=1 (DeepSpeed's first growth after the start or an overflow waits one more step)"),
     Key(path="fp16.hysteresis", action="mapped", effect="ZeroConfig.hysteresis"),
     Key(path="fp16.min_loss_scale", action="mapped", effect="ZeroConfig.min_loss_scale"),
     Key(path="fp16.consecutive_hysteresis", action="accepted", effect="false (DeepSpeed's default) only",
