@@ -42,7 +42,7 @@ from plait.zero_sharding.benchmarks.optimizers_speed import speed_ranks, speed_r
 
 WORLD, BATCH, SEQ, TAIL = 2, 8, 64, 20
 FULL = dict(model=dict(num_layers=4, hidden_size=128, num_heads=4, intermediate_size=344, vocab_size=1024,
-                       max_seq_len=64), steps=300, timed=20, speed_worlds=(2, 4))
+                       max_seq_len=64), steps=300, timed=10, speed_worlds=(2, 4))
 QUICK = dict(model=dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=172, vocab_size=1024,
                         max_seq_len=64), steps=60, timed=10, speed_worlds=(2,))
 ADAMW = dict(lr=3e-3, weight_decay=0.1)
