@@ -1,25 +1,29 @@
 """Optimizers under ZeRO: quality, memory and step time (``plait bench optimizers [--quick]``).
 
-All plait runs are ZeRO at world size 2 (gloo, one torch thread per rank), in one set of ranks:
-
-* quality: tiny-llama (hidden 128, 4 layers, vocab 1024; quick: hidden 64, 2 layers) trained on
-  the built-in corpus (8 x 64 tokens per step, the same batches for every setting) with ZeRO-2:
-  AdamW in fp32 (the reference), Muon + AdamW (``MuonWithAdamW``: Muon lr 0.02 on the hidden
-  matrices, AdamW on the rest), AdamW with bf16 masters (compensated) and bf16 states in bf16
-  compute, and AdamW with int8 states (fp32 compute). 300 steps (quick: 60). Final loss: the
-  mean of the last 20 steps. Targets: Muon <= AdamW; each low-precision setting within 1% of
-  AdamW. A PNG shows the curves.
-* memory: model-state bytes per parameter per rank from the memory ledger
+* quality (ZeRO-2, W=2, gloo, one torch thread per rank): tiny-llama (hidden 128, 4 layers,
+  vocab 1024; quick: hidden 64, 2 layers) trained on the built-in corpus (8 x 64 tokens per step,
+  the same batches for every setting): AdamW in fp32 (the reference), Muon + AdamW
+  (``MuonWithAdamW``: Muon lr 0.02 on the hidden matrices, AdamW lr 3e-3 on the rest, one
+  call), AdamW with bf16 masters (compensated) and bf16 states in bf16 compute, and AdamW with
+  int8 states (fp32 compute). 300 steps (quick: 60). Final loss: the mean of the last 20 steps.
+  Targets: Muon <= AdamW; each low-precision setting within 1% of AdamW, either side. A PNG
+  shows the curves.
+* memory (ZeRO-3, W=2): model-state bytes per parameter per rank from the memory ledger
   (:func:`plait.zero_sharding.model_state_bytes`, after a backward, state allocated) against the
-  formula for each setting, ZeRO-3 on a model whose tensors divide into whole int8 blocks on each
-  rank (no padding): ``k / W`` with ``k`` = 16 (fp32 AdamW), 16 (bf16 compute, fp32 masters and
-  states), 10 (bf16 masters compensated, bf16 states), 8 (stochastic rounding, bf16 states),
-  ``10 + 8/256`` (bf16 compute, fp32 masters, int8 states with their fp32 block scales),
-  ``6 + 8/256`` (stochastic bf16 masters, int8 states), plus AdamW's step counter (one fp32
-  scalar per tensor stepped). Target: exact.
-* speed: the median ``optimizer.step()`` of Muon + AdamW under ZeRO-2 and ZeRO-3 at W=2 (rank 0's
-  clock, ranks synchronised before each step) against the same optimizer stepping the whole model
-  in one process. Informational: the machine is shared, so the ratio is as noisy as its load.
+  formula for each setting, on a model whose tensors divide into whole int8 blocks on each rank
+  (no padding) and whose three matrices the whole-tensor placement gives to the two ranks in
+  equal numbers of elements: ``k / W`` with ``k`` = 16 (fp32 AdamW), 16 (bf16 compute, fp32
+  masters and states), 10 (bf16 masters compensated, bf16 states), 8 (stochastic rounding, bf16
+  states), ``10 + 8/256`` (bf16 compute, fp32 masters, int8 states with their fp32 block
+  scales), ``6 + 8/256`` (stochastic bf16 masters, int8 states), 12 (Muon: parameter, gradient
+  and momentum in fp32; also with bf16 compute: 2 + 2 + a 4-byte master + 4), plus AdamW's step
+  counter (one fp32 scalar per tensor stepped; Muon keeps none). Target: exact. Muon's owners
+  also hold the whole fp32 tensor they step (4 bytes per owned parameter), which the ledger does
+  not count; the note gives those bytes.
+* speed (:mod:`.optimizers_speed`): the Muon + AdamW step under ZeRO-2 and ZeRO-3 at W=2 and W=4
+  against one process x W and against DeepSpeed's Muon, ABBA-interleaved, passing by the p90 of
+  the round-by-round ratio (target <= 1). The machine is shared, so the figures are as noisy as
+  its load, which the results file records.
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.kernels.bench import BenchRow, TimingStats, one_thread
+from plait.kernels.bench import BenchRow
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
+from plait.zero_sharding.benchmarks.optimizers_speed import speed_ranks, speed_rows
 
 WORLD, BATCH, SEQ, TAIL = 2, 8, 64, 20
 FULL = dict(model=dict(num_layers=4, hidden_size=128, num_heads=4, intermediate_size=344, vocab_size=1024,
-                       max_seq_len=64), steps=300, timed=30)
+                       max_seq_len=64), steps=300, timed=10, speed_worlds=(2, 4))
 QUICK = dict(model=dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=172, vocab_size=1024,
-                        max_seq_len=64), steps=60, timed=10)
+                        max_seq_len=64), steps=60, timed=10, speed_worlds=(2,))
 ADAMW = dict(lr=3e-3, weight_decay=0.1)
 MUON = dict(lr=0.02, adamw_lr=3e-3, weight_decay=0.1)
 QUALITY = {  # setting -> (optimizer, ZeroConfig options)
@@ -49,7 +54,7 @@ QUALITY = {  # setting -> (optimizer, ZeroConfig options)
                                                   optimizer_state_dtype="bf16")),
     "AdamW int8 states": ("adamw", dict(optimizer_state_dtype="int8")),
 }
-MEMORY = {  # setting -> (ZeroConfig options, k: bytes per parameter at W=1)
+MEMORY = {  # setting -> (ZeroConfig options, k: bytes per parameter at W=1); Muon settings named "Muon..."
     "fp32 AdamW": (dict(), 16.0),
     "bf16 compute, fp32 masters + states": (dict(compute_dtype="bf16"), 16.0),
     "bf16 masters (compensated) + bf16 states": (dict(compute_dtype="bf16", master_dtype="bf16",
@@ -61,6 +66,8 @@ MEMORY = {  # setting -> (ZeroConfig options, k: bytes per parameter at W=1)
     "bf16 masters (stochastic), int8 states": (dict(compute_dtype="bf16", master_dtype="bf16",
                                                     master_rounding="stochastic", optimizer_state_dtype="int8"),
                                                6.0 + 8 / 256),
+    "Muon fp32": (dict(), 12.0),
+    "Muon, bf16 compute, fp32 masters": (dict(compute_dtype="bf16"), 12.0),
 }
 
 
@@ -107,14 +114,15 @@ def memory_model() -> torch.nn.Module:
 
 def _memory() -> dict[str, dict[str, int]]:
     """Ledger bytes per rank (rank 0) for every memory setting, ZeRO-3, one unit per linear."""
-    from plait.zero_sharding import ZeroConfig, model_state_bytes, zero_shard
+    from plait.zero_sharding import MuonWithAdamW, ZeroConfig, model_state_bytes, zero_shard
 
     out = {}
     for name, (options, _k) in MEMORY.items():
         model = memory_model()
         psi = sum(p.numel() for p in model.parameters())
         config = ZeroConfig(stage=3, unit_classes=("Linear",), param_persistence_threshold=0, **options)
-        model, optimizer = zero_shard(model, torch.optim.AdamW, config, lr=1e-3)
+        cls = MuonWithAdamW if name.startswith("Muon") else torch.optim.AdamW
+        model, optimizer = zero_shard(model, cls, config, lr=1e-3)
         x = torch.randn(16, 128, generator=torch.Generator().manual_seed(dist.get_rank())).to(config.compute_dtype)
         for step in range(2):
             model(x).float().square().mean().backward()
@@ -122,55 +130,14 @@ def _memory() -> dict[str, dict[str, int]]:
                 measured = model_state_bytes(model)["total"]
             optimizer.step()
             optimizer.zero_grad()
-        out[name] = {"bytes": measured, "psi": psi, "tensors": len(model.zero_engine.units)}
-    return out
-
-
-def _speed(setup: dict[str, Any]) -> dict[str, list[float]]:
-    """Seconds of each timed Muon + AdamW ``optimizer.step()`` at stages 2 and 3 (rank 0's clock)."""
-    from plait.zero_sharding import ZeroConfig, zero_shard
-
-    out = {}
-    for stage in (2, 3):
-        torch.manual_seed(0)
-        model = tiny_llama(**setup["model"])
-        cls, kwargs, groups = _optimizer("muon", model)
-        model, optimizer = zero_shard(model, cls, ZeroConfig(stage=stage), param_groups=groups, **kwargs)
-        samples = []
-        for step in range(setup["timed"] + 2):
-            model(**rank_slice(global_batch(step, BATCH, SEQ), dist.get_rank(), WORLD)).loss.backward()
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.step()
-            elapsed = time.perf_counter() - start
-            optimizer.zero_grad()
-            if step >= 2:  # the first two steps allocate state
-                samples.append(elapsed)
-        out[f"ZeRO-{stage}"] = samples
+        whole = getattr(model.zero_engine.placement, "whole", {})  # Muon: the owners' whole fp32 tensors
+        out[name] = {"bytes": measured, "psi": psi, "tensors": 0 if whole else len(model.zero_engine.units),
+                     "whole_bytes": sum(t.numel() * t.element_size() for t in whole.values())}
     return out
 
 
 def _ranks(setup: dict[str, Any]) -> dict[str, Any]:
-    return {"quality": _quality(setup), "memory": _memory(), "speed": _speed(setup)}
-
-
-def _one_process_speed(setup: dict[str, Any]) -> list[float]:
-    """Seconds of each timed step of Muon + AdamW over the whole model in one process."""
-    torch.manual_seed(0)
-    model = tiny_llama(**setup["model"])
-    cls, kwargs, groups = _optimizer("muon", model)
-    optimizer = cls(groups, **kwargs)
-    samples = []
-    with one_thread():
-        for step in range(setup["timed"] + 2):
-            model(**global_batch(step, BATCH // WORLD, SEQ)).loss.backward()
-            start = time.perf_counter()
-            optimizer.step()
-            elapsed = time.perf_counter() - start
-            optimizer.zero_grad()
-            if step >= 2:
-                samples.append(elapsed)
-    return samples
+    return {"quality": _quality(setup), "memory": _memory(), "speed": speed_ranks(setup)}
 
 
 def _final(losses: list[float]) -> float:
@@ -197,38 +164,34 @@ def quality_rows(losses: dict[str, list[float]], where: str, plot: Path | None) 
 
 
 def memory_rows(found: dict[str, dict[str, int]]) -> list[BenchRow]:
-    """Bytes per parameter per rank: the ledger against ``k / W`` plus the step counters, exact."""
+    """Bytes per parameter per rank: the ledger against ``k / W`` plus the step counters (AdamW's;
+    Muon keeps none), exact."""
     rows = []
     for name, got in found.items():
         k = MEMORY[name][1]
         formula = k * got["psi"] / WORLD + 4 * got["tensors"]
         rows.append(BenchRow(benchmark=f"ZeRO-3 W={WORLD}: {name}", figure="model-state bytes/param/rank",
-                             ours=got["bytes"] / got["psi"], peer=f"formula {k:g}/W + step counters",
+                             ours=got["bytes"] / got["psi"],
+                             peer=f"formula {k:g}/W" + (" + step counters" if got["tensors"] else ""),
                              peer_value=formula / got["psi"], ratio=got["bytes"] / formula, target="exact",
                              passed=got["bytes"] == formula,
-                             note=f"Psi={got['psi']}, {got['bytes']} bytes on rank 0, {got['tensors']} step counters"))
+                             note=_memory_note(got)))
     return rows
 
 
-def speed_rows(speed: dict[str, list[float]], alone: list[float], where: str) -> list[BenchRow]:
-    """Median step time under ZeRO against one process (informational)."""
-    base = TimingStats.of(alone)
-    rows = []
-    for name, samples in speed.items():
-        ours = TimingStats.of(samples)
-        rows.append(BenchRow(benchmark=f"{where}: Muon + AdamW step, {name} W={WORLD}", figure="step time (ms)",
-                             ours=ours.median * 1e3, peer="one process, whole model",
-                             peer_value=base.median * 1e3, ratio=ours.median / base.median,
-                             note=f"p10-p90 {ours.p10 * 1e3:.1f}-{ours.p90 * 1e3:.1f} ms vs "
-                                  f"{base.p10 * 1e3:.1f}-{base.p90 * 1e3:.1f} ms; {len(samples)} steps"))
-    return rows
+def _memory_note(got: dict[str, int]) -> str:
+    note = f"Psi={got['psi']}, {got['bytes']} bytes on rank 0"
+    if got.get("whole_bytes"):
+        return note + (f"; not in the ledger: the owner's whole fp32 tensors, {got['whole_bytes']} bytes "
+                       f"({got['whole_bytes'] / got['psi']:g} B/param/rank)")
+    return note + f", {got['tensors']} step counters"
 
 
 def run(quick: bool) -> list[BenchRow]:
     """Run the suite (see the module docstring).
 
     Args:
-        quick: the short version (2-layer tiny-llama, 60 steps): about a minute on 2 CPUs.
+        quick: the short version (2-layer tiny-llama, 60 steps, speed at W=2 only).
 
     Returns:
         Quality, memory and speed rows.
@@ -237,13 +200,19 @@ def run(quick: bool) -> list[BenchRow]:
     start = time.perf_counter()
     found = run_distributed(_ranks, WORLD, setup, timeout=600 if quick else 7200)[0]
     print(f"optimizers: W={WORLD} ranks done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    alone = _one_process_speed(setup)
     shape = setup["model"]
     where = f"tiny-llama {shape['num_layers']}L h{shape['hidden_size']}, {setup['steps']} steps, ZeRO-2 W={WORLD}"
     plot = _plot(found["quality"], quick=quick)
     speed_where = f"tiny-llama {shape['num_layers']}L h{shape['hidden_size']}"
-    return (quality_rows(found["quality"], where, plot) + memory_rows(found["memory"])
-            + speed_rows(found["speed"], alone, speed_where))
+    rows = quality_rows(found["quality"], where, plot) + memory_rows(found["memory"])
+    rows += speed_rows(found["speed"], speed_where, WORLD)
+    for world in setup["speed_worlds"]:
+        if world == WORLD:
+            continue
+        speed = run_distributed(speed_ranks, world, setup, timeout=600 if quick else 3600)[0]
+        print(f"optimizers: W={world} speed ranks done", file=sys.stderr, flush=True)
+        rows += speed_rows(speed, speed_where, world)
+    return rows
 
 
 def _plot(losses: dict[str, list[float]], *, quick: bool) -> Path | None:
