@@ -56,15 +56,26 @@ def plot_for(results: Path) -> list[Path]:
     """The PNGs committed beside ``results`` whose names start with its stem and no longer results file's.
 
     ``ulysses-sp-memory.png`` belongs to ``ulysses-sp.json``; ``zero-breakdown-before.png`` belongs
-    to ``zero-breakdown-before.json``, not to ``zero-breakdown.json``.
+    to ``zero-breakdown-before.json``, not to ``zero-breakdown.json``; ``optimizers-quality-quick.png``
+    belongs to ``optimizers-quick.json``.
     """
     stems = [path.stem for path in results.parent.glob("*.json")]
-    plots = []
-    for png in sorted(results.parent.glob("*.png")):
-        owners = [stem for stem in stems if png.stem == stem or png.stem.startswith(stem + "-")]
-        if owners and max(owners, key=len) == results.stem:
-            plots.append(png)
-    return plots
+    return [png for png in sorted(results.parent.glob("*.png")) if _owner(png.stem, stems) == results.stem]
+
+
+def _owner(name: str, stems: list[str]) -> str | None:
+    """The results file a PNG named ``name`` belongs to: the longest stem it starts with; a name
+    ending in ``-quick`` (``plait bench --update-results --quick`` writes ``<plot>-quick.png``)
+    belongs to the quick results of that stem when there is one."""
+    def longest(text: str, among: list[str]) -> str | None:
+        found = [stem for stem in among if text == stem or text.startswith(stem + "-")]
+        return max(found, key=len) if found else None
+
+    owner = longest(name, stems)
+    if name.endswith("-quick") and owner is not None and not owner.endswith("-quick"):
+        quick = longest(name.removesuffix("-quick"), [s.removesuffix("-quick") for s in stems if s.endswith("-quick")])
+        return owner if quick is None else quick + "-quick"
+    return owner
 
 
 def bench_rows(payload: object) -> list[BenchRow] | None:

@@ -52,6 +52,18 @@ def test_a_plot_belongs_to_the_results_file_with_the_longest_matching_stem(tmp_p
                      "ulysses-sp": ["ulysses-sp-memory.png"]}
 
 
+def test_a_quick_runs_plot_belongs_to_the_quick_results(tmp_path):
+    for name in ("optimizers.json", "optimizers-quick.json", "ulysses-sp.json"):
+        (tmp_path / name).write_text("{}")
+    for name in ("optimizers-quality.png", "optimizers-quality-quick.png", "ulysses-sp-memory-quick.png"):
+        (tmp_path / name).write_bytes(b"")
+    owned = {stem: [p.name for p in gen_results.plot_for(tmp_path / f"{stem}.json")]
+             for stem in ("optimizers", "optimizers-quick", "ulysses-sp")}
+    # ulysses-sp has no quick results here: its quick plot stays with the results it names
+    assert owned == {"optimizers": ["optimizers-quality.png"], "optimizers-quick": ["optimizers-quality-quick.png"],
+                     "ulysses-sp": ["ulysses-sp-memory-quick.png"]}
+
+
 def test_provenance_names_date_machine_and_command_without_machine_paths():
     payload = {"meta": {"date": "2026-01-02T03:04:05+00:00", "machine": "Linux-x86_64", "cpus": 2,
                         "command": "plait train --out /tmp/run1 --steps 40"}, "rows": []}
