@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "zero-sharding" / "tests"))
 from zero_test_support import build_model
 
 from plait.kernels.testing import global_batch, rank_slice, run_distributed
