@@ -74,6 +74,10 @@ def build_wheels(dists: list[Distribution]) -> Path:
     (ROOT / "build").mkdir(exist_ok=True)
     with open(ROOT / "build" / ".source-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        # setuptools stages a wheel's files in the source folder's build/ and keeps what an earlier
+        # build put there: a module since moved or deleted would ship in the wheel and be tested.
+        for dist in dists:
+            subprocess.run(["rm", "-rf", str(dist.folder / "build")], check=True)
         _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
               *[str(d.folder) for d in dists]])
     return wheels
