@@ -157,6 +157,15 @@ class OnebitAdamConfig:
             saw (an unseen embedding row) cannot step by ``|m| / eps``
             (:mod:`plait.onebit_optim.rules.variance_floor`). Where no element is below it, the update
             is the published algorithm bit for bit. ``0`` turns it off. In ``[0, 1]``.
+        zero_param_sync: under ZeRO-1/2 only (plain data parallel ignores it): how the other
+            ranks' parameter shards reach every rank after a compressed step. ``"gather"``:
+            ZeRO's exact post-step all-gather of the updated parameters (``b P`` bytes per step).
+            ``"update"``: every rank already decodes the whole synchronised momentum from the
+            1-bit exchange, so it applies the same update to every shard of its own replica and
+            nothing is gathered; bit for bit ``"gather"``, for fp32 compute (a master that is the
+            shard of the replica), at the cost of the whole frozen variance on every rank (4 bytes
+            per parameter, all-gathered once) and the whole update's arithmetic
+            (:mod:`plait.onebit_optim.under_zero.replicated_update`).
     """
 
     freeze_step: int | str = 100
@@ -164,6 +173,7 @@ class OnebitAdamConfig:
     settle: SettleConfig = SettleConfig()
     max_grad_norm: float | None = None
     loss_scaling: LossScaling | None = None
+    zero_param_sync: str = "gather"
 
     def __post_init__(self) -> None:
         # At least one step: the frozen variance of zero steps is zero and every update would be m / eps.
@@ -172,6 +182,10 @@ class OnebitAdamConfig:
         check_max_grad_norm("OnebitAdamConfig", self.max_grad_norm)
         check_loss_scaling("OnebitAdamConfig", self.loss_scaling)
         _check_ratio("OnebitAdamConfig", "variance_floor", self.variance_floor)
+        if self.zero_param_sync not in ("gather", "update"):
+            raise ValueError(f"OnebitAdamConfig.zero_param_sync={self.zero_param_sync!r} must be \"gather\" (ZeRO's "
+                             "exact parameter all-gather) or \"update\" (every rank applies the decoded update to "
+                             "its whole replica); pass one of them.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

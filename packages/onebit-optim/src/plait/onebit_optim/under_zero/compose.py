@@ -17,6 +17,7 @@ from plait.onebit_optim.under_zero.adam01 import ShardedZeroOneAdam, ZeroOneZero
 from plait.onebit_optim.under_zero.exchange import OnebitZeroExchange
 from plait.onebit_optim.under_zero.onebit_adam import ShardedOnebitAdam
 from plait.onebit_optim.under_zero.onebit_lamb import ShardedOnebitLamb
+from plait.onebit_optim.under_zero.replicated_update import ReplicatedUpdateExchange
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 # The optimizers that compose with ZeRO-1/2: their config class.
@@ -71,10 +72,20 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
     if param_groups is not None:
         param_groups = [{k: v for k, v in g.items() if k not in ("onebit_config", "momentum_masks")}
                         for g in param_groups]
-    exchange = (ZeroOneZeroExchange if name == "ZeroOneAdam" else OnebitZeroExchange)(config, masks)
+    exchange = _exchange_class(name, config)(config, masks)
     base = {"OnebitAdam": ShardedOnebitAdam, "OnebitLamb": ShardedOnebitLamb, "ZeroOneAdam": ShardedZeroOneAdam}[name]
     inner = type(name, (base,), {"EXCHANGE": exchange, "__module__": __name__})
     return inner, param_groups, hyper, exchange
+
+
+def _exchange_class(name: str, config: Any) -> type:
+    """The reducer for ``name``: 0/1 Adam's, 1-bit Adam's without the post-step gather
+    (``zero_param_sync="update"``), or the 1-bit exchange with ZeRO's exact gather."""
+    if name == "ZeroOneAdam":
+        return ZeroOneZeroExchange
+    if getattr(config, "zero_param_sync", "gather") == "update":
+        return ReplicatedUpdateExchange
+    return OnebitZeroExchange
 
 
 def _check_composable(name: str, zero_config: Any, reducer: Any) -> None:

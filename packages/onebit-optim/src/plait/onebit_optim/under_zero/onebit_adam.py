@@ -20,7 +20,9 @@ class ShardedOnebitAdam(ShardedInner):
     """The inner optimizer of 1-bit Adam under ZeRO, over the fp32 master shards.
 
     Warm-up: torch's AdamW kernel on the averaged gradient shards. After it: the averaged
-    momentum shard from :class:`OnebitZeroExchange` and the frozen variance. ``zero_shard``
+    momentum shard from :class:`OnebitZeroExchange` and the frozen variance (with
+    ``zero_param_sync="update"``, every other shard of the replica too:
+    :mod:`plait.onebit_optim.under_zero.replicated_update`). ``zero_shard``
     builds it (through :func:`compose_with_zero`); it is not meant to be built by hand.
     """
 
@@ -55,4 +57,9 @@ class ShardedOnebitAdam(ShardedInner):
                 unit = self.exchange.units[keys[id(p)]].unit
                 floor_shard_(unit, state["exp_avg_sq"], self.config.variance_floor, name="OnebitAdam")
             state["exp_avg"].copy_(momentum)
+            step_before = state["step"].clone()
             frozen_variance_update(p, state, group, self.exchange.freeze_step)
+            # zero_param_sync="update": the other shards of the replica too, instead of the gather.
+            update_others = getattr(self.exchange, "update_other_shards", None)
+            if update_others is not None:
+                update_others(keys[id(p)], step_before, group, state)
