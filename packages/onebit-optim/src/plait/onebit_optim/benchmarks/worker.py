@@ -39,8 +39,10 @@ from plait.onebit_optim import (
 LR = 3e-4
 VARIANTS = ("ddp_adamw", "ddp_fp16_hook", "ddp_powersgd", "onebit_adam", "zero_one_adam", "onebit_lamb")
 ONEBIT = ("onebit_adam", "zero_one_adam", "onebit_lamb")
-# Under plait-zero-sharding (launched per stage, each against ZeRO + AdamW of the same stage).
-ZERO_VARIANTS = tuple(f"zero{stage}_{name}" for stage in (1, 2) for name in ("adamw", *ONEBIT))
+# Under plait-zero-sharding (launched per stage, each against ZeRO + AdamW of the same stage);
+# onebit_adam_update: 1-bit Adam with OnebitAdamConfig(zero_param_sync="update"), no post-step gather.
+ZERO_VARIANTS = tuple(f"zero{stage}_{name}" for stage in (1, 2)
+                      for name in ("adamw", *ONEBIT, "onebit_adam_update"))
 
 
 def onebit_optimizer(name: str, spec: dict[str, Any]) -> tuple[type, Any, dict[str, Any]]:
@@ -54,6 +56,8 @@ def onebit_optimizer(name: str, spec: dict[str, Any]) -> tuple[type, Any, dict[s
     """
     if name == "onebit_adam":
         return OnebitAdam, OnebitAdamConfig(freeze_step=2), {}
+    if name == "onebit_adam_update":  # under ZeRO only: the decoded update applied on every rank
+        return OnebitAdam, OnebitAdamConfig(freeze_step=2, zero_param_sync="update"), {}
     if name == "onebit_lamb":
         return OnebitLamb, OnebitLambConfig(freeze_step=2), {}
     return ZeroOneAdam, ZeroOneAdamConfig(var_freeze_step=spec["block"], var_update_scaler=spec["block"],
