@@ -218,3 +218,14 @@ def test_optimizer_steps_carry_between_manual_and_automatic_optimization() -> No
     same = carry_optimizer_steps(_loops(manual=2, automatic=0), automatic=False)
     assert same == _loops(manual=2, automatic=0), "a count already in the module's own loop is kept as it is"
     assert carry_optimizer_steps({"epoch": 1}, automatic=True) == {"epoch": 1}
+
+
+def test_a_deepspeed_checkpoint_is_refused_under_pp_size(tmp_path) -> None:
+    """Its names are the whole model's, a stage's are not: refused before reading, naming the way."""
+    from plait.lightning import PlaitStrategy
+
+    (tmp_path / "latest").write_text("tag")
+    (tmp_path / "tag").mkdir()
+    (tmp_path / "tag" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"DeepSpeed checkpoint.*pp_size=2.*without pp_size.*pipeline_name_map"):
+        PlaitStrategy(pp_size=2).load_checkpoint(tmp_path)

@@ -514,6 +514,12 @@ class PlaitStrategy(DDPStrategy):
         ``DeepSpeedStrategy`` (ZeRO 1-3) resumes too (plait-universal-ckpt's importer reshards it to
         this world size and stage); a regular ``.ckpt`` file is read as usual (weights only)."""
         tag_dir = ckpt.deepspeed_tag(checkpoint_path)
+        if tag_dir is not None and self.plait_config.pp_size > 1:
+            raise ValueError(f"ckpt_path={str(checkpoint_path)!r} is a DeepSpeed checkpoint, which "
+                             f"PlaitStrategy(pp_size={self.plait_config.pp_size}) does not read (its tensors carry the "
+                             "whole model's names, a stage's do not); resume it once under a PlaitStrategy without "
+                             "pp_size and save a plait checkpoint, then resume that one with pp_size and "
+                             "self.pipeline_name_map set in configure_model.")
         if tag_dir is not None:
             loaded = ckpt.load_deepspeed_directory(self.lightning_module, tag_dir)
         elif not ckpt.is_directory_checkpoint(checkpoint_path):
