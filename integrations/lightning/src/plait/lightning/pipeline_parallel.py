@@ -20,10 +20,16 @@ With ``PlaitStrategy(pp_size=N)`` the strategy builds a ``("data_parallel", "pip
 ``[i * pp, (i + 1) * pp)`` that share their batches: the sampler splits over the data-parallel
 ranks only (:func:`sampler_kwargs`).
 
+Checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``fit(ckpt_path=)``) hold the whole
+model's names when ``configure_model`` also sets ``self.pipeline_name_map`` (the stage's parameter
+name -> the whole model's, e.g. ``plait.universal_ckpt.layer_offset("stage.", first_layer)``), so
+they resume bit for bit at the same layout, load at another ``(dp, pp)`` or without ``pp_size``,
+and export whole weights; see :mod:`plait.lightning.pipeline_checkpoint`.
+
 Not supported with ``pp_size`` (refused before processes start, :func:`check_pp_size`):
-``tp_size``, ``sp_size`` or ``ep_size`` above 1, and the Fabric strategy. Checkpoints of a
-pipelined run, Trainer-driven gradient clipping and accumulation (manual optimization leaves them
-to ``training_step``) and validation through the pipeline are not provided.
+``tp_size``, ``sp_size`` or ``ep_size`` above 1, and the Fabric strategy. Trainer-driven gradient
+clipping and accumulation (manual optimization leaves them to ``training_step``) and validation
+through the pipeline are not provided.
 """
 
 from __future__ import annotations

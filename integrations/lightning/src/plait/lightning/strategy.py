@@ -61,11 +61,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from plait.kernels import collectives
-from plait.kernels.state_names import tied_aliases
 from plait.lightning import checkpoint as ckpt
 from plait.lightning import failures, parallel, pipeline_parallel, tensor_parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
+from plait.lightning.pipeline_checkpoint import carry_optimizer_steps
 from plait.lightning.precision import PlaitPrecision, precision_name_of
 from plait.lightning.slurm import SlurmRequeue
 from plait.zero_sharding import ConstructedParameter, ZeroConfig, ZeroModule, sharded_init
@@ -238,7 +238,8 @@ class PlaitStrategy(DDPStrategy):
             ``self.device_mesh["pipeline_parallel"]``), ZeRO shards it over
             ``self.device_mesh["data_parallel"]``, and ``training_step`` runs the schedule with
             :func:`plait.lightning.pipeline_parallel.pipeline_step` under manual optimization.
-            Not with ``tp_size``/``sp_size``/``ep_size`` yet.
+            Checkpoints hold the whole model's names given ``self.pipeline_name_map``
+            (:mod:`plait.lightning.pipeline_checkpoint`). Not with ``tp_size``/``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
         accelerator: as for ``DDPStrategy``.
         parallel_devices: as for ``DDPStrategy``.
@@ -494,10 +495,18 @@ class PlaitStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("the plait strategies save universal-checkpoint directories and take no storage_options.")
         rest = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        ckpt.save_directory(filepath, {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
-                                      ckpt.LIGHTNING_KEY: rest},
-                            step=int(checkpoint.get("global_step", 0)),
-                            aliases=tied_aliases(self.lightning_module, prefix=ckpt.PIECE_PREFIX))
+        view = self._model_view()
+        ckpt.save_directory(filepath, {ckpt.MODEL_KEY: view, ckpt.LIGHTNING_KEY: rest},
+                            step=int(checkpoint.get("global_step", 0)), aliases=view.checkpoint_aliases())
+
+    def _model_view(self) -> ckpt.ShardedModelView:
+        """The sharded model as a checkpoint holds it: with ``pp_size > 1``, this stage's pieces
+        under the whole model's names (:mod:`plait.lightning.pipeline_checkpoint`)."""
+        if self.plait_config.pp_size > 1:
+            from plait.lightning.pipeline_checkpoint import PipelineModelView
+
+            return PipelineModelView(self.lightning_module)
+        return ckpt.ShardedModelView(self.lightning_module)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a universal-checkpoint directory into the sharded model (any saved world size) and
@@ -505,15 +514,22 @@ class PlaitStrategy(DDPStrategy):
         ``DeepSpeedStrategy`` (ZeRO 1-3) resumes too (plait-universal-ckpt's importer reshards it to
         this world size and stage); a regular ``.ckpt`` file is read as usual (weights only)."""
         tag_dir = ckpt.deepspeed_tag(checkpoint_path)
+        if tag_dir is not None and self.plait_config.pp_size > 1:
+            raise ValueError(f"ckpt_path={str(checkpoint_path)!r} is a DeepSpeed checkpoint, which "
+                             f"PlaitStrategy(pp_size={self.plait_config.pp_size}) does not read (its tensors carry the "
+                             "whole model's names, a stage's do not); resume it once under a PlaitStrategy without "
+                             "pp_size and save a plait checkpoint, then resume that one with pp_size and "
+                             "self.pipeline_name_map set in configure_model.")
         if tag_dir is not None:
             loaded = ckpt.load_deepspeed_directory(self.lightning_module, tag_dir)
         elif not ckpt.is_directory_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         else:
-            state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.ShardedModelView(self.lightning_module),
-                                     ckpt.LIGHTNING_KEY: None}
+            state: dict[str, Any] = {ckpt.MODEL_KEY: self._model_view(), ckpt.LIGHTNING_KEY: None}
             ckpt.load_directory(checkpoint_path, state, verify=self.plait_config.verify_on_load)
             loaded = dict(state[ckpt.LIGHTNING_KEY] or {})
+            # a pipelined run counts its steps in manual optimization, most others in automatic
+            carry_optimizer_steps(loaded, self.lightning_module.automatic_optimization)
         loaded["state_dict"] = {}
         loaded[_FROM_DIRECTORY] = True
         return loaded
