@@ -251,9 +251,9 @@ def own_kernel_configs() -> tuple[QuantizeConfig, QuantizeConfig, BenchRow]:
     start = time.perf_counter()
     ok = quant_matmul_cpu.available()
     seconds = quant_matmul_cpu.build_seconds if ok else time.perf_counter() - start
-    note = ("first use in this process: a compile, or a load from torch's extension cache when an earlier "
-            "process built it" if ok else f"not available ({quant_matmul_cpu.build_error}): the int8/int4 rows "
-            "below run torch's kernels")
+    how = "compiled here" if quant_matmul_cpu.compiled else "loaded the library an earlier process compiled"
+    note = (f"first use in this process: {how}" if ok else f"not available ({quant_matmul_cpu.build_error}): the "
+            "int8/int4 rows below run torch's kernels")
     row = BenchRow(benchmark="plait CPU extension (quant_matmul_cpu)", figure="build or load (s)", ours=seconds,
                    note=note)
     if not ok:
