@@ -183,3 +183,60 @@ def test_scheme_json_round_trip_and_refusal():
         assert QuantScheme.from_json(scheme.to_json()) == scheme
     with pytest.raises(ValueError, match="must be a dict with kind, group_size, symmetric"):
         QuantScheme.from_json({"kind": "int8"})
+
+
+# ---- plait's own AVX2 CPU kernels (quant_matmul_cpu): compiled once per machine, then cached.
+def _avx2():
+    import importlib
+
+    module = importlib.import_module("plait.kernels.ops.quant_matmul_cpu")
+    if not module.cpu_supported():
+        pytest.skip("no AVX2 on this CPU: plait's CPU kernels do not apply (torch's kernels are the fallback)")
+    assert module.available(), module.build_error  # a compiler is part of the test environment
+    return module
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.kind != "fp6"], ids=_ids)
+def test_avx2_kernels_match_reference_and_dequantize_bitwise(scheme):
+    cpu = _avx2()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 256, generator=gen)  # 70 rows: full 4- and 2-row tiles plus a remainder
+    codes, scales, zeros = quantize_weight(w, scheme)
+    for rows in (1, 2, 3, 8, 9):  # every register tile shape (1-4 input rows) and more than one tile
+        x = torch.randn(2, rows, 256, generator=gen)
+        want = quant_matmul_reference(x, codes, scales, zeros, scheme)
+        tolerance("quant_matmul_avx2", torch.float32).assert_close(
+            cpu.gemv(x, codes, scales, zeros, scheme.group_size), want, what=f"{_ids(scheme)} rows={rows}")
+    out = torch.empty(20, 256)
+    cpu.dequantize_rows(codes, scales, zeros, scheme.group_size, 40, 60, out)
+    assert torch.equal(out, dequantize_weight(codes[40:60], scales[40:60], None if zeros is None else zeros[40:60],
+                                              scheme))
+    x = torch.randn(40, 256, generator=gen)
+    assert torch.equal(dense_matmul_cpu(x, codes, scales, zeros, scheme, own_kernel=True),
+                       dense_matmul_cpu(x, codes, scales, zeros, scheme))
+
+
+def test_avx2_kernels_exact_where_every_sum_is_exact():
+    """Small-integer activations and power-of-two scales: every product and sum is exact in fp32,
+    so the kernels' other summation order must give the reference's result bit for bit."""
+    cpu = _avx2()
+    gen = torch.Generator().manual_seed(4)
+    for scheme in (QuantScheme(kind="int8"), QuantScheme(kind="int4", group_size=32, symmetric=False)):
+        codes, scales, zeros = quantize_weight(torch.randn(36, 64, generator=gen), scheme)
+        scales = torch.full_like(scales, 0.25)
+        x = torch.randint(-3, 4, (5, 64), generator=gen).float()
+        assert torch.equal(cpu.gemv(x, codes, scales, zeros, scheme.group_size),
+                           quant_matmul_reference(x, codes, scales, zeros, scheme))
+
+
+def test_avx2_kernels_refuse_what_they_cannot_take():
+    cpu = _avx2()
+    codes, scales, _ = quantize_weight(torch.randn(8, 40), QuantScheme(kind="int8"))
+    with pytest.raises(ValueError, match="K % 16 == 0"):  # K = 40 is not a multiple of 16
+        cpu.gemv(torch.randn(1, 40), codes, scales, None, None)
+    codes, scales, _ = quantize_weight(torch.randn(8, 64), QuantScheme(kind="int8"))
+    with pytest.raises(ValueError, match="x must be float32"):
+        cpu.gemv(torch.randn(1, 64, dtype=torch.bfloat16), codes, scales, None, None)
+    with pytest.raises(ValueError, match=r"rows \[4, 12\)"):
+        cpu.dequantize_rows(codes, scales, None, None, 4, 12, torch.empty(8, 64))
+    assert cpu.library_path().exists() and cpu.build_seconds is not None

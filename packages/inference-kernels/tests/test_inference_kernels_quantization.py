@@ -205,10 +205,11 @@ def test_benchmark_bytes_rows_and_alternating_order():
 
     fp32 = build("llama")
     models = {"fp32 HF": fp32}
-    for label, config in (("int8", benchmark.INT8_FAST), ("int4 g64", benchmark.INT4_FAST)):
+    configs = {"int8": benchmark.INT8_TORCH, "int4 g64": benchmark.INT4_TORCH}
+    for label, config in configs.items():
         models[label] = copy.deepcopy(fp32)
         quantize(models[label], config)
-    rows = benchmark.bytes_rows(models)
+    rows = benchmark.bytes_rows(models, configs)
     assert [r.passed for r in rows] == [True, True] and all(r.ours == r.peer_value for r in rows)
     order = []
     stats = benchmark._alternating({k: (lambda k=k: order.append(k)) for k in "ABC"}, warmup=0, rounds=2)
@@ -309,3 +310,35 @@ def test_experts_option_bytes_revert_and_refusals():
     report = quantize(skipped, QuantizeConfig(kind="int8", skip=("*.experts",)))
     assert (moe, "skipped by pattern '*.experts'") in report.kept
     assert type(skipped.get_submodule(moe)).__name__ == "Qwen3MoeExperts"
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_plait_cpu_kernel_decode_and_prefill_match_the_reference_model(kind):
+    """``cpu_kernel="plait"``: a quantized Llama's logits (decode-sized and prefill-sized inputs)
+    against the same quantized weights on the torch reference (fp32 activations both)."""
+    from plait.kernels.ops import quant_matmul_cpu
+
+    if not quant_matmul_cpu.cpu_supported():
+        pytest.skip("no AVX2 on this CPU: cpu_kernel='plait' is refused here (tested below)")
+    base = build("llama")
+    group = 32 if kind == "int4" else None
+    fast, oracle = copy.deepcopy(base), copy.deepcopy(base)
+    quantize(fast, QuantizeConfig(kind=kind, group_size=group, head=True, cpu_kernel="plait"))
+    quantize(oracle, QuantizeConfig(kind=kind, group_size=group, head=True, cpu_kernels=False))
+    assert all(m._own for m in fast.modules() if isinstance(m, QuantizedLinear) and m.in_features % 16 == 0)
+    for tokens in (3, 40):  # under and over CPU_DENSE_ROWS: the register GEMV, then the blocked GEMM
+        ids = torch.randint(0, 128, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(input_ids=ids).logits, oracle(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_plait_cpu_kernel_refused_where_it_cannot_run(monkeypatch):
+    from plait.kernels.ops import quant_matmul_cpu
+
+    with pytest.raises(ValueError, match=r"QuantizeConfig.cpu_kernel='avx' is not supported; use one of torch, plait"):
+        QuantizeConfig(kind="int8", cpu_kernel="avx")
+    monkeypatch.setattr(quant_matmul_cpu, "available", lambda: False)
+    monkeypatch.setattr(quant_matmul_cpu, "build_error", "no C++ compiler ('c++' not found; set CXX)")
+    with pytest.raises(ValueError, match=r"QuantizeConfig.cpu_kernel='plait' cannot be used here: no C\+\+ "
+                                         r"compiler .*use cpu_kernel='torch'"):
+        QuantizeConfig(kind="int8", cpu_kernel="plait")

@@ -362,7 +362,7 @@ def quant_matmul(
 
 def dense_matmul_cpu(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-    scheme: QuantScheme, *, rows: int = DENSE_CHUNK_ROWS,
+    scheme: QuantScheme, *, rows: int = DENSE_CHUNK_ROWS, own_kernel: bool = False,
 ) -> torch.Tensor:
     """CPU path for many input rows (prefill): dequantize ``rows`` weight rows at a time, fp32 GEMM each.
 
@@ -376,6 +376,9 @@ def dense_matmul_cpu(
         x: ``[..., K]`` CPU input (any float dtype; computed in fp32, returned in x's dtype).
         codes, scales, zeros, scheme: the weight as :func:`quantize_weight` returns it.
         rows: weight rows per block.
+        own_kernel: dequantize each block with plait's CPU extension
+            (:func:`plait.kernels.ops.quant_matmul_cpu.dequantize_rows`, int8/int4, one vectorized
+            pass into a reused buffer, the same values) instead of torch ops (several passes).
 
     Returns:
         ``[..., N]`` in x's dtype (no bias: the caller adds it).
@@ -383,10 +386,17 @@ def dense_matmul_cpu(
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
     n = codes.shape[0]
     out_t = x2.new_empty(n, x2.shape[0])  # y^T, so each block writes contiguous rows
+    buffer = x2.new_empty(min(rows, n), x2.shape[1]) if own_kernel else None
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        block = dequantize_weight(codes[start:end], scales[start:end],
-                                  None if zeros is None else zeros[start:end], scheme)
+        if buffer is not None:
+            from plait.kernels.ops import quant_matmul_cpu
+
+            block = quant_matmul_cpu.dequantize_rows(codes, scales, zeros, scheme.group_size, start, end,
+                                                     buffer[: end - start])
+        else:
+            block = dequantize_weight(codes[start:end], scales[start:end],
+                                      None if zeros is None else zeros[start:end], scheme)
         torch.mm(block, x2.T, out=out_t[start:end])
     # One copy of the (small) output back to row-major: HF's attention views q/k/v outputs.
     return out_t.T.contiguous().reshape(*x.shape[:-1], n).to(x.dtype)

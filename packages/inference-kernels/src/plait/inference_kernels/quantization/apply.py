@@ -28,7 +28,7 @@ from torch import nn
 from plait.inference_kernels.patching.apply import is_patched
 from plait.inference_kernels.patching.registry import FamilySpec, family_of
 from plait.inference_kernels.quantization.experts import QuantizedExperts, check_experts
-from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from plait.inference_kernels.quantization.modules import QuantizedEmbedding, QuantizedLinear, check_cpu_kernel
 from plait.kernels.ops.quant_matmul import SUPPORTED_DTYPES, QuantScheme, check_weight_shape, weight_nbytes
 
 _STATE = "_plait_quant_state"
@@ -56,6 +56,12 @@ class QuantizeConfig:
         cpu_kernels: on CPU use torch's weight-packed int8/int4 matmuls (False: the torch reference).
         cpu_bf16_decode: with fp32 activations on CPU, run those matmuls on the input rounded to
             bf16 for decode-sized inputs (< 32 rows); faster, but activations lose precision there.
+            Applies to torch's kernels only.
+        cpu_kernel: whose CPU kernels run int8/int4 (with ``cpu_kernels``): ``"torch"`` (default;
+            torch's weight-packed matmuls, nothing to build) or ``"plait"`` (plait's AVX2 C++
+            extension: fp32 activations, faster decode and prefill; built on first use, which
+            needs a C++ compiler and ninja and takes about a minute, then cached). ``"plait"``
+            where it cannot be built is refused before any weight changes.
     """
 
     kind: str = "int8"
@@ -68,6 +74,7 @@ class QuantizeConfig:
     keep_original: bool = True
     cpu_kernels: bool = True
     cpu_bf16_decode: bool = False
+    cpu_kernel: str = "torch"
 
     def __post_init__(self) -> None:
         self.scheme  # noqa: B018 - validates kind, group_size, symmetric (names the field)
@@ -76,6 +83,7 @@ class QuantizeConfig:
                 raise ValueError(f"QuantizeConfig.{name}={getattr(self, name)!r} must be True or False.")
         if not isinstance(self.skip, tuple) or not all(isinstance(p, str) and p for p in self.skip):
             raise ValueError(f"QuantizeConfig.skip={self.skip!r} must be a tuple of module-name patterns.")
+        check_cpu_kernel(self.cpu_kernel, field="QuantizeConfig.cpu_kernel")
 
     @property
     def scheme(self) -> QuantScheme:
@@ -223,10 +231,10 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None) -> Quantize
             new = QuantizedEmbedding(module, scheme)
         elif isinstance(module, nn.Linear):
             new = QuantizedLinear(module, scheme, cpu_kernels=config.cpu_kernels,
-                                  bf16_decode=config.cpu_bf16_decode)
+                                  bf16_decode=config.cpu_bf16_decode, cpu_kernel=config.cpu_kernel)
         else:
             new = QuantizedExperts(module, scheme, cpu_kernels=config.cpu_kernels,
-                                   bf16_decode=config.cpu_bf16_decode)
+                                   bf16_decode=config.cpu_bf16_decode, cpu_kernel=config.cpu_kernel)
         before += sum(p.numel() * p.element_size() for p in _quantized_params(module))
         shapes = new.weight_shapes if isinstance(new, QuantizedExperts) else (new.weight_shape,)
         after += sum(weight_nbytes(shape, scheme) for shape in shapes)

@@ -80,14 +80,14 @@ class QuantizedExperts(nn.Module):
             ``act_fn``); its weights are read, not kept.
         scheme: the format of every expert weight (int4 groups run along H for gate/up and along
             I for down).
-        cpu_kernels, bf16_decode: as :class:`QuantizedLinear`.
+        cpu_kernels, bf16_decode, cpu_kernel: as :class:`QuantizedLinear`.
 
     Raises:
         ValueError: a layout, dtype or shape the scheme cannot hold (named; see :func:`check_experts`).
     """
 
     def __init__(self, experts: nn.Module, scheme: QuantScheme, *, cpu_kernels: bool = True,
-                 bf16_decode: bool = False) -> None:
+                 bf16_decode: bool = False, cpu_kernel: str = "torch") -> None:
         check_experts(type(experts).__name__, experts, scheme)
         super().__init__()
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
@@ -95,7 +95,7 @@ class QuantizedExperts(nn.Module):
         self.scheme = scheme
         self.dtype = gate_up.dtype
         self.act_fn = experts.act_fn
-        options = dict(cpu_kernels=cpu_kernels, bf16_decode=bf16_decode)
+        options = dict(cpu_kernels=cpu_kernels, bf16_decode=bf16_decode, cpu_kernel=cpu_kernel)
         self.gate_up = nn.ModuleList(QuantizedLinear.from_weight(w, scheme, **options) for w in gate_up)
         self.down = nn.ModuleList(QuantizedLinear.from_weight(w, scheme, **options) for w in down)
         # Not an attribute nn.Module registers: the shell is for revert, not part of the state.

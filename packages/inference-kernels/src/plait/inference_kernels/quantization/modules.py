@@ -12,6 +12,10 @@ Both keep the codes, scales and (asymmetric int4) zero points as persistent buff
   codes directly; the int4 one needs torch's own blocked layout, built once per activation dtype
   and cached on the module (another ``N K / 2`` bytes plus the scales, freed by
   :meth:`QuantizedLinear.drop_cpu_cache`);
+* with ``cpu_kernel="plait"``, on CPU for int8/int4 weights whose in_features is a multiple of 16:
+  plait's own AVX2 kernels (:mod:`plait.kernels.ops.quant_matmul_cpu`, a C++ extension built on
+  first use) instead of torch's: a GEMV that decodes the codes in registers for decode (fp32
+  activations, no bf16 rounding), and a one-pass block dequantize for prefill;
 * everywhere else (CUDA, fp6, shapes torch's kernels refuse), through
   :func:`plait.kernels.ops.quant_matmul.quant_matmul`: the Triton kernel on CUDA, the torch
   reference (dequantize, then matmul) on CPU.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.kernels.ops import quant_matmul_cpu
 from plait.kernels.ops.quant_matmul import (
     QuantScheme,
     check_inputs,
@@ -41,6 +46,24 @@ _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # than an fp32 GEMM at 1 and 8 rows and ~2x slower at 128; the blocked dense path was ~1.15x the
 # fp32 GEMM at 32 rows.
 CPU_DENSE_ROWS = 32
+CPU_KERNELS = ("torch", "plait")
+
+
+def check_cpu_kernel(cpu_kernel: str, *, field: str = "cpu_kernel") -> None:
+    """Refuse an unknown CPU kernel choice, or ``"plait"`` where its extension cannot be had.
+
+    ``"plait"`` builds the extension here on first use (a C++ compiler and ninja are needed; the
+    build is cached for later processes), so the build, or its failure, happens before any weight
+    is quantized.
+
+    Raises:
+        ValueError: names ``field``, the reason and the fix.
+    """
+    if cpu_kernel not in CPU_KERNELS:
+        raise ValueError(f"{field}={cpu_kernel!r} is not supported; use one of {', '.join(CPU_KERNELS)}.")
+    if cpu_kernel == "plait" and not quant_matmul_cpu.available():
+        raise ValueError(f"{field}='plait' cannot be used here: {quant_matmul_cpu.build_error}; "
+                         "use cpu_kernel='torch' (torch's weight-packed kernels).")
 
 
 class _QuantizedWeight(nn.Module):
@@ -81,20 +104,31 @@ class QuantizedLinear(_QuantizedWeight):
         bf16_decode: on CPU, feed fp32 inputs of fewer than ``CPU_DENSE_ROWS`` rows to torch's
             kernels rounded to bf16 (the output is cast back to fp32): their fp32 path was about
             10x slower than their bf16 one in the benchmark. Off by default (it rounds activations).
+            Not used by plait's kernels (they take fp32 activations as they are).
+        cpu_kernel: with ``cpu_kernels``, whose CPU kernels run int8/int4: ``"torch"`` (torch's
+            weight-packed matmuls, nothing to build) or ``"plait"`` (plait's AVX2 extension; see
+            :func:`check_cpu_kernel`). fp6 and weights whose in_features is not a multiple of 16
+            use the torch paths either way.
 
     Raises:
-        ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN.
+        ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN;
+            ``cpu_kernel`` unknown or not available here.
     """
 
     def __init__(self, linear: nn.Linear, scheme: QuantScheme, *, cpu_kernels: bool = True,
-                 bf16_decode: bool = False) -> None:
+                 bf16_decode: bool = False, cpu_kernel: str = "torch") -> None:
+        check_cpu_kernel(cpu_kernel)
         super().__init__(linear.weight.detach(), scheme)
-        self._linear(linear.bias, cpu_kernels, bf16_decode)
+        self._linear(linear.bias, cpu_kernels, bf16_decode, cpu_kernel)
 
-    def _linear(self, bias: torch.Tensor | None, cpu_kernels: bool, bf16_decode: bool) -> None:
+    def _linear(self, bias: torch.Tensor | None, cpu_kernels: bool, bf16_decode: bool, cpu_kernel: str) -> None:
         self.out_features, self.in_features = self.weight_shape
         self.cpu_kernels = cpu_kernels
         self.bf16_decode = bf16_decode
+        self.cpu_kernel = cpu_kernel
+        # plait's kernels take this weight: int8/int4 with K a multiple of their 16-element step.
+        self._own = (cpu_kernel == "plait" and self.scheme.kind in ("int8", "int4")
+                     and quant_matmul_cpu.fits(self.in_features))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._cpu_int4: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._cpu_int8_scales: dict[torch.dtype, torch.Tensor] = {}
@@ -102,7 +136,7 @@ class QuantizedLinear(_QuantizedWeight):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, scheme: QuantScheme,
                    *, in_features: int, dtype: torch.dtype, bias: torch.Tensor | None = None,
-                   cpu_kernels: bool = True, bf16_decode: bool = False) -> QuantizedLinear:
+                   cpu_kernels: bool = True, bf16_decode: bool = False, cpu_kernel: str = "torch") -> QuantizedLinear:
         """A QuantizedLinear holding already quantized codes (a checkpoint's, a serving engine's).
 
         Args:
@@ -110,35 +144,36 @@ class QuantizedLinear(_QuantizedWeight):
             scheme: their format.
             in_features: K.
             dtype: the dtype of the weight they stand for.
-            bias, cpu_kernels, bf16_decode: as the constructor.
+            bias, cpu_kernels, bf16_decode, cpu_kernel: as the constructor.
 
         Raises:
             ValueError: codes, scales or zeros that do not fit ``[codes.shape[0], in_features]``
-                in the scheme (named).
+                in the scheme (named); ``cpu_kernel`` unknown or not available.
         """
+        check_cpu_kernel(cpu_kernel)
         shape = (codes.shape[0], in_features)
         check_inputs(torch.empty(1, in_features, device=codes.device), codes, scales, zeros, scheme, bias)
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module._store(codes, scales, zeros, scheme, shape, dtype, codes.device)
-        module._linear(bias, cpu_kernels, bf16_decode)
+        module._linear(bias, cpu_kernels, bf16_decode, cpu_kernel)
         return module
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, scheme: QuantScheme, *, bias: torch.Tensor | None = None,
-                    cpu_kernels: bool = True, bf16_decode: bool = False) -> QuantizedLinear:
+                    cpu_kernels: bool = True, bf16_decode: bool = False, cpu_kernel: str = "torch") -> QuantizedLinear:
         """A QuantizedLinear for a bare ``[N, K]`` weight (one expert of a fused 3-D expert tensor).
 
         Args:
             weight: ``[N, K]`` fp32/bf16/fp16 weight, finite (read, not kept).
-            scheme, bias, cpu_kernels, bf16_decode: as the constructor.
+            scheme, bias, cpu_kernels, bf16_decode, cpu_kernel: as the constructor.
 
         Raises:
             ValueError: the weight's shape or dtype does not fit the scheme, or it holds inf/NaN.
         """
         codes, scales, zeros = quantize_weight(weight.detach(), scheme)
         return cls.from_codes(codes, scales, zeros, scheme, in_features=weight.shape[1], dtype=weight.dtype,
-                              bias=bias, cpu_kernels=cpu_kernels, bf16_decode=bf16_decode)
+                              bias=bias, cpu_kernels=cpu_kernels, bf16_decode=bf16_decode, cpu_kernel=cpu_kernel)
 
     def drop_cpu_cache(self) -> None:
         """Free the int4 weight re-laid out for torch's CPU kernel and the int8 scales cast for it
@@ -152,7 +187,13 @@ class QuantizedLinear(_QuantizedWeight):
         if x.numel() // max(1, x.shape[-1]) >= CPU_DENSE_ROWS:
             # Prefill: torch's weight-packed kernels are built for few rows and lose to fp32 GEMMs
             # on the weight dequantized block by block (one pass over the codes, cache-resident).
-            return dense_matmul_cpu(x, self.weight_codes, self.weight_scales, self.weight_zeros, self.scheme)
+            return dense_matmul_cpu(x, self.weight_codes, self.weight_scales, self.weight_zeros, self.scheme,
+                                    own_kernel=self._own)
+        if self._own:
+            # Decode: the codes decoded in registers, fp32 activations as they are.
+            y = quant_matmul_cpu.gemv(x.to(torch.float32), self.weight_codes, self.weight_scales, self.weight_zeros,
+                                      self.scheme.group_size)
+            return y.to(x.dtype)
         if self.bf16_decode and x.dtype == torch.float32:
             y = self._packed(x.to(torch.bfloat16))
             return None if y is None else y.to(torch.float32)

@@ -1,0 +1,357 @@
+"""plait's own CPU kernels for weight-only int8/int4 matmuls (AVX2 + FMA, compiled on first use).
+
+torch's CPU weight-packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) were
+compute-bound on one thread on an AVX2 CPU and about 10x slower on fp32 inputs than on bf16 ones,
+so decode gained little over an fp32 GEMV. These kernels read the codes, turn them into the very
+fp32 weights :func:`plait.kernels.ops.quant_matmul.dequantize_weight` gives (``(q - z) * scale``
+for int4, one rounding, the same one) in registers and multiply them with fp32 activations; int8
+sums ``x * code`` and multiplies the sum by the channel's scale (two fewer multiplies per 16
+weights). So only the order of the roundings differs from
+:func:`plait.kernels.ops.quant_matmul.quant_matmul_reference`, their test oracle. Two entry points:
+
+* :func:`gemv` for a few rows of input (decode): each weight row is decoded once and used for
+  every input row (register tiles of up to 4 input rows by 2 or 4 weight rows), split over weight
+  rows across ``torch.get_num_threads()`` OpenMP threads.
+* :func:`dequantize_rows` for prefill: a block of weight rows decoded in one vectorized pass into
+  an fp32 buffer, which :func:`plait.kernels.ops.quant_matmul.dense_matmul_cpu` hands to a GEMM.
+
+The kernels are plain C++ with AVX2 intrinsics and no torch headers: the first use on a machine
+compiles them into a small shared library (``c++ -O3 -mavx2 -mfma``, a second or two; ``CXX``
+picks the compiler) under ``PLAIT_CACHE_DIR`` (default ``~/.cache/plait``), named by a hash of
+the source, and later processes load that file (ctypes). :func:`available` says whether they can
+run here and never raises; torch's kernels stay the fallback, and the choice is the caller's
+(``QuantizeConfig.cpu_kernel``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+// 16 weights of one row from k: int4 exactly as the torch reference dequantizes them ((q - z) * scale,
+// one rounding), int8 as the bare codes (times `post` gives the reference's code * scale). The scale
+// and zero point of a group are set once per group by start(): no division or scalar load inside.
+struct Int8Row {
+  // The per-channel scale multiplies the finished dot product (post), not every weight: two fewer
+  // multiplies per 16 weights in the decode loop. store_row() applies it per weight (exact values).
+  const int8_t* codes; float post;
+  static inline void start(int64_t) {}
+  inline void load(int64_t k, __m256& a, __m256& b) const {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+  }
+};
+
+struct Int4Row {
+  const uint8_t* codes; const float* scales; const uint8_t* zeros; float post; __m256 scale; __m256i zero;
+  inline void start(int64_t g) {
+    scale = _mm256_set1_ps(scales[g]);
+    zero = _mm256_set1_epi32(zeros ? int32_t(zeros[g]) : 8);
+  }
+  inline void load(int64_t k, __m256& a, __m256& b) const {
+    // 8 bytes hold 16 codes, element 2i in the low nibble of byte i: interleave low and high nibbles.
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_unpacklo_epi8(_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+    const __m256i qa = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), zero);
+    const __m256i qb = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), zero);
+    a = _mm256_mul_ps(_mm256_cvtepi32_ps(qa), scale);
+    b = _mm256_mul_ps(_mm256_cvtepi32_ps(qb), scale);
+  }
+};
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[i, j] = sum_k x[i, k] * w[j, k] for i < MT, j < NT (group: elements per scale; K for int8).
+template <int MT, int NT, typename Row>
+static inline void tile(const float* x, int64_t ldx, Row* rows, int64_t K, int64_t group, float* out,
+                        int64_t ldo) {
+  __m256 acc[MT][NT];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    for (int j = 0; j < NT; ++j) rows[j].start(g);
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      __m256 wa[NT], wb[NT];
+      for (int j = 0; j < NT; ++j) rows[j].load(k, wa[j], wb[j]);
+      for (int i = 0; i < MT; ++i) {
+        const __m256 xa = _mm256_loadu_ps(x + i * ldx + k), xb = _mm256_loadu_ps(x + i * ldx + k + 8);
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm256_fmadd_ps(xb, wb[j], _mm256_fmadd_ps(xa, wa[j], acc[i][j]));
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) out[i * ldo + j] = hsum(acc[i][j]) * rows[j].post;
+}
+
+template <int NT, typename Row>
+static void rows_tile(const float* x, int64_t M, int64_t K, int64_t group, Row* rows, float* out, int64_t N) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t mt = std::min<int64_t>(4, M - m);
+    const float* xm = x + m * K;
+    float* om = out + m * N;
+    switch (mt) {
+      case 1: tile<1, NT>(xm, K, rows, K, group, om, N); break;
+      case 2: tile<2, NT>(xm, K, rows, K, group, om, N); break;
+      case 3: tile<3, NT>(xm, K, rows, K, group, om, N); break;
+      default: tile<4, NT>(xm, K, rows, K, group, om, N); break;
+    }
+  }
+}
+
+template <typename MakeRow>
+static void gemv_impl(const float* x, int64_t M, int64_t K, int64_t N, int64_t group, float* out, MakeRow make,
+                      int threads) {
+  // Few input rows: 4 weight rows a tile (more independent FMA chains); more rows: 2 (registers).
+  const int64_t nt = M <= 2 ? 4 : 2;
+  const int64_t blocks = (N + nt - 1) / nt;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n = b * nt;
+    if (n + nt <= N) {
+      decltype(make(0)) rows[4];
+      for (int64_t j = 0; j < nt; ++j) rows[j] = make(n + j);
+      if (nt == 4) rows_tile<4>(x, M, K, group, rows, out + n, N);
+      else rows_tile<2>(x, M, K, group, rows, out + n, N);
+    } else {
+      for (int64_t j = n; j < N; ++j) {
+        decltype(make(0)) row = make(j);
+        rows_tile<1>(x, M, K, group, &row, out + j, N);
+      }
+    }
+  }
+}
+
+template <typename Row>
+static inline void store_row(Row& row, int64_t K, int64_t group, float* dst) {
+  const __m256 post = _mm256_set1_ps(row.post);  // int4: 1 (exact); int8: the scale
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    row.start(g);
+    for (int64_t k = g0; k < g0 + group; k += 16) {
+      __m256 a, b;
+      row.load(k, a, b);
+      _mm256_storeu_ps(dst + k, _mm256_mul_ps(a, post));
+      _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(b, post));
+    }
+  }
+}
+
+extern "C" {
+
+// out fp32 [M, N] = x fp32 [M, K] @ W^T. group 0: int8 codes [N, K], scales [N]; else int4 codes
+// uint8 [N, K/2], scales [N, K/group], zeros uint8 [N, K/group] or NULL (symmetric, z = 8).
+void plait_qmm_gemv(const float* x, int64_t M, int64_t K, int64_t N, const void* codes, const float* scales,
+                    const uint8_t* zeros, int64_t group, float* out, int threads) {
+  if (group == 0) {
+    const int8_t* cp = static_cast<const int8_t*>(codes);
+    gemv_impl(x, M, K, N, K, out, [=](int64_t n) { return Int8Row{cp + n * K, scales[n]}; }, threads);
+  } else {
+    const uint8_t* cp = static_cast<const uint8_t*>(codes);
+    const int64_t G = K / group;
+    gemv_impl(x, M, K, N, group, out, [=](int64_t n) {
+      return Int4Row{cp + n * K / 2, scales + n * G, zeros ? zeros + n * G : nullptr, 1.0f, {}, {}};
+    }, threads);
+  }
+}
+
+// Rows [r0, r1) of the dequantized fp32 weight (K columns) into out [r1 - r0, K].
+void plait_qmm_dequantize(const void* codes, const float* scales, const uint8_t* zeros, int64_t group, int64_t K,
+                          int64_t r0, int64_t r1, float* out, int threads) {
+  const int64_t G = group ? K / group : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t n = r0; n < r1; ++n) {
+    float* dst = out + (n - r0) * K;
+    if (group == 0) {
+      Int8Row row{static_cast<const int8_t*>(codes) + n * K, scales[n]};
+      store_row(row, K, K, dst);
+    } else {
+      Int4Row row{static_cast<const uint8_t*>(codes) + n * K / 2, scales + n * G, zeros ? zeros + n * G : nullptr,
+                  1.0f, {}, {}};
+      store_row(row, K, group, dst);
+    }
+  }
+}
+
+}  // extern "C"
+"""
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+
+build_seconds: float | None = None
+"""Seconds the first :func:`load` in this process took (a compile, or loading the cached library)."""
+compiled: bool = False
+"""Whether that first :func:`load` compiled the library (False: it was in the cache)."""
+build_error: str | None = None
+"""Why the kernels are not available here (None when they are, or before the first :func:`load`)."""
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs AVX2 + FMA code (torch's own dispatch says AVX2 or AVX512)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def library_path() -> Path:
+    """Where the compiled library is cached: ``PLAIT_CACHE_DIR`` (or ``~/.cache/plait``), by source hash."""
+    root = Path(os.environ.get("PLAIT_CACHE_DIR") or Path.home() / ".cache" / "plait")
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    return root / f"quant_matmul_cpu-{digest}.so"
+
+
+def _compile(path: Path) -> None:
+    """Compile the source into ``path`` (atomically: parallel processes may race to build it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, lib = Path(tmp) / "quant_matmul_cpu.cpp", Path(tmp) / "lib.so"
+        src.write_text(_SOURCE)
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib)], check=True, capture_output=True, text=True,
+                       timeout=300)
+        os.replace(lib, path)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """Load the cached library, compiling it first where it is not there; None when it cannot be had.
+
+    Returns:
+        The library, or None; then :data:`build_error` says why (no AVX2, no compiler, or the
+        compiler's last error line).
+    """
+    global build_seconds, build_error, compiled
+    if not cpu_supported():
+        build_error = f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2"
+        return None
+    path = library_path()
+    start = time.perf_counter()
+    try:
+        if not path.exists():
+            compiler = os.environ.get("CXX", "c++")
+            if shutil.which(compiler) is None:
+                build_error = f"no C++ compiler ({compiler!r} not found; set CXX)"
+                return None
+            _compile(path)
+            compiled = True
+        lib = ctypes.CDLL(str(path))
+    except subprocess.CalledProcessError as exc:
+        lines = (exc.stderr or "").strip().splitlines()
+        build_error = f"compile failed: {lines[-1][:200] if lines else exc}"
+        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        build_error = f"compile or load failed: {exc}"
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.plait_qmm_gemv.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.plait_qmm_gemv.restype = None
+    lib.plait_qmm_dequantize.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.plait_qmm_dequantize.restype = None
+    build_seconds = time.perf_counter() - start
+    return lib
+
+
+def available() -> bool:
+    """Whether :func:`gemv` and :func:`dequantize_rows` can run here (compiles on the first call)."""
+    return load() is not None
+
+
+def fits(k: int) -> bool:
+    """Whether a weight with ``k`` input features fits the kernels (they step 16 elements at a time)."""
+    return k % 16 == 0
+
+
+def _check_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int | None,
+                  k: int) -> None:
+    int8 = group_size is None
+    groups = 1 if int8 else k // group_size
+    ok = (codes.dtype == (torch.int8 if int8 else torch.uint8) and codes.dim() == 2
+          and codes.shape[1] == (k if int8 else k // 2) and scales.dtype == torch.float32
+          and tuple(scales.shape) == (codes.shape[0], groups) and (int8 or k % group_size == 0)
+          and (zeros is None or (not int8 and zeros.dtype == torch.uint8 and zeros.shape == scales.shape))
+          and all(t is None or t.device.type == "cpu" for t in (codes, scales, zeros)) and fits(k))
+    if not ok:
+        raise ValueError(f"quant_matmul_cpu: codes {tuple(codes.shape)} {codes.dtype}, scales {tuple(scales.shape)} "
+                         f"{scales.dtype} do not form a CPU {'int8' if int8 else 'int4'} weight with K={k} "
+                         "(K % 16 == 0); pass quantize_weight's outputs.")
+
+
+def gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+         group_size: int | None) -> torch.Tensor:
+    """``x @ dequantize(W)^T`` for fp32 CPU input (any number of rows; built for a few).
+
+    Args:
+        x: ``[..., K]`` float32 CPU tensor, ``K % 16 == 0``.
+        codes, scales, zeros: an int8 (``group_size=None``) or int4 weight as
+            :func:`plait.kernels.ops.quant_matmul.quantize_weight` returns it.
+        group_size: the int4 group size, None for int8.
+
+    Returns:
+        ``[..., N]`` float32.
+
+    Raises:
+        ValueError: x or the weight does not fit (named).
+        RuntimeError: the kernels are not available here (check :func:`available` first).
+    """
+    lib = _library()
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"quant_matmul_cpu.gemv: x must be float32 on CPU, got {x.dtype} on {x.device}.")
+    _check_weight(codes, scales, zeros, group_size, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    codes, scales = codes.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    out = x2.new_empty(x2.shape[0], codes.shape[0])
+    lib.plait_qmm_gemv(x2.data_ptr(), x2.shape[0], x2.shape[1], codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                       None if zeros is None else zeros.data_ptr(), group_size or 0, out.data_ptr(),
+                       torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int | None, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+    """Write weight rows ``[start, end)`` dequantized to fp32 into ``out`` (``[end - start, K]``).
+
+    The values equal :func:`plait.kernels.ops.quant_matmul.dequantize_weight`'s bit for bit.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: the weight, the row range or ``out`` does not fit (named).
+        RuntimeError: the kernels are not available here.
+    """
+    lib = _library()
+    k = out.shape[-1] if out.dim() == 2 else -1
+    if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != (end - start, k) or not (
+            0 <= start < end <= codes.shape[0]):
+        raise ValueError(f"quant_matmul_cpu.dequantize_rows: rows [{start}, {end}) of {codes.shape[0]} into out "
+                         f"{tuple(out.shape)} {out.dtype}: out must be a contiguous float32 [end - start, K].")
+    _check_weight(codes, scales, zeros, group_size, k)
+    codes, scales = codes.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    lib.plait_qmm_dequantize(codes.data_ptr(), scales.data_ptr(), None if zeros is None else zeros.data_ptr(),
+                             group_size or 0, k, start, end, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _library() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"plait's CPU quant_matmul kernels are not available: {build_error}")
+    return lib
