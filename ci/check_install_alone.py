@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cpu_busy import busy_cores, snapshot
 from distributions import ROOT, Distribution, distributions
 
 WORK = Path(os.environ.get("PLAIT_ISOLATION_DIR", ROOT / "build" / "install-alone"))
@@ -140,7 +141,7 @@ def run_tests(dist: Distribution) -> str | None:
     tests = dist.folder / "tests"
     if not tests.is_dir():
         return None
-    start = time.monotonic()
+    start, counters = time.monotonic(), snapshot()
     # What passes here is recorded, and ci/test.sh's full run does not run it again (ci/passed_alone.py).
     env = {**os.environ, "PYTHONPATH": str(ROOT / "ci"), "PLAIT_RECORD_PASSED": str(PASSED / f"{dist.name}.txt")}
     env.pop("PLAIT_SKIP_PASSED", None)
@@ -149,7 +150,10 @@ def run_tests(dist: Distribution) -> str | None:
                              "-p", "passed_alone", f"--junitxml={junit}", str(tests.relative_to(ROOT))],
                             capture_output=True, text=True, cwd=ROOT, env=env)
     summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-    print(f"install-alone: {dist.name} tests alone: {summary} ({time.monotonic() - start:.0f}s)", flush=True)
+    # How busy the machine was: a distribution whose tests mostly wait could share the cores with another.
+    busy = busy_cores(counters, snapshot())
+    cores = "" if busy is None else f", {busy:.2f} cores busy"
+    print(f"install-alone: {dist.name} tests alone: {summary} ({time.monotonic() - start:.0f}s{cores})", flush=True)
     if result.returncode:
         return f"{dist.name}: its tests fail when it is installed alone:\n{(result.stdout + result.stderr)[-4000:]}"
     return None

@@ -20,12 +20,16 @@ export PLAIT_DOCS="${PLAIT_DOCS:-1}"
 # shellcheck disable=SC1091
 . ci/setup.sh
 start=$(date +%s)
-echo "== ruff"; ruff check .
-echo "== layout"; python ci/check_layout.py
+# How busy the cores are in each stage (ci/cpu_busy.py): the table at the end says which stages
+# mostly wait and could share the two cores with another.
+busy() { python ci/cpu_busy.py mark "$1"; }
+python ci/cpu_busy.py reset
+busy "ruff"; echo "== ruff"; ruff check .
+busy "layout"; echo "== layout"; python ci/check_layout.py
 # The documentation site: results pages current, mkdocs build --strict, every internal link, and
 # the home page, a guide and a results page opened in headless Chromium (screenshots in build/site-shots/).
-if [ "$PLAIT_DOCS" = "1" ]; then echo "== docs site"; python ci/build_docs.py; fi
-echo "== install alone"; python ci/check_install_alone.py
+if [ "$PLAIT_DOCS" = "1" ]; then busy "docs site"; echo "== docs site"; python ci/build_docs.py; fi
+busy "install alone"; echo "== install alone"; python ci/check_install_alone.py
 # With no arguments, the tests that already passed where their distribution was installed alone are
 # not run again here (ci/passed_alone.py): what runs is the cross-package suite and whatever needed
 # an extra the lone install lacked. With arguments, exactly what was asked runs.
@@ -43,19 +47,25 @@ if [ "$#" -eq 0 ]; then
   moved=(tests/test_onebit_quality.py tests/test_offload_capacity.py tests/test_zeropp_two_nodes.py)
   echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests, then ${guides[*]}"
   second_lane() {
+    busy "two lanes (second: reliability)"
     python -m pytest -q -ra --durations=10 --junitxml=build/junit/reliability.xml --basetemp=build/pytest-reliability \
       "${reliability[@]}" || return 1
     while [ ! -f build/setup-vllm.rc ]; do sleep 5; done
     [ "$(cat build/setup-vllm.rc)" = 0 ] || { cat build/setup-vllm.log; echo "the vLLM environment did not build"; return 1; }
     if [ -x .venv-vllm/bin/python ]; then
+      busy "two lanes (second: vllm)"
       .venv-vllm/bin/python -m pytest -q -ra --durations=5 --junitxml=build/junit/vllm.xml --basetemp=build/pytest-vllm \
         integrations/vllm/tests tests/test_vllm_serving.py tests/test_docs_guide_vllm.py || return 1
     else
       echo "vllm tests: NOT RUN (no .venv-vllm; PLAIT_VLLM_ENV=0 was set for setup)"
     fi
+    busy "two lanes (second: guides)"
     python -m pytest -q -ra --durations=5 --junitxml=build/junit/guides.xml --basetemp=build/pytest-guides "${guides[@]}" || return 1
+    busy "two lanes (second: moved)"
     python -m pytest -q -ra --durations=5 --junitxml=build/junit/moved.xml --basetemp=build/pytest-moved "${moved[@]}" || return 1
+    busy "two lanes (second: main job)"
     echo "== main job"; plait train --out build/main-job-ci
+    busy "second lane finished"
   }
   second_lane > build/second-lane.log 2>&1 &
   lane=$!
@@ -63,6 +73,7 @@ if [ "$#" -eq 0 ]; then
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
     python -m pytest -q -ra --durations=40 --junitxml=build/junit/main.xml -p passed_alone \
     "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" "${moved[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
+  busy "main lane finished"
   lane_rc=0
   wait "$lane" || lane_rc=$?
   echo "== reliability suite, then vllm tests (.venv-vllm), the guides, ${moved[*]} and the main job: ran beside the tests above"; cat build/second-lane.log
@@ -70,5 +81,5 @@ if [ "$#" -eq 0 ]; then
 else
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
 fi
-if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; fi
+if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; busy "end"; python ci/cpu_busy.py report; fi
 echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

@@ -1,10 +1,13 @@
 """Under torchrun with real DeepSpeed (W=2, gloo): train, save a checkpoint, continue; for
 ``test_zero_deepspeed_resume.py``'s resume at another world size.
 
-Usage: ``deepspeed_resume_job.py OUT_DIR STAGE DTYPE`` (DTYPE: fp32, bf16 or fp16). Each rank trains
-3 steps on its own batches (seeded by step and rank), saves into ``OUT_DIR/ckpt``, trains 4 more and
-writes its losses to ``OUT_DIR/losses.rankR.json``; rank 0 writes the loss scaler's (scale, skipped
-steps) at the save and after each later step to ``OUT_DIR/scaler.json``.
+Usage: ``deepspeed_resume_job.py OUT_DIR STAGE:DTYPE [STAGE:DTYPE ...]`` (DTYPE: fp32, bf16 or fp16).
+One run per ``STAGE:DTYPE``, one after the other in the same two workers (each launch of torchrun
+costs two fresh imports of torch and DeepSpeed), into ``OUT_DIR/<STAGE>-<DTYPE>``: each rank trains
+3 steps on its own batches (seeded by step and rank), saves into ``ckpt``, trains 4 more and writes
+its losses to ``losses.rankR.json``; rank 0 writes the loss scaler's (scale, skipped steps) at the
+save and after each later step to ``scaler.json``. Every run builds its own model and engine from
+the same seeds, so a run's figures do not depend on the runs before it.
 """
 
 import json
@@ -69,13 +72,10 @@ def batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     return torch.randn(4, 8, generator=generator).to(dtype), torch.randint(0, 3, (4,), generator=generator)
 
 
-def main() -> None:
-    out, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo transport; skip the C++ build
-    deepspeed.init_distributed(dist_backend="gloo")
-    if dtype == "fp16":
-        allow_fp16_on_cpu()
+def run(out: str, stage: int, dtype: str) -> None:
+    """One DeepSpeed run at this world size: train, save after 3 steps, train 4 more; write the figures."""
     rank = int(os.environ["RANK"])
+    undo = allow_fp16_on_cpu() if dtype == "fp16" else None
     model = net()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config(stage, dtype, 4))
@@ -96,6 +96,21 @@ def main() -> None:
         scalers.append([engine.optimizer.loss_scaler.cur_scale, engine.skipped_steps])
         with open(os.path.join(out, "scaler.json"), "w") as handle:
             json.dump(scalers, handle)
+    if undo is not None:
+        undo()
+
+
+def main() -> None:
+    out, runs = sys.argv[1], [arg.split(":") for arg in sys.argv[2:]]
+    bad = [":".join(r) for r in runs if len(r) != 2 or not r[0].isdigit() or r[1] not in DTYPES]
+    if not runs or bad:
+        sys.exit(f"usage: deepspeed_resume_job.py OUT_DIR STAGE:DTYPE [...]; DTYPE one of {sorted(DTYPES)}; got {bad}")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # gloo transport; skip the C++ build
+    deepspeed.init_distributed(dist_backend="gloo")
+    for stage, dtype in runs:
+        folder = os.path.join(out, f"{stage}-{dtype}")
+        os.makedirs(folder, exist_ok=True)
+        run(folder, int(stage), dtype)
 
 
 if __name__ == "__main__":

@@ -133,22 +133,34 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) -> None:
-    """DeepSpeed trains at W=2 (4 samples a rank) and continues; plait resumes its checkpoint at W=1
-    with the same 8 samples a step: each loss is the mean of DeepSpeed's two ranks' losses."""
-    job = JOB
+# The W=2 DeepSpeed runs that the resumes at W=1 below continue, at every stage and dtype they use.
+TWO_RANK_RUNS = ("2:fp32", "3:fp32", "2:fp16", "3:fp16")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> pathlib.Path:
+    """Every W=2 DeepSpeed run of ``TWO_RANK_RUNS`` in one torchrun launch (deepspeed_resume_job.py);
+    returns the folder that holds ``<stage>-<dtype>/`` for each."""
+    out = tmp_path_factory.mktemp("deepspeed-w2")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_port()), str(job), str(tmp_path), str(stage), "fp32"],
+                           str(_port()), str(JOB), str(out), *TWO_RANK_RUNS],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    theirs = [json.loads((tmp_path / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_two_rank_deepspeed_checkpoint_at_one_rank(stage: int, two_rank_runs: pathlib.Path) -> None:
+    """DeepSpeed trains at W=2 (4 samples a rank) and continues; plait resumes its checkpoint at W=1
+    with the same 8 samples a step: each loss is the mean of DeepSpeed's two ranks' losses."""
+    folder = two_rank_runs / f"{stage}-fp32"
+    theirs = [json.loads((folder / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
     model = net()
     ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp32", 8))
-    ours.load_checkpoint(str(tmp_path / "ckpt"))
+    ours.load_checkpoint(str(folder / "ckpt"))
     assert ours.global_steps == 3
     for index, step in enumerate(range(3, 7)):
         (x0, y0), (x1, y1) = batch(step, 0, torch.float32), batch(step, 1, torch.float32)
@@ -209,7 +221,7 @@ def test_resume_fp16_deepspeed_checkpoint_continues_as_deepspeed(stage: int, tmp
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.usefixtures("_fp16_on_cpu")
-def test_resume_two_rank_fp16_deepspeed_checkpoint_at_one_rank(stage: int, tmp_path) -> None:
+def test_resume_two_rank_fp16_deepspeed_checkpoint_at_one_rank(stage: int, two_rank_runs: pathlib.Path) -> None:
     """DeepSpeed trains fp16 at W=2 (4 samples a rank); plait resumes at W=1 on the same 8 samples a step,
     with DeepSpeed's scaler state: the next three losses are the mean of DeepSpeed's two ranks' losses
     within 5e-5 and the scaler goes as DeepSpeed's through the first two steps (a growth among them).
@@ -218,19 +230,13 @@ def test_resume_two_rank_fp16_deepspeed_checkpoint_at_one_rank(stage: int, tmp_p
     rounds the 8-sample sum once, which moves the loss by about 2e-5 after two updates. Not further:
     whether a step overflows is decided on fp16 gradients, so it depends on how the batch is split
     (DeepSpeed's step 5 overflows in one rank's 4-sample gradients, plait's 8-sample ones do not)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_port()), str(JOB), str(tmp_path), str(stage), "fp16"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    theirs = [json.loads((tmp_path / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
-    scalers = json.loads((tmp_path / "scaler.json").read_text())
+    folder = two_rank_runs / f"{stage}-fp16"
+    theirs = [json.loads((folder / f"losses.rank{rank}.json").read_text()) for rank in (0, 1)]
+    scalers = json.loads((folder / "scaler.json").read_text())
     assert scalers[0][1] > 0 and scalers[2][0] > scalers[1][0]  # overflows before the save, a growth after
     model = net()
     ours, *_ = initialize(model=model, model_parameters=model.parameters(), config=config(stage, "fp16", 8))
-    ours.load_checkpoint(str(tmp_path / "ckpt"))
+    ours.load_checkpoint(str(folder / "ckpt"))
     assert ours.global_steps == 3 and list(_our_scaler(ours)) == scalers[0]
     for index, step in enumerate(range(3, 6)):
         loss = _step(ours, step, (0, 1))

@@ -4,6 +4,7 @@ ci/test.sh runs it in .venv-vllm)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from importlib import metadata
@@ -75,42 +76,93 @@ from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 print("REPORT", pv.registration_report().registered, sorted(op_registry_oot),
       "plait_universal" in _LOAD_FORMAT_TO_MODEL_LOADER)
 """
+_SWITCHED_OFF = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+                 "from vllm.model_executor.custom_op import op_registry_oot; import plait.vllm as pv; "
+                 "print('REPORT', pv.registration_report(), sorted(op_registry_oot))")
+_FILTERED = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+             "from vllm.model_executor.custom_op import op_registry_oot; "
+             "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as formats; "
+             "import plait.vllm as pv; "
+             "print('REPORT', pv.registration_report(), sorted(op_registry_oot), 'plait_universal' in formats)")
+# Each check: (variables to set, variables to remove, the code a fresh interpreter runs).
+_CASES = {
+    "unsupported": ({}, [], _UNSUPPORTED),
+    "switched_off": ({"PLAIT_VLLM": "0"}, [], _SWITCHED_OFF),
+    "filtered": ({"VLLM_PLUGINS": "some_other_plugin"}, ["PLAIT_VLLM"], _FILTERED),
+}
+# The checks above each need a process in which neither vLLM's plugins nor plait.vllm have been
+# loaded and a setting is in place before they are. Importing vLLM is most of such a process's
+# cost (about 20 s on two busy cores), so one interpreter imports vLLM's modules once and forks a
+# child per check, one after the other: the child sets its variables, then runs its code with its
+# own stdout and stderr. vLLM reads its variables when asked (vllm.envs), not at import, and the
+# parent loads no plugin and never imports plait, so each child starts where a fresh interpreter
+# that had just imported vLLM would.
+_FORK_EACH = r"""
+import json, os, sys, traceback
+import vllm, vllm.plugins, vllm.model_executor.custom_op, vllm.model_executor.model_loader
+assert not vllm.plugins.plugins_loaded and not any(m.startswith("plait.vllm") for m in sys.modules)
+cases, folder, results = json.loads(sys.argv[1]), sys.argv[2], {}
+for name, (set_env, unset_env, code) in cases.items():
+    out, err = os.path.join(folder, name + ".out"), os.path.join(folder, name + ".err")
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        rc = 0
+        try:
+            os.environ.update(set_env)
+            for key in unset_env:
+                os.environ.pop(key, None)
+            os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            exec(compile(code, "<" + name + ">", "exec"), {"__name__": "__main__"})
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(rc)
+    results[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print("RESULTS", json.dumps(results))
+"""
 
 
-@pytest.mark.timeout(180)
-def test_vllm_unsupported_version_registers_nothing_with_one_warning():
-    result = subprocess.run([sys.executable, "-c", _UNSUPPORTED], capture_output=True, text=True, timeout=170)
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each of ``_CASES`` run in its own process (forked after one import of vLLM): name -> result."""
+    folder = tmp_path_factory.mktemp("vllm-fresh")
+    driver = subprocess.run([sys.executable, "-c", _FORK_EACH, json.dumps(_CASES), str(folder)],
+                            capture_output=True, text=True, timeout=400)
+    assert driver.returncode == 0 and "RESULTS " in driver.stdout, (driver.stdout + driver.stderr)[-3000:]
+    codes = json.loads(driver.stdout.split("RESULTS ", 1)[1].splitlines()[0])
+    return {name: subprocess.CompletedProcess(name, codes[name], (folder / f"{name}.out").read_text(),
+                                              (folder / f"{name}.err").read_text()) for name in _CASES}
+
+
+@pytest.mark.timeout(420)  # the first of the three pays for the shared import
+def test_vllm_unsupported_version_registers_nothing_with_one_warning(fresh_processes):
+    result = fresh_processes["unsupported"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REPORT False [] False" in result.stdout, result.stdout[-2000:]
     output = result.stdout + result.stderr
     assert output.count("outside the tested range") == 1, output[-3000:]
 
 
-@pytest.mark.timeout(180)
-def test_vllm_switched_off_by_env_registers_nothing():
-    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "from vllm.model_executor.custom_op import op_registry_oot; import plait.vllm as pv; "
-            "print('REPORT', pv.registration_report(), sorted(op_registry_oot))")
-    env = {**__import__("os").environ, "PLAIT_VLLM": "0"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, env=env)
+@pytest.mark.timeout(420)
+def test_vllm_switched_off_by_env_registers_nothing(fresh_processes):
+    result = fresh_processes["switched_off"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reason='PLAIT_VLLM=0'" in result.stdout and result.stdout.rstrip().endswith("[]"), result.stdout[-2000:]
 
 
-
-@pytest.mark.timeout(180)
-def test_vllm_plugins_filter_without_plait_registers_nothing():
+@pytest.mark.timeout(420)
+def test_vllm_plugins_filter_without_plait_registers_nothing(fresh_processes):
     """vLLM's own switch: ``VLLM_PLUGINS`` names the plugins to load; a list without ``plait`` leaves it out."""
-    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "from vllm.model_executor.custom_op import op_registry_oot; "
-            "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as formats; "
-            "import plait.vllm as pv; "
-            "print('REPORT', pv.registration_report(), sorted(op_registry_oot), 'plait_universal' in formats)")
-    env = {**__import__("os").environ, "VLLM_PLUGINS": "some_other_plugin"}
-    env.pop("PLAIT_VLLM", None)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170, env=env)
+    result = fresh_processes["filtered"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REPORT None [] False" in result.stdout, result.stdout[-2000:]
+
 
 def _both_paths(monkeypatch, build, call):
     """``call(build())`` with vLLM's CPU path, then with plait's (a layer reads the setting when built)."""

@@ -5,13 +5,21 @@ for once per test session instead of once per rank of every test: transformers' 
 Trainer and Lightning take 2-4 s each to import, and most distributed tests build one of them.
 A module that is not installed, or fails to import, is skipped: the rank imports it itself (and
 meets the same error where the test can report it), and the server stays up for every other test.
+
+``torch._dynamo`` comes first: ``plait.kernels.collectives`` (imported by every rank that issues a
+plait collective) and the ZeRO engine mark functions ``torch.compiler.disable``, which imports it,
+and it costs a rank about as much CPU time as torch itself (2.9 s of a rank's 3.0 s importing
+``plait.kernels.collectives``, measured under load). transformers and Lightning import it too, so
+in the full environment it was already loaded here; in a distribution's own environment without
+them (CI's install-alone stage) every rank paid for it.
 """
 
 from __future__ import annotations
 
 import importlib
 
-OPTIONAL = ("transformers", "transformers.models.llama.modeling_llama", "transformers.trainer", "lightning.pytorch")
+OPTIONAL = ("torch._dynamo", "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
+            "lightning.pytorch")
 
 
 def _load(names: tuple[str, ...]) -> list[str]:
