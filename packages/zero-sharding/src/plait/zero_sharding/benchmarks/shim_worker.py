@@ -128,7 +128,7 @@ def the_script(deepspeed: Any, job: ShimJob, config: dict[str, Any]) -> tuple[Ca
         loss = engine(**batch_for(job, len(losses))).loss
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
 
     return step, losses
 
