@@ -57,6 +57,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_breakdown: profiling.StepBreakdown | None = None
         self._clip_request: float | None = None
         self._cached: tuple[dict[str, torch.Tensor], float, bool] | None = None  # from clip_grad_norm_
+        # Keys of the gradients _averaged_grads made (or was allowed to spend, see
+        # step_then_zero_grad): clipping scales those in place instead of copying the shard again.
+        self._owned: set[str] = set()
+        self._spend_grads = False
         self._takes_ready = len(inspect.signature(engine.placement.step).parameters) >= 3
 
     # ---- the step -----------------------------------------------------------------------------
@@ -87,7 +91,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 coef = max_norm / (self.last_grad_norm + 1e-6)
                 # Out of place: a gradient may be the unit's grad_shard itself (see _averaged_grads),
                 # which must keep the unclipped sum (accumulation without zero_grad).
-                grads = {key: grad * coef for key, grad in grads.items()}
+                grads = {key: grad.mul_(coef) if key in self._owned else grad * coef
+                         for key, grad in grads.items()}
             writes = _ShardWrites()
             with profiling.optimizer_range():
                 refreshed = self._placement_step(grads, writes)
@@ -137,6 +142,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self.engine
         engine.finish_gradients()
         grads: dict[str, torch.Tensor] = {}
+        self._owned = set()
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         for unit in engine.units:
             stashed = engine.grad_stash.grad(unit) if engine.grad_stash is not None else None
@@ -150,14 +156,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if unit.grad_shard is None:
                 continue
             # One pass: the cast copies only a non-fp32 shard, the scaling is then in place;
-            # an fp32 shard is scaled out of place, and one whose factor is exactly 1 (one rank,
-            # no loss scale) is used as it is, with no copy (x * 1.0 == x bit for bit).
+            # an fp32 shard is scaled out of place (it must keep the unscaled sum for a backward
+            # without zero_grad) unless step_then_zero_grad lets the step spend it, and one whose
+            # factor is exactly 1 (one rank, no loss scale) is used as it is (x * 1.0 == x).
             grad = unit.grad_shard.to(torch.float32)
             factor = 1.0 / (unit.grad_divisor * self.scaler.scale)
             if grad is not unit.grad_shard:
                 grad.mul_(factor)
+                self._owned.add(unit.key)
+            elif self._spend_grads:
+                if factor != 1.0:
+                    grad.mul_(factor)  # bitwise grad * factor, without a second shard
+                self._owned.add(unit.key)
             elif factor != 1.0:
                 grad = grad * factor
+                self._owned.add(unit.key)
             grads[unit.key] = grad
             # fp32 norm of one shard (one pass, no float64 copy); shards are summed in float64.
             sq = torch.linalg.vector_norm(grad).double().square()
@@ -181,6 +194,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         notify(self.engine, "on_skipped_step", self.steps_taken)
         self.last_grad_norm = float("nan")
         self.last_breakdown = profiling.close_step()
+
+    def step_then_zero_grad(self) -> None:
+        """:meth:`step` followed by :meth:`zero_grad`, for loops that always drop the gradients
+        after a step (DeepSpeed's ``engine.step()``). Since nothing reads the reduced gradient
+        shards afterwards, the step averages and clips them in place rather than in copies: one
+        or two fewer passes over, and allocations of, every shard. The values are bit for bit
+        those of ``step(); zero_grad()``.
+
+        Raises:
+            ReplicaMismatchError: as :meth:`step`.
+        """
+        self._spend_grads = self._cached is None  # gradients cached by clip_grad_norm_ are copies already
+        try:
+            self.step()
+        finally:
+            self._spend_grads = False
+        self.zero_grad()
 
     # ---- gradients ----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -81,8 +81,7 @@ class DeepSpeedEngine(nn.Module):
         """End a micro batch; at the accumulation boundary step the optimizer and the scheduler."""
         if self.is_gradient_accumulation_boundary():
             skipped_before = self.optimizer.skipped_steps
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            self.optimizer.step_then_zero_grad()  # step(); zero_grad(), the gradients spent in place
             if self.optimizer.skipped_steps > skipped_before:
                 self.skipped_steps += 1
             elif self.lr_scheduler is not None:
