@@ -22,8 +22,8 @@ from plait.kernels.testing import run_distributed
 
 SHAPE = dict(vocab=512, dim=64, layers=3, heads=2)
 BATCH, SEQ, CHUNKS = 2, 16, 4
-# The memory test's model: activations (16 blocks x 512 tokens) dominate its forward.
-MEM_SHAPE = dict(vocab=8192, dim=256, layers=16, heads=4)
+# The memory test's model: activations (12 blocks x 512 tokens) dominate its forward.
+MEM_SHAPE = dict(vocab=4096, dim=256, layers=12, heads=4)
 MEM_BATCH, MEM_SEQ, MEM_CHUNKS = 4, 128, 8
 
 
