@@ -17,7 +17,9 @@ respect to each chunk's logits (softmax minus one-hot) is known in forward.
 states' and the head's gradients at once; backward only scales them by the incoming scalar. That
 saves the second logits matmul and softmax per chunk (the vocabulary projection is the largest
 matmul of a small-hidden, large-vocabulary model). What it keeps until backward is ``[B, S, h]``
-and the head's gradient, never logits.
+and the head's gradient, never logits. :func:`tile_lm_head` is the other trade, for a head sharded
+by ZeRO-3: the loss through :func:`tiled_apply` inside the head's own call, so nothing of the
+head's size is kept between forward and backward, at the price of recomputing each chunk's logits.
 """
 
 from __future__ import annotations

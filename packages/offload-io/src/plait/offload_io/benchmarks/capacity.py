@@ -349,12 +349,13 @@ def _bound_activations(family: str, model) -> None:
     from plait.ulysses_sp import tile_lm_head
     from plait.zero_sharding import checkpoint_blocks
 
-    checkpoint_blocks(model)
     if family == "plain":
         from plait.offload_io.benchmarks.plain_decoder import bound_activations
 
-        bound_activations(model, loss_chunks=LOSS_CHUNKS)
-    elif family == "hf":
+        bound_activations(model, loss_chunks=LOSS_CHUNKS)  # both, and the decoder's forward uses the tiled head
+        return
+    checkpoint_blocks(model)
+    if family == "hf":
         tile_lm_head(model.lm_head, chunks=LOSS_CHUNKS)
 
 
