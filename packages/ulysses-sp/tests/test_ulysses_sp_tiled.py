@@ -12,7 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.tolerances import tolerance
-from plait.ulysses_sp import TiledMLP, offloaded_checkpoint, tile_mlp, tiled_cross_entropy, untile_mlp
+from plait.ulysses_sp import (
+    TiledMLP,
+    offloaded_checkpoint,
+    tile_lm_head,
+    tile_mlp,
+    tiled_cross_entropy,
+    untile_mlp,
+)
 from plait.ulysses_sp.tiled import chunk_sizes
 
 TOL = tolerance("tiled_recompute", torch.float32)
@@ -144,6 +151,47 @@ def test_tiled_cross_entropy_never_builds_full_logits(monkeypatch):
     hidden = torch.randn(1, 40, 8, requires_grad=True)
     tiled_cross_entropy(hidden, head.weight, torch.randint(0, 30, (1, 40)), chunks=8).backward()
     assert seen and max(seen) == 5 and len(seen) == 8  # 40 tokens / 8 chunks, in forward only: no recompute
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_lm_head_equals_full_logits_and_recomputes_chunks(bias, monkeypatch):
+    """head(hidden, labels): the mean loss and every gradient of the untiled loss; logits only a
+    chunk at a time, in forward and again in backward; head(hidden) still the logits."""
+    torch.manual_seed(2)
+    head = nn.Linear(16, 50, bias=bias)
+    hidden = torch.randn(2, 19, 16)
+    labels = torch.randint(0, 50, (2, 19))
+    labels[0, :5] = -100
+    h1 = hidden.clone().requires_grad_(True)
+    ref = F.cross_entropy(head(h1).float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref.backward()
+    want = (ref.detach(), h1.grad, head.weight.grad.clone(), *([head.bias.grad.clone()] if bias else []))
+    head.zero_grad()
+    tile_lm_head(head, chunks=4)
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.shape[:-1].numel()) or real(x, *a))
+    h2 = hidden.clone().requires_grad_(True)
+    loss = head(h2, labels)
+    loss.backward()
+    got = (loss.detach(), h2.grad, head.weight.grad, *([head.bias.grad] if bias else []))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        TOL.assert_close(g, w, what=f"tiled head loss tensor {i}")
+    assert max(seen) == 10 and len(seen) == 8, seen  # 4 chunks of <= 5 tokens x 2, forward and backward
+    assert head(hidden).shape == (2, 19, 50)
+    untile_mlp(head)
+    assert "forward" not in vars(head)
+
+
+def test_tile_lm_head_bad_input():
+    with pytest.raises(ValueError, match="nn.Linear"):
+        tile_lm_head(nn.Embedding(3, 4), chunks=2)
+    with pytest.raises(ValueError, match="chunks"):
+        tile_lm_head(nn.Linear(4, 3), chunks=0)
+    head = nn.Linear(4, 3)
+    tile_lm_head(head, chunks=2)
+    with pytest.raises(ValueError, match="labels"):
+        head(torch.randn(1, 5, 4), torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_chunk_sizes_and_bad_input():

@@ -8,8 +8,8 @@
 - :func:`shard_batch`, :class:`SequenceParallelLoader`: each rank's slice of ids, true position
   ids and shifted labels; :func:`sp_cross_entropy` and friends: the loss summed over valid tokens
   of the sp group and divided once.
-- ALST: :class:`TiledMLP` / :func:`tile_mlp`, :func:`tiled_cross_entropy` (never the full
-  logits), :func:`offloaded_checkpoint` (checkpointed inputs on the host).
+- ALST: :class:`TiledMLP` / :func:`tile_mlp`, :func:`tiled_cross_entropy` and
+  :func:`tile_lm_head` (never the full logits), :func:`offloaded_checkpoint` (checkpointed inputs on the host).
 - :mod:`plait.ulysses_sp.zero_extension`: ``SequenceParallelExtension``, the ZeRO-composition
   extension the Lightning and HF Trainer integrations plug in for ``sp_size``.
 """
@@ -33,14 +33,21 @@ from plait.ulysses_sp.sharding import (
     shard_sequence,
     shift_labels,
 )
-from plait.ulysses_sp.tiled import TiledMLP, tile_mlp, tiled_apply, tiled_cross_entropy, untile_mlp
+from plait.ulysses_sp.tiled import (
+    TiledMLP,
+    tile_lm_head,
+    tile_mlp,
+    tiled_apply,
+    tiled_cross_entropy,
+    untile_mlp,
+)
 
 __all__ = [
     "DistributedAttention", "HeadLayout", "SPGroup", "SequenceParallelLoader", "TiledMLP", "UlyssesConfig",
     "all_to_all_rows", "dp_coordinates", "enable_offloaded_checkpointing", "gather_sequence", "heads_to_seq",
     "offloaded_checkpoint", "seq_to_heads", "shard_batch", "shard_sequence", "shift_labels",
     "sp_cross_entropy", "sp_group", "sp_loss_value", "sp_tiled_cross_entropy", "sp_token_count",
-    "sum_sp_gradients", "tile_mlp", "tiled_apply", "tiled_cross_entropy", "untile_mlp",
+    "sum_sp_gradients", "tile_lm_head", "tile_mlp", "tiled_apply", "tiled_cross_entropy", "untile_mlp",
 ]
 
 

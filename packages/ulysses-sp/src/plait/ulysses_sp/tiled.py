@@ -17,7 +17,9 @@ respect to each chunk's logits (softmax minus one-hot) is known in forward.
 states' and the head's gradients at once; backward only scales them by the incoming scalar. That
 saves the second logits matmul and softmax per chunk (the vocabulary projection is the largest
 matmul of a small-hidden, large-vocabulary model). What it keeps until backward is ``[B, S, h]``
-and the head's gradient, never logits.
+and the head's gradient, never logits. :func:`tile_lm_head` is the other trade, for a head sharded
+by ZeRO-3: the loss through :func:`tiled_apply` inside the head's own call, so nothing of the
+head's size is kept between forward and backward, at the price of recomputing each chunk's logits.
 """
 
 from __future__ import annotations
@@ -206,6 +208,56 @@ def untile_mlp(module: nn.Module) -> None:
     if "forward" in vars(module) and hasattr(module, "_plait_tiled_chunks"):
         del module.forward
         del module._plait_tiled_chunks
+
+
+def tile_lm_head(head: nn.Linear, *, chunks: int, ignore_index: int = IGNORE_INDEX) -> None:
+    """Let ``head(hidden, labels)`` return the mean cross-entropy without the full logits, in place.
+
+    ``head(hidden)`` still returns the logits. ``head(hidden, labels)`` returns the mean
+    cross-entropy of ``head(hidden)`` against ``labels`` over the tokens not ``ignore_index``,
+    computed :func:`tiled_apply`-style: the logits exist one sequence chunk at a time
+    (``[B, S/chunks, V]``, fp32 for the softmax); forward saves only ``hidden``, and backward
+    recomputes each chunk's logits. Unlike :func:`tiled_cross_entropy` (which builds the head's
+    ``[V, h]`` fp32 gradient in forward and keeps it until backward), nothing of the head's size is
+    kept between forward and backward, and the head's weight is read inside the head's own
+    ``__call__``: under ZeRO-3 with offloaded parameters the head is gathered for the loss's
+    forward, released, and gathered again for its backward, so the forward's peak is the gathered
+    head plus one chunk of logits. Gradients equal the untiled loss's within rounding (the
+    head's gradient is summed over chunks). Parameter names are unchanged; idempotent (tiling
+    again only changes ``chunks``); :func:`untile_mlp` undoes it.
+
+    Args:
+        head: the LM head (``nn.Linear``, bias allowed).
+        chunks: sequence chunks of the logits.
+        ignore_index: label value that does not count.
+
+    Raises:
+        ValueError: ``head`` is not an ``nn.Linear``, or ``chunks`` is not a positive int.
+    """
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"tile_lm_head(head=...) takes an nn.Linear, got {type(head).__name__}.")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"tile_lm_head(chunks={chunks!r}) must be a positive int.")
+
+    def forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(hidden, self.weight, self.bias)
+        if labels.shape != hidden.shape[:2]:
+            raise ValueError(f"labels {tuple(labels.shape)} must match hidden states' [B, S] "
+                             f"{tuple(hidden.shape[:2])}.")
+        label_parts = labels.split(chunk_sizes(hidden.shape[1], chunks), dim=1)
+
+        def chunk_loss(i: int, part: torch.Tensor) -> torch.Tensor:
+            logits = F.linear(part, self.weight, self.bias).float()
+            return F.cross_entropy(logits.flatten(0, 1), label_parts[i].flatten(), ignore_index=ignore_index,
+                                   reduction="sum")
+
+        params = [p for p in (self.weight, self.bias) if p is not None and p.requires_grad]
+        total = tiled_apply(chunk_loss, hidden, params, chunks=chunks, combine="sum")
+        return total / (labels != ignore_index).sum().clamp_min(1)
+
+    head.forward = types.MethodType(forward, head)
+    head._plait_tiled_chunks = chunks
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunks: int,

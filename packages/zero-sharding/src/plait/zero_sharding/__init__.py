@@ -9,6 +9,7 @@ Example::
         loss = model(**batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
+from plait.zero_sharding.activation_checkpointing import checkpoint_blocks, decoder_blocks, uncheckpoint_blocks
 from plait.zero_sharding.api import gathered_parameters, resolve_group, resolve_groups, sharded_init, zero_shard
 from plait.zero_sharding.checkpoint import export_full_weights, iter_full_parameters
 from plait.zero_sharding.composition import ShardingExtension, apply_extensions, check_extensions
@@ -39,7 +40,9 @@ __all__ = [
     "ReplicaMismatchError", "ShardingExtension", "ShardStorage", "StatePlacement", "StepBreakdown",
     "TensorPrecision", "WholeTensorPlacement",
     "ZeroConfig", "ZeroModule", "ZeroOptimizer", "apply_extensions", "check_extensions", "check_replicas",
+    "checkpoint_blocks", "decoder_blocks",
     "export_full_weights", "gathered_parameters", "iter_full_parameters", "load_safetensors", "model_state_bytes",
     "muon_param_groups",
-    "register_whole_tensor", "resolve_group", "resolve_groups", "sharded_init", "zero_formula_bytes", "zero_shard",
+    "register_whole_tensor", "resolve_group", "resolve_groups", "sharded_init", "uncheckpoint_blocks",
+    "zero_formula_bytes", "zero_shard",
 ]

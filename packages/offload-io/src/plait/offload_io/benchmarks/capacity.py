@@ -14,8 +14,12 @@ One process (gloo, world size 1) per try, batch 1 x 128 tokens, fp32, 3 AdamW st
 when it exits 0 inside the cap and its loss falls. The ``budget`` variant builds under
 ``sharded_init(placement=...)`` (construction straight to the store) with
 ``OffloadConfig(memory_budget=BUDGET_FRACTION, path=...)``: the budget is that fraction of the
-cgroup's limit, detected by the process itself, and every other knob is the budget's choice. The
-``memory`` variant is plain torch with fused AdamW, everything in memory.
+cgroup's limit, detected by the process itself, and every other knob is the budget's choice. It
+also bounds the activations: every decoder block is checkpointed
+(:func:`plait.zero_sharding.checkpoint_blocks`), and for ``plain`` and ``hf`` the LM head computes
+the loss with the logits in ``LOSS_CHUNKS`` sequence chunks (:func:`plait.ulysses_sp.tile_lm_head`;
+tiny-llama's own forward computes the whole logits, so it keeps them). The ``memory`` variant is
+plain torch with fused AdamW, everything in memory, as a user runs it.
 
 The cap is a cgroup v1 memory controller limit when this machine has one and the process may
 write it (root): the worker's shell enters the cgroup and then becomes the Python process, so
@@ -57,6 +61,7 @@ BUDGET_FRACTION = "0.75"  # of the cgroup's limit: the rest is activations and a
 CAPACITY_TARGET = 3.0  # in-memory peak of the largest model trained / the cap
 DISK_TARGET = 1.5  # step time / the disk-bound time for its bytes
 LARGEST_TARGET = 400.0  # M parameters trained inside CAP_BYTES
+LOSS_CHUNKS = 8  # sequence chunks of the logits in the budget variant (plain, hf)
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 FAMILIES = ("bench", "plain", "hf")
 FAMILY_LABELS = {"bench": "the benchmark's decoder (tiny-llama)", "plain": "an ordinary nn.ModuleList decoder",
@@ -271,7 +276,8 @@ def _worker(family: str, variant: str, layers: int, shape: dict, directory: str,
         config = placement.config
         grad_device = config.grad_device
         chosen = f"sub_group_size {config.sub_group_size}, grad_device {config.grad_device}, " \
-                 f"I/O blocks {config.io.block_size >> 20} MiB"
+                 f"I/O blocks {config.io.block_size >> 20} MiB; blocks checkpointed" + \
+                 (f", loss in {LOSS_CHUNKS} chunks" if family != "bench" else "")
         placement.close()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -282,9 +288,14 @@ def _worker(family: str, variant: str, layers: int, shape: dict, directory: str,
 
 def _loss(family: str, model, batch: dict):
     """The next-token loss of ``batch`` (``input_ids`` and ``labels`` shifted by one) as each
-    family's forward takes it (HF shifts the labels itself)."""
+    family's forward takes it (HF shifts the labels itself; with its head tiled, the head takes
+    the shifted labels)."""
     if family == "plain":
         return model(batch["input_ids"])
+    if family == "hf" and hasattr(model.lm_head, "_plait_tiled_chunks"):
+        ids = batch["input_ids"]
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        return model.lm_head(hidden[:, :-1], ids[:, 1:])
     if family == "hf":
         return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
     return model(**batch).loss
@@ -329,7 +340,23 @@ def _build(family: str, variant: str, layers: int, shape: dict, directory: str, 
     with sharded_init(placement=placement):
         model = _model(family, layers, shape)
     model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=1e-4)
+    _bound_activations(family, model)
     return model, optimizer, placement
+
+
+def _bound_activations(family: str, model) -> None:
+    """Checkpoint every block; tile the head's loss where the family's loss goes through it."""
+    from plait.ulysses_sp import tile_lm_head
+    from plait.zero_sharding import checkpoint_blocks
+
+    if family == "plain":
+        from plait.offload_io.benchmarks.plain_decoder import bound_activations
+
+        bound_activations(model, loss_chunks=LOSS_CHUNKS)  # both, and the decoder's forward uses the tiled head
+        return
+    checkpoint_blocks(model)
+    if family == "hf":
+        tile_lm_head(model.lm_head, chunks=LOSS_CHUNKS)
 
 
 if __name__ == "__main__":

@@ -63,14 +63,34 @@ class PlainDecoder(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+        self.tiled_loss = False  # set by bound_activations: the head computes the loss in chunks
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Args: tokens (batch, seq) int64. Returns: the next-token cross-entropy loss."""
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))
+        hidden = self.norm(x)
+        if self.tiled_loss:  # the head tiled by plait.ulysses_sp.tile_lm_head: never the whole logits
+            return self.head(hidden[:, :-1], tokens[:, 1:])
+        logits = self.head(hidden)
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def bound_activations(model: PlainDecoder, *, loss_chunks: int) -> None:
+    """Checkpoint every block and tile the head's loss, so that a forward holds one block's
+    activations and ``1 / loss_chunks`` of the logits (plus each block's input).
+
+    Args:
+        model: the decoder, plain or sharded.
+        loss_chunks: sequence chunks of the logits (:func:`plait.ulysses_sp.tile_lm_head`).
+    """
+    from plait.ulysses_sp import tile_lm_head
+    from plait.zero_sharding import checkpoint_blocks
+
+    checkpoint_blocks(model)
+    tile_lm_head(model.head, chunks=loss_chunks)
+    model.tiled_loss = True
 
 
 def largest_module_bytes(model: nn.Module) -> int:
@@ -100,7 +120,8 @@ def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, step
 
     Returns:
         ``{"peak_bytes": {phase: bytes over the level at the phase's start}, "model_bytes",
-        "largest_module_bytes", "losses", "baseline_bytes"}``; needs ``torch.distributed``
+        "largest_module_bytes", "losses", "baseline_bytes", "peak_rss_bytes"}`` (the last: the
+        process's highest resident set over the phases, imports included); needs ``torch.distributed``
         initialised (one process) and plait-zero-sharding.
     """
     import dataclasses
@@ -110,40 +131,45 @@ def phase_peaks(shape: dict[str, int], root: str, *, placement_config: Any, step
 
     placement = zero_placement(dataclasses.replace(placement_config, path=root))
     peaks: dict[str, int] = {}
+    highest = [0]  # the largest VmHWM of any phase: the process's peak (each phase resets VmHWM)
     baseline = rss_bytes()[0]
     start = reset_peak_rss()
     torch.manual_seed(0)
     with sharded_init(placement=placement if straight_to_store else None):
         model = build() if build is not None else PlainDecoder(**shape)
     peaks["build"] = rss_bytes()[1] - start
+    highest[0] = rss_bytes()[1]
     numel = sum(p.numel() for p in model.parameters())  # constructed parameters answer with the whole shape
     start = reset_peak_rss()
     model, optimizer = zero_shard(model, torch.optim.AdamW, ZeroConfig(stage=3), placement=placement, lr=1e-3)
     peaks["shard"] = rss_bytes()[1] - start
+    highest[0] = max(highest[0], rss_bytes()[1])
     tokens = torch.randint(0, shape["vocab"], (batch, seq), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
         start = reset_peak_rss()
         value = loss(model, tokens) if loss is not None else model(tokens)
-        _record(peaks, "forward", start)
+        _record(peaks, "forward", start, highest)
         losses.append(value.item())
         start = reset_peak_rss()
         value.backward()
-        _record(peaks, "backward", start)
+        _record(peaks, "backward", start, highest)
         start = reset_peak_rss()
         optimizer.step()
         optimizer.zero_grad()
-        _record(peaks, "step", start)
+        _record(peaks, "step", start, highest)
     placement.close()
     largest = _largest_from_shape(shape) if build is None else max(
         unit.numel * 4 for unit in model.zero_engine.partition.units)
     return {"peak_bytes": peaks, "model_bytes": numel * 4, "losses": losses, "baseline_bytes": baseline,
-            "largest_module_bytes": largest}
+            "largest_module_bytes": largest, "peak_rss_bytes": highest[0]}
 
 
-def _record(peaks: dict[str, int], phase: str, start: int) -> None:
-    """Keep the largest rise of ``phase``'s peak over its start, across steps."""
-    peaks[phase] = max(peaks.get(phase, 0), rss_bytes()[1] - start)
+def _record(peaks: dict[str, int], phase: str, start: int, highest: list[int]) -> None:
+    """Keep the largest rise of ``phase``'s peak over its start, across steps, and the highest peak."""
+    peak = rss_bytes()[1]
+    peaks[phase] = max(peaks.get(phase, 0), peak - start)
+    highest[0] = max(highest[0], peak)
 
 
 def _largest_from_shape(shape: dict[str, int]) -> int:
@@ -157,6 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=FULL["layers"])
     parser.add_argument("--plain-init", action="store_true", help="sharded_init() without the placement")
+    parser.add_argument("--loss-chunks", type=int, default=0,
+                        help="checkpoint every block and tile the loss in this many chunks (0: neither)")
+    parser.add_argument("--memory-budget", type=int, default=0,
+                        help="OffloadConfig(memory_budget=BYTES) as the only offload setting (0: the fixed knobs)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--path", default=None, help="offload directory (default: a temporary one)")
     parser.add_argument("--out", required=True)
     argv = sys.argv[1:] if argv is None else argv
@@ -170,10 +202,21 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     config = OffloadConfig(device="nvme", param_device="nvme", grad_device="nvme", path=".",
                            sub_group_size=1 << 20, io=IOConfig(block_size=1 << 20, queue_depth=4, workers=2))
+    if args.memory_budget:
+        config = OffloadConfig(memory_budget=args.memory_budget, path=".")
+    shape = {**FULL, "layers": args.layers}
+
+    def build() -> PlainDecoder:
+        model = PlainDecoder(**shape)
+        if args.loss_chunks:
+            bound_activations(model, loss_chunks=args.loss_chunks)
+        return model
+
     with tempfile.TemporaryDirectory(dir=args.path) as root:
-        result = phase_peaks({**FULL, "layers": args.layers}, root, placement_config=config,
-                             straight_to_store=not args.plain_init)
-    result.update(shape={**FULL, "layers": args.layers}, straight_to_store=not args.plain_init,
+        result = phase_peaks(shape, root, placement_config=config, straight_to_store=not args.plain_init,
+                             batch=args.batch, seq=args.seq, build=build)
+    result.update(shape=shape, straight_to_store=not args.plain_init, loss_chunks=args.loss_chunks,
+                  batch=args.batch, seq=args.seq, memory_budget=args.memory_budget,
                   command="python -m plait.offload_io.benchmarks.plain_decoder " + " ".join(argv),
                   load_average=os.getloadavg())
     with open(args.out, "w") as f:
