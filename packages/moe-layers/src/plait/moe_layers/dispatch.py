@@ -26,6 +26,11 @@ backward returns gradient rows to where the tokens came from and the experts' we
 collect every rank's contribution. Logical bytes per layer and rank (counted by the ledger):
 forward ``8 E + (S + R) H b``, backward ``(S + R) H b``, with ``S`` the rows this rank sends
 (its kept assignments), ``R`` the rows it receives, ``b`` the activation's bytes per element.
+
+Under torch.compile, expert-parallel dispatch takes the custom ops of
+:mod:`plait.moe_layers.dispatch_ops` instead (static, capacity-sized buffers, the same exchanges
+and bytes): a compiled block holding the MoE layer is one graph with no recompiles. On one rank
+(``ep_size=1``) compile still breaks the graph at ``nonzero`` over the kept assignments.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 
 from plait.kernels import collectives
 from plait.kernels.ops import combine_rows, permute_by_expert, permute_tokens
+from plait.moe_layers.dispatch_ops import traced_dispatch_combine
 from plait.moe_layers.router import Routing
 
 
@@ -56,9 +62,9 @@ def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group:
     return collectives.all_to_all_rows(rows, send, recv, group, name)
 
 
-# Not traced: the split sizes of the row exchange are the other ranks' routing decisions, known only
-# after this exchange, as Python ints. Under torch.compile this is a graph break inside the MoE
-# layer (the rows exchanged after it are sized by data no graph can specialise on).
+# Eager only: the split sizes of the row exchange are the other ranks' routing decisions, known only
+# after this exchange, as Python ints. Under torch.compile, dispatch_combine takes the custom ops of
+# dispatch_ops instead; the disable stays for a caller that compiles this function directly.
 @torch.compiler.disable
 def _exchange_counts(counts: torch.Tensor, group: Any, ep_size: int,
                      label: str) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -100,6 +106,10 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module
         ``(out, load)``: ``out`` ``[T, H]`` in ``x``'s dtype and ``load`` ``[E]`` int64 kept
         assignments per expert from this rank's tokens.
     """
+    if ep_size > 1 and torch.compiler.is_compiling():
+        # Static shapes and opaque exchanges (see dispatch_ops): one graph, no recompiles. Eager
+        # keeps the path below, whose results are the reference.
+        return traced_dispatch_combine(x, routing, experts, num_experts, group, ep_size, label)
     token, slot = routing.kept.nonzero(as_tuple=True)
     order, counts = permute_by_expert(routing.expert_ids[token, slot], num_experts)
     token = token[order]

@@ -6,6 +6,12 @@
   round, then timed rounds. Figure: the wall time of one ``generate`` round; tokens/s in the note.
   Target: no slower (<= 1.0; a difference inside the rounds' own spread is called noise). (CPU time
   is no steadier on a shared machine: the OpenMP threads spin while they wait.)
+* Compiled engine: the same models under vLLM's default compiled engine (no ``enforce_eager``),
+  plait's plugin on (``PLAIT_VLLM_CPU_PATH=plait``: plait's ops wherever vLLM calls them, its MoE
+  method included) against ``PLAIT_VLLM=0``, both loading the same safetensors export so that the
+  rows differ only by the plugin; engine processes in ABBA order. Figures: engine start-up time
+  (compilation included) and decode time per token, ``(round - one-token round) / (new tokens -
+  1)`` for the batch, pooled over the processes' rounds. Target: <= 1.05x each.
 * Loading: the part of start-up that differs between the two formats: streaming every weight
   of the same model out of the plait universal checkpoint as its loader does at TP=1 (every
   chunk's XXH3-64 checksum checked, by a worker thread alongside the copies when a core is free
@@ -40,6 +46,9 @@ FULL = (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_a
 LOAD_WARMUP = 3
 SERVING_ORDER = ("off", "on", "on", "off", "on", "off", "off", "on")
 """The engine processes of a serving row, in start order: four per side, balanced against drift."""
+COMPILED_ORDER = ("off", "on", "on", "off")
+"""The compiled engine processes of a family, in start order (compilation makes each start slow)."""
+COMPILED_TARGET = 1.05
 MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)  # on top of the sizes above
 
 
@@ -65,12 +74,14 @@ def _build_model(tmp: Path, overrides: dict, family: str = "llama") -> tuple[Pat
     return hf_dir, universal
 
 
-def _engine(tmp: Path, name: str, model: Path, load_format: str, env: dict, setup: tuple) -> dict:
+def _engine(tmp: Path, name: str, model: Path, load_format: str, env: dict, setup: tuple,
+            compiled: bool = False) -> dict:
     _, batch, prompt_len, new_tokens, rounds, _ = setup
     out = tmp / f"{name}.json"
     cmd = [sys.executable, "-m", "plait.vllm.benchmarks.engine_worker", "--model", str(model),
            "--load-format", load_format, "--batch", str(batch), "--prompt-len", str(prompt_len),
            "--new-tokens", str(new_tokens), "--rounds", str(rounds), "--out", str(out)]
+    cmd += ["--compiled"] if compiled else []
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
     result = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900, cwd=tmp)
     if result.returncode or not out.is_file():
@@ -101,6 +112,31 @@ def _serving_rows(tmp: Path, hf_dir: Path, universal: Path, setup: tuple, family
             f"{len(runs['on'])} engine processes per side; "
             f"tokens/s ours {tokens / ours.median:.0f}, vLLM alone {tokens / peer.median:.0f}")
     return [BenchRow(**{**row.__dict__, "note": note})]
+
+
+def _compiled_rows(tmp: Path, hf_dir: Path, setup: tuple, family: str) -> list[BenchRow]:
+    """Start-up and decode time per token of vLLM's compiled engine, plugin on against off."""
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    sides = {"off": {"PLAIT_VLLM": "0"}, "on": {"PLAIT_VLLM": "1", "PLAIT_VLLM_CPU_PATH": "plait"}}
+    for side in COMPILED_ORDER:
+        runs[side].append(_engine(tmp, f"{family}-compiled-{side}{len(runs[side])}", hf_dir, "safetensors",
+                                  sides[side], setup, compiled=True))
+    overrides, batch, prompt_len, new_tokens, _, _ = setup
+    name = "Mixtral e8 top2" if family == "mixtral" else "Llama"
+    base = f"vLLM CPU compiled engine, {name} h{overrides['hidden_size']} L{overrides['num_hidden_layers']} fp32"
+    peer_name = "compiled, vLLM alone (PLAIT_VLLM=0)"
+
+    def per_token(run: dict) -> list[float]:
+        return [(full - one) / (new_tokens - 1) for full, one in zip(run["seconds"], run["prefill_seconds"])]
+
+    startup = {side: TimingStats.of([run["startup_seconds"] for run in runs[side]]) for side in runs}
+    decode = {side: TimingStats.of([t for run in runs[side] for t in per_token(run)]) for side in runs}
+    rows = [timing_row(f"{base}, engine start-up (compilation included)", startup["on"], peer_name, startup["off"],
+                       target_ratio=COMPILED_TARGET, unit_scale=1.0, figure="start-up (s)"),
+            timing_row(f"{base}, decode per token, batch {batch}, {prompt_len}+{new_tokens} tokens", decode["on"],
+                       peer_name, decode["off"], target_ratio=COMPILED_TARGET, figure="decode per token (ms)")]
+    where = f"{len(runs['on'])} engine processes per side; plugin on with PLAIT_VLLM_CPU_PATH=plait"
+    return [BenchRow(**{**row.__dict__, "note": f"{row.note}; {where}"}) for row in rows]
 
 
 def _stream_seconds(open_stream, dest: dict) -> tuple[float, float, float]:
@@ -210,4 +246,5 @@ def run(*, quick: bool = False) -> list[BenchRow]:
             if family == "llama":
                 rows += _load_rows(hf_dir, universal, setup)
             rows += _serving_rows(tmp, hf_dir, universal, setup, family)
+            rows += _compiled_rows(tmp, hf_dir, setup, family)
         return rows
