@@ -20,7 +20,14 @@ from zero_test_support import MODEL, build_model
 
 from plait.kernels.collectives import ByteLedger
 from plait.kernels.testing import global_batch, rank_slice, run_distributed, tiny_llama
-from plait.zero_sharding import ConstructedParameter, LocalPlacement, ZeroConfig, sharded_init, zero_shard
+from plait.zero_sharding import (
+    ConstructedParameter,
+    LocalPlacement,
+    ZeroConfig,
+    model_state_bytes,
+    sharded_init,
+    zero_shard,
+)
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
 from plait.zero_sharding.whole_tensor import WholeTensorPlacement, assign_owners, register_whole_tensor, update_cost
 
@@ -110,10 +117,13 @@ def _rank_jobs(jobs: list[tuple[str, int]]) -> list[dict[str, torch.Tensor]]:
         assert isinstance(model.zero_engine.placement, WholeTensorPlacement)
         for step in range(STEPS):
             model(**rank_slice(global_batch(step, BATCH, SEQ), rank, world)).loss.backward()
+            if name == "muon" and stage > 1 and step == STEPS - 1:  # gradients present, state allocated
+                assert model_state_bytes(model) == _expected_muon_bytes(model.zero_engine, groups, stage), stage
             with ByteLedger() as ledger:
                 optimizer.step()
             optimizer.zero_grad()
-        counted = {"all_gather": ledger.total(op="all_gather"), "broadcast": ledger.total(op="broadcast")}
+        counted = {"all_gather": ledger.total(op="all_gather"), "broadcast": ledger.total(op="broadcast"),
+                   "broadcasts": sum(record.op == "broadcast" for record in ledger.records)}
         assert counted == _expected_step_bytes(model.zero_engine), (name, stage, counted)
         if (name, stage) == ("muon", 2):  # per-tensor state: whole pieces under global names, on the owner
             pieces = model.sharded_state_dict()
@@ -130,21 +140,43 @@ def _rank_jobs(jobs: list[tuple[str, int]]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _expected_muon_bytes(engine: Any, groups: list[dict[str, Any]], stage: int) -> dict[str, int]:
+    """Model-state bytes of MuonWithAdamW in fp32 from the layout and the owner map: the parameters
+    (stage 2: every unit's whole padded buffer; stage 3: the shard), the reduced gradient shard, no
+    separate flat master (in fp32 the shard is the master) but 4 bytes per element of each tensor
+    this rank owns (its whole fp32 copy), Muon's momentum (4 bytes per owned element) and AdamW's
+    two moments (8 bytes per owned element) plus its fp32 step counter per owned tensor."""
+    muon = {id(p) for p in groups[0]["params"]}
+    out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
+    for unit in engine.units:
+        out["params"] += 4 * (unit.padded_numel if stage < 3 else unit.shard_numel)
+        out["grads"] += 4 * unit.shard_numel
+        for slot in unit.slots:
+            if engine.placement.owner[(unit.key, slot.name)] != unit.group_rank:
+                continue
+            out["master"] += 4 * slot.numel
+            out["optimizer"] += 4 * slot.numel if id(slot.param) in muon else 8 * slot.numel + 4
+    out["total"] = sum(out.values())
+    return out
+
+
 def _expected_step_bytes(engine: Any) -> dict[str, int]:
     """Logical bytes of one step's gathers and broadcasts, from the layout: per unit, the
     whole-tensor all-gather of gradient and master shards (2 x padded fp32) plus, stages 1/2, the
-    refresh of the resident parameters (padded x 4); one broadcast per tensor whose elements lie on
-    a rank other than its owner."""
+    refresh of the resident parameters (padded x 4); the bytes of every tensor whose elements lie on
+    a rank other than its owner, in one broadcast per unit and owner of such tensors."""
     placement = engine.placement
-    gather, broadcast = 0, 0
+    gather, broadcast, senders = 0, 0, set()
     for unit in engine.units:
         gather += 2 * unit.padded_numel * 4 + (unit.padded_numel * 4 if unit.resident else 0)
         for slot in unit.slots:
             start, stop = slot.flat_range
             holders = set(range(start // unit.shard_numel, (stop - 1) // unit.shard_numel + 1))
-            if holders - {placement.owner[(unit.key, slot.name)]}:
+            owner = placement.owner[(unit.key, slot.name)]
+            if holders - {owner}:
                 broadcast += slot.numel * 4
-    return {"all_gather": gather, "broadcast": broadcast}
+                senders.add((unit.key, owner))
+    return {"all_gather": gather, "broadcast": broadcast, "broadcasts": len(senders)}
 
 
 def _reference(name: str) -> dict[str, torch.Tensor]:

@@ -99,6 +99,7 @@ class ZeroOffloadPlacement:
         self._stepping: SubGroup | None = None  # the sub-group whose store slot is installed
         self._shard_storage: CpuShardStorage | FileShardStorage | None = None
         self._grad_storage: FileShardStorage | None = None
+        self._whole_store: FileStateStore | None = None  # whole-tensor optimizers' state (whole_tensor_store)
         self._engine: AsyncIOEngine | None = None
         self._early: list[int] | None = None  # sub-groups whose reads this backward started
         self._released: ReleasedMasters | None = None  # masters handed over unit by unit (release_master)
@@ -330,6 +331,26 @@ class ZeroOffloadPlacement:
                 weakref.finalize(self, self._shard_storage.close)
         return self._shard_storage
 
+    def whole_tensor_store(self) -> FileStateStore:
+        """The NVMe store plait-zero-sharding's whole-tensor placement (Muon, LAMB...) keeps the
+        owned tensors' optimizer state in, one group per unit (``device="nvme"``; this placement's
+        own sub-groups are then unused). One per placement, closed by :meth:`close`.
+
+        Returns:
+            A :class:`FileStateStore` under ``OffloadConfig.path`` with ``OffloadConfig.slots`` slots.
+
+        Raises:
+            ValueError: ``OffloadConfig.device`` is not ``"nvme"``.
+        """
+        if self.config.device != "nvme":
+            raise ValueError(f"whole_tensor_store() needs OffloadConfig(device='nvme'), got "
+                             f"device={self.config.device!r}.")
+        if self._whole_store is None:
+            self._whole_store = FileStateStore(self.config.path, engine=self._io_engine(), slots=self.config.slots,
+                                               close_engine=False)
+            weakref.finalize(self, self._whole_store.close)
+        return self._whole_store
+
     def grad_storage(self) -> FileShardStorage | None:
         """Where plait-zero-sharding keeps reduced gradient shards until the step
         (``OffloadConfig.grad_device``).
@@ -393,6 +414,8 @@ class ZeroOffloadPlacement:
             self._shard_storage.close()
         if self._grad_storage is not None:
             self._grad_storage.close()
+        if self._whole_store is not None:
+            self._whole_store.close()
         if self._engine is not None:
             self._engine.close()
 

@@ -383,7 +383,9 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
     # memory is bounded by the largest module rather than by the root unit (see partition.py).
     partition = build_partition(model, config, groups, init_fn, compute_device(model, mesh),
                                 separate_root=getattr(placement, "offloads_parameters", False),
-                                after_unit=_offload_as_built(placement, config, groups))
+                                # whole-tensor optimizers keep host masters: nothing to release as built
+                                after_unit=None if is_whole_tensor(cls) and not config.elementwise_optimizer
+                                else _offload_as_built(placement, config, groups))
     for unit in partition.units:
         unit.grad_divisor = groups[unit.option_index].grad_divisor or unit.group_size
         if unit.group is group:

@@ -60,7 +60,9 @@ def model_state_bytes(model: Any) -> dict[str, int]:
     allocated) to compare with the formula.
 
     Returns:
-        ``{"params", "grads", "master", "optimizer", "total"}`` in bytes.
+        ``{"params", "grads", "master", "optimizer", "total"}`` in bytes. ``master`` includes the
+        whole fp32 tensors a whole-tensor optimizer's owner rank steps (Muon, LAMB...), as far as
+        they are in memory (with NVMe offload they are placeholders between steps).
     """
     engine, optimizer = model.zero_engine, model.zero_optimizer
     out = {"params": 0, "grads": 0, "master": 0, "optimizer": 0}
@@ -71,6 +73,9 @@ def model_state_bytes(model: Any) -> dict[str, int]:
             grad = slot.param.grad
             if grad is not None and unit.full_grad is None:
                 out["grads"] += local_numel(grad) * grad.element_size()
+    # Whole-tensor optimizers: the owner's whole fp32 copies of the tensors it steps (see whole_tensor.py).
+    for whole in getattr(engine.placement, "whole", {}).values():
+        out["master"] += whole.untyped_storage().nbytes()  # a placeholder (NVMe) holds one element
     for state in optimizer.inner.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):

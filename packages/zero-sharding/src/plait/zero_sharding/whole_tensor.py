@@ -29,15 +29,20 @@ the owner computes the update where the state lives: the flat masters are host c
 gradients are copied to the host as they are reduced, the whole tensors and their optimizer state
 are host tensors, and only the collectives' buffers are on the compute device. The placement's
 parameter offload (``param_device``, stage 3) keeps working, since it concerns the compute shards.
-State on NVMe is refused: the offload store is laid out per flat sub-group, not per whole tensor.
+With ``OffloadConfig(device="nvme")`` the flat masters stay in host memory as with ``"cpu"``, and
+the whole tensors and their optimizer state are not kept between steps: the state of each unit's
+owned tensors is a group of the offload's NVMe store, streamed through the step unit by unit
+(:mod:`plait.zero_sharding.whole_tensor_store`).
 
 Communication per step and rank, on top of the gradient reduce-scatter: the all-gather receives
 ``(W - 1) * 2 * shard_numel * 4`` bytes per unit, and each tensor whose pieces lie on ranks other
-than its owner is broadcast once (``numel * 4`` bytes) over the unit's group.
+than its owner is broadcast once (``numel * 4`` bytes) over the unit's group, the tensors of one
+owner in one broadcast per unit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from plait.kernels import collectives
+from plait.zero_sharding.whole_tensor_store import WholeStateStore, placeholder
 
 # Whole-tensor optimizers known by class name (classes from torch, transformers and plait that
 # cannot carry the attribute themselves).
@@ -123,6 +129,9 @@ class WholeTensorPlacement:
         # Where the optimizer computes: the offload's host memory, else where ZeRO built the master.
         self.grad_device = None if offload is None else torch.device(offload.grad_device)
         self.offloads_parameters = bool(getattr(offload, "offloads_parameters", False))
+        # NVMe: the owned state streams through the offload's store (built with the optimizer).
+        self.state_store: WholeStateStore | None = None
+        self._brought: list[str] = []  # unit keys materialize() brought in for a state_dict
         self.units = {unit.key: unit for unit in units}
         self._masters: dict[str, Tensor] = {}
         self.owner: dict[tuple[str, str], int] = {}  # (unit key, slot name) -> owner index in the group
@@ -158,6 +167,7 @@ class WholeTensorPlacement:
         """Build the user's optimizer over the whole fp32 tensors this rank owns, keeping the
         user's groups (a group may be empty on a rank that owns none of its tensors)."""
         key_of = {id(master): key for key, master in self._masters.items()}
+        on_disk = self.offload is not None and self.offload.config.device == "nvme"
         groups = []
         for group in param_groups:
             owned = []
@@ -165,28 +175,71 @@ class WholeTensorPlacement:
                 unit = self.units[key_of[id(master)]]
                 for slot in unit.slots:
                     if self.owner[(unit.key, slot.name)] == unit.group_rank and slot.param.requires_grad:
-                        whole = nn.Parameter(torch.zeros(slot.shape, dtype=torch.float32, device=master.device))
+                        # On NVMe a placeholder: a step fills it from the gathered master.
+                        values = placeholder(slot.shape) if on_disk else \
+                            torch.zeros(slot.shape, dtype=torch.float32, device=master.device)
+                        whole = nn.Parameter(values)
                         self.whole[(unit.key, slot.name)] = whole
                         owned.append(whole)
             groups.append({**group, "params": owned})
-        return build(groups)
+        inner = build(groups)
+        if on_disk:
+            self.state_store = WholeStateStore(self.offload.whole_tensor_store())
+            # An instance attribute, not torch's state_dict hooks: optimizers made of others
+            # (MuonWithAdamW) define their own state_dict, which runs no hooks of the outer one.
+            inner.state_dict = functools.partial(self._state_dict, inner, inner.state_dict)
+        return inner
+
+    def _state_dict(self, optimizer: torch.optim.Optimizer, original: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with NVMe state: brought in for it, then dropped again
+        (unchanged, the store keeps it) so that memory stays bounded."""
+        self.materialize(optimizer)
+        try:
+            # torch's state_dict shares the per-tensor dicts with optimizer.state: copy them first.
+            return _copy_containers(original())
+        finally:
+            owned = self.owned()
+            for key in self._brought:
+                self.state_store.drop(optimizer, owned[key])
+            self._brought = []
+
+    def owned(self) -> dict[str, list[nn.Parameter]]:
+        """Unit key -> the whole tensors this rank owns in it (unit and slot order)."""
+        out: dict[str, list[nn.Parameter]] = {}
+        for (key, _name), whole in self.whole.items():
+            out.setdefault(key, []).append(whole)
+        return out
+
+    def materialize(self, optimizer: torch.optim.Optimizer) -> None:
+        """With NVMe state: bring all of it into ``optimizer.state`` for a reader (the next step
+        stores it again, with any in-place edits). A no-op otherwise."""
+        if self.state_store is not None:
+            self._brought = self.state_store.materialize(optimizer, self.owned())
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, grads: Mapping[str, Tensor]) -> None:
         """Gather each unit's gradient and master shards, step the owned tensors, send them back."""
-        for key in self.units:  # unit order: the same collectives in the same order on every rank
-            if key not in grads:
-                continue
+        keys = [key for key in self.units if key in grads]  # the same collectives in the same order on every rank
+        owned = self.owned()
+        for index, key in enumerate(keys):
             unit, grad = self.units[key], grads[key]
             if not isinstance(grad, Tensor):
                 raise ValueError("a whole-tensor optimizer needs gradient shards in memory; turn gradient offload "
                                  "(grad_device='nvme') off.")
             full_grad, full_master = self._gather(unit, grad)
+            store, views = self.state_store, None
+            if store is not None and key in owned:
+                views = store.install(optimizer, key, owned[key])
+                if index + 1 < len(keys) and keys[index + 1] in owned:
+                    store.prefetch(optimizer, keys[index + 1], owned[keys[index + 1]])  # read while this steps
             for slot in unit.slots:
                 whole = self.whole.get((key, slot.name))
                 if whole is not None:
                     lo, hi = slot.flat_range
-                    whole.copy_(full_master[lo:hi].view(slot.shape))
+                    if store is not None:  # the placeholder views the gathered master meanwhile
+                        whole.data = full_master[lo:hi].view(slot.shape)
+                    else:
+                        whole.copy_(full_master[lo:hi].view(slot.shape))
                     whole.grad = full_grad[lo:hi].view(slot.shape)
             optimizer.step()
             for slot in unit.slots:  # the next unit's step must not move these again
@@ -194,6 +247,12 @@ class WholeTensorPlacement:
                 if whole is not None:
                     whole.grad = None
             self._scatter_back(unit)
+            if store is not None and key in owned:
+                store.release(optimizer, key, owned[key], views)
+                for whole in owned[key]:
+                    whole.data = placeholder(whole.shape)
+        if self.state_store is not None:
+            self.state_store.flush()
 
     def _gather(self, unit: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         """The unit's whole averaged gradient and fp32 master, flat (padded)."""
@@ -209,29 +268,37 @@ class WholeTensorPlacement:
         return out[:, 0].reshape(-1), out[:, 1].reshape(-1)
 
     def _scatter_back(self, unit: Any) -> None:
-        """Each updated tensor to the ranks holding its pieces; every rank writes its pieces."""
+        """The updated tensors to the ranks holding their pieces; every rank writes its pieces.
+
+        The tensors one owner sends are concatenated into one broadcast (at most one collective
+        per owner and unit instead of one per tensor: over gloo each collective costs a round
+        trip, and a transformer block has a dozen tensors); the bytes are the same."""
         master = self._masters[unit.key].detach()
-        lo, hi = unit.shard_range
         ranks = dist.get_process_group_ranks(unit.group) if unit.group_size > 1 else [0]
+        sent: dict[int, list[Any]] = {}  # owner index -> its tensors other ranks hold pieces of
         for slot in unit.slots:
-            owner = self.owner[(unit.key, slot.name)]
-            whole = self.whole.get((unit.key, slot.name))
             if not slot.param.requires_grad:
                 continue
+            owner = self.owner[(unit.key, slot.name)]
             start, stop = slot.flat_range
             holders = range(start // unit.shard_numel, (stop - 1) // unit.shard_numel + 1)
             if any(h != owner for h in holders):
-                buffer = whole.detach().reshape(-1).to(unit.device) if whole is not None else torch.empty(
-                    slot.numel, dtype=torch.float32, device=unit.device)
-                collectives.broadcast(buffer, src=ranks[owner], group=unit.group,
-                                      name=f"whole-tensor update of `{slot.name}`")
-            elif whole is None:
-                continue  # the owner alone holds this tensor's elements
+                sent.setdefault(owner, []).append(slot)
+            elif (unit.key, slot.name) in self.whole:  # the owner alone holds this tensor's elements
+                _write_piece(master, unit, slot, self.whole[(unit.key, slot.name)].detach().reshape(-1))
+        for owner in sorted(sent):  # the same collectives in the same order on every rank
+            slots = sent[owner]
+            if owner == unit.group_rank:
+                wholes = [self.whole[(unit.key, slot.name)].detach().reshape(-1) for slot in slots]
+                buffer = (wholes[0] if len(wholes) == 1 else torch.cat(wholes)).to(unit.device)
             else:
-                buffer = whole.detach().reshape(-1)
-            a, b = max(start, lo), min(stop, hi)
-            if a < b:
-                master[a - lo:b - lo].copy_(buffer[a - start:b - start])
+                buffer = torch.empty(sum(slot.numel for slot in slots), dtype=torch.float32, device=unit.device)
+            collectives.broadcast(buffer, src=ranks[owner], group=unit.group,
+                                  name=f"whole-tensor updates of unit `{unit.key}` from its rank {owner}")
+            offset = 0
+            for slot in slots:
+                _write_piece(master, unit, slot, buffer[offset:offset + slot.numel])
+                offset += slot.numel
 
     def read_master(self, key: str, out: Tensor) -> None:
         """Copy (casting) the flat master shard into ``out``; a no-op when ``out`` is the master."""
@@ -242,6 +309,25 @@ class WholeTensorPlacement:
     def masters(self) -> Mapping[str, Tensor]:
         """key -> flat master shard."""
         return self._masters
+
+
+def _write_piece(master: Tensor, unit: Any, slot: Any, values: Tensor) -> None:
+    """Write the elements of ``slot`` (``values``, the whole tensor flat) that fall in this rank's
+    flat master shard of ``unit``."""
+    lo, hi = unit.shard_range
+    start, stop = slot.flat_range
+    a, b = max(start, lo), min(stop, hi)
+    if a < b:
+        master[a - lo:b - lo].copy_(values[a - start:b - start])
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with every dict and list copied (the tensors and numbers in them shared)."""
+    if isinstance(value, dict):
+        return {key: _copy_containers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(item) for item in value]
+    return value
 
 
 def whole_state_pieces(placement: WholeTensorPlacement, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -270,6 +356,7 @@ def whole_state_pieces(placement: WholeTensorPlacement, optimizer: torch.optim.O
     from plait.kernels.sharded_state import ShardedTensor, ShardSpec
 
     rank, out = dist.get_rank() if dist.is_initialized() else 0, {}
+    placement.materialize(optimizer)  # NVMe: the state into memory (a load then edits it in place)
     placement.scalars = {}
     for (key, name), whole in placement.whole.items():
         slot = next(s for s in placement.units[key].slots if s.name == name)
@@ -322,7 +409,8 @@ def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]]
 
     Raises:
         ValueError: a placement other than a host offload (per-group placements, a placement that
-            steps flat shards), optimizer state on NVMe, or a partial offload (``offload_ratio``).
+            steps flat shards), gradients on NVMe (``grad_device``) or a partial offload
+            (``offload_ratio``).
     """
     if not is_whole_tensor(cls):
         return
@@ -337,10 +425,13 @@ def check_placement(cls: Any, placement: Any, param_groups: list[dict[str, Any]]
     if placement is None:
         return
     config = placement.config
-    if config.device != "cpu":
-        raise ValueError(f"optimizer {cls.__name__} updates whole tensors; OffloadConfig(device={config.device!r}) "
-                         "keeps optimizer state per flat sub-group on disk, which has no room for a whole tensor's "
-                         "state. Use OffloadConfig(device='cpu') (param_device may still offload the parameters).")
+    if config.device == "nvme" and not callable(getattr(placement, "whole_tensor_store", None)):
+        raise ValueError(f"optimizer {cls.__name__} updates whole tensors; this offload placement offers no store "
+                         "for whole-tensor state on NVMe (whole_tensor_store()). Upgrade plait-offload-io or use "
+                         "OffloadConfig(device='cpu').")
+    if getattr(config, "grad_device", "cpu") == "nvme":
+        raise ValueError(f"optimizer {cls.__name__} updates whole tensors, gathering each unit's reduced gradient "
+                         "from memory; OffloadConfig.grad_device='nvme' keeps them in files. Use grad_device='cpu'.")
     if getattr(config, "offload_ratio", 1.0) != 1.0:
         raise ValueError(f"optimizer {cls.__name__} updates whole tensors, each on its owner rank; "
                          f"OffloadConfig.offload_ratio={config.offload_ratio} splits flat shards between host and "
