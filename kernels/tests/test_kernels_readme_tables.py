@@ -51,6 +51,7 @@ TABLES = [
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/zero-sharding-quick.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile.json"),
     ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/compile-quick.json"),
+    ("packages/zero-sharding/README.md", "packages/zero-sharding/benchmarks/results/deepspeed-shim.json"),
 ]
 
 
