@@ -34,6 +34,7 @@ import dataclasses
 import torch
 
 from plait.kernels import dispatch
+from plait.kernels.ops import quant_matmul_cpu
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCHEMES = ("int8", "int4", "fp6")
@@ -390,8 +391,6 @@ def dense_matmul_cpu(
     for start in range(0, n, rows):
         end = min(n, start + rows)
         if buffer is not None:
-            from plait.kernels.ops import quant_matmul_cpu
-
             block = quant_matmul_cpu.dequantize_rows(codes, scales, zeros, scheme.group_size, start, end,
                                                      buffer[: end - start])
         else:

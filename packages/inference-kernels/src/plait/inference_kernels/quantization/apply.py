@@ -59,8 +59,8 @@ class QuantizeConfig:
             Applies to torch's kernels only.
         cpu_kernel: whose CPU kernels run int8/int4 (with ``cpu_kernels``): ``"torch"`` (default;
             torch's weight-packed matmuls, nothing to build) or ``"plait"`` (plait's AVX2 C++
-            extension: fp32 activations, faster decode and prefill; built on first use, which
-            needs a C++ compiler and ninja and takes about a minute, then cached). ``"plait"``
+            extension: fp32 activations; built on first use, which needs a C++ compiler (``c++``
+            or ``$CXX``) and takes a few seconds, then cached). ``"plait"``
             where it cannot be built is refused before any weight changes.
     """
 

@@ -52,7 +52,7 @@ CPU_KERNELS = ("torch", "plait")
 def check_cpu_kernel(cpu_kernel: str, *, field: str = "cpu_kernel") -> None:
     """Refuse an unknown CPU kernel choice, or ``"plait"`` where its extension cannot be had.
 
-    ``"plait"`` builds the extension here on first use (a C++ compiler and ninja are needed; the
+    ``"plait"`` builds the extension here on first use (a C++ compiler is needed; the
     build is cached for later processes), so the build, or its failure, happens before any weight
     is quantized.
 
