@@ -104,6 +104,9 @@ class ZeroEngine:
         self.grad_device = None if grad_device is None else torch.device(grad_device)
         self.host_copies_pending = False
         self.grad_stash: GradStash | None = None  # gradient offload, see attach_grad_storage
+        # Pipeline stages of the model this one is a stage of (set by ZeroPipelineStage): the
+        # ranks of the other stages hold other parameters, not copies of these (see norm_copies).
+        self.pipeline_stages = 1
         self._register_grad_hooks()
         register_owner(self)
         if config.stage == 3:
@@ -111,6 +114,16 @@ class ZeroEngine:
             for unit in self.units:
                 unit.reduce_group = twins.get(id(unit.group), unit.group)
             self._register_module_hooks()
+
+    def norm_copies(self, unit: FlatUnit) -> int:
+        """How many ranks of the world hold ``unit``'s shard: what its squared gradient is divided by
+        in the global norm's world all-reduce. ``unit.replicas`` counts every rank outside the
+        sharding group; under a pipeline only those of this rank's own stage hold the same
+        parameters, so the other stages' ranks are taken out (else the norm of a model cut into
+        ``pp`` stages would come out ``sqrt(pp)`` times too small and clipping would bind late)."""
+        if unit.replicas == 1:  # distinct parameters (experts): every rank's are its own already
+            return 1
+        return max(1, unit.replicas // self.pipeline_stages)
 
     # ---- registration -------------------------------------------------------------------------
     def _register_grad_hooks(self) -> None:

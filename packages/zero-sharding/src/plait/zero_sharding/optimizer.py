@@ -151,7 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if not torch.isfinite(sq):
                     local[1] = 1.0
                 else:
-                    local[0] += sq / unit.replicas
+                    local[0] += sq / engine.norm_copies(unit)
                 continue
             if unit.grad_shard is None:
                 continue
@@ -177,9 +177,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not torch.isfinite(sq):
                 local[1] = 1.0
             elif unit.tensor_parallel:  # TP shards are distinct across tp ranks: weighted per parameter
-                local[0] += weighted_sumsq(unit, grad)
+                local[0] += weighted_sumsq(unit, grad, engine.norm_copies(unit))
             else:
-                local[0] += sq / unit.replicas
+                local[0] += sq / engine.norm_copies(unit)
         if dist.is_initialized() and dist.get_world_size() > 1:
             with profiling.comm_range("grad_norm_all_reduce"):
                 collectives.all_reduce(local, name="ZeRO gradient-norm all-reduce")

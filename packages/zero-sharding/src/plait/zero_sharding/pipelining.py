@@ -10,7 +10,10 @@ Plain ``PipelineStage`` already trains a ZeRO-sharded stage correctly (every mic
 reduces its gradients, which then accumulate). :class:`ZeroPipelineStage` makes it cheaper, as
 torch's stage does for DDP and FSDP2: the microbatches' backward passes accumulate locally and only
 the last one of a step reduces, so a step's data-parallel traffic is that of one backward however
-many microbatches the schedule runs.
+many microbatches the schedule runs. It also tells the ZeRO engine that its module is one stage of
+``num_stages``, so global-norm clipping (``optimizer.clip_grad_norm_``, ``ZeroConfig.max_grad_norm``)
+clips by the norm of the whole model across stages (and ``tp``, ``dp``): under plain
+``PipelineStage`` the ranks of the other stages would count as copies of this stage's parameters.
 
 Usage::
 
@@ -37,6 +40,12 @@ class ZeroPipelineStage(PipelineStage):
     Takes ``PipelineStage``'s arguments; the stage module is a :class:`~plait.zero_sharding.ZeroModule`
     (from ``zero_shard`` over the ``dp`` group). Any other module runs as under ``PipelineStage``.
     """
+
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, stage_index, num_stages, *args, **kwargs)
+        if isinstance(submodule, ZeroModule):
+            # The gradient norm's world all-reduce must not count the other stages' ranks as copies.
+            submodule.zero_engine.pipeline_stages = num_stages
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict,
                                    last_backward: bool = False) -> Any:

@@ -141,12 +141,14 @@ def slot_norm_weight(param: nn.Parameter, replicas: int) -> float:
     return distinct / replicas
 
 
-def weighted_sumsq(unit: Any, grad: torch.Tensor) -> torch.Tensor:
+def weighted_sumsq(unit: Any, grad: torch.Tensor, copies: int | None = None) -> torch.Tensor:
     """This rank's contribution to the global squared gradient norm for ``unit`` (float64).
 
     Args:
         unit: a :class:`~plait.zero_sharding.units.FlatUnit` holding DTensor parameters.
         grad: its fp32 averaged gradient shard.
+        copies: ranks holding the same unit (``ZeroEngine.norm_copies``, which leaves out other
+            pipeline stages); ``None``: ``unit.replicas``.
 
     Returns:
         A float64 scalar: each parameter's piece of the shard, squared, times its
@@ -155,7 +157,7 @@ def weighted_sumsq(unit: Any, grad: torch.Tensor) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for slot, _param_range, (lo, hi) in unit.local_pieces():
         piece = torch.linalg.vector_norm(grad[lo:hi]).double().square()
-        total += piece * slot_norm_weight(slot.param, unit.replicas)
+        total += piece * slot_norm_weight(slot.param, unit.replicas if copies is None else copies)
     return total
 
 
