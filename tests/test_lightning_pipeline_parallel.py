@@ -89,8 +89,8 @@ def test_bad_pp_settings_are_refused_before_any_work() -> None:
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match=r"pp_size=3 does not divide the world size 4"):
         trainer.fit(PipelinedRegression())
-    with pytest.raises(ValueError, match=r"pp_size=2 with \{'tp_size': 2\}.*does not compose"):
-        PlaitStrategy(pp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"pp_size=2 with \{'ep_size': 2\}.*does not compose"):
+        PlaitStrategy(pp_size=2, ep_size=2)
     with pytest.raises(ValueError, match=r"pp_size=0 must be a positive int"):
         PlaitConfig(pp_size=0)
     with pytest.raises(ValueError, match=r"pp_size=2 is supported by the Trainer strategy"):

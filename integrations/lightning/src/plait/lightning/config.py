@@ -106,8 +106,9 @@ class PlaitConfig:
             pipeline_parallel)`` mesh given to the LightningModule as ``self.device_mesh`` before
             ``configure_model``, which builds this rank's stage; ZeRO shards each stage over
             ``device_mesh["data_parallel"]`` and the module trains under manual optimization with
-            :func:`plait.lightning.pipeline_parallel.pipeline_step`. Not with ``tp_size``,
-            ``sp_size`` or ``ep_size`` above 1 yet. 1: off.
+            :func:`plait.lightning.pipeline_parallel.pipeline_step`. With ``tp_size`` too, a
+            ``(data_parallel, pipeline_parallel, tensor_parallel)`` mesh (3-D parallelism,
+            :mod:`plait.lightning.parallel_3d`). Not with ``sp_size`` or ``ep_size`` above 1 yet. 1: off.
     """
 
     zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)

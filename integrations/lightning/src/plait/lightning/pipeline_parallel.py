@@ -26,10 +26,20 @@ name -> the whole model's, e.g. ``plait.universal_ckpt.layer_offset("stage.", fi
 they resume bit for bit at the same layout, load at another ``(dp, pp)`` or without ``pp_size``,
 and export whole weights; see :mod:`plait.lightning.pipeline_checkpoint`.
 
+With ``tp_size`` too, the mesh is ``(data_parallel, pipeline_parallel, tensor_parallel)`` and
+``configure_model`` applies the stage's TP plan on ``self.device_mesh["tensor_parallel"]`` (3-D
+parallelism, :mod:`plait.lightning.parallel_3d`); the checkpoints above then hold each TP shard's
+pieces by their place in the whole model's tensors.
+
+Gradient clipping: ``pipeline_step(..., gradient_clip_val=v)`` clips by the global norm of the
+whole model (every stage, tp and dp rank), as ``Trainer(gradient_clip_val=v)`` does without a
+pipeline; Lightning refuses the Trainer argument under manual optimization, and so does the
+strategy, before processes start (:func:`check_trainer_clip`).
+
 Not supported with ``pp_size`` (refused before processes start, :func:`check_pp_size`):
-``tp_size``, ``sp_size`` or ``ep_size`` above 1, and the Fabric strategy. Trainer-driven gradient
-clipping and accumulation (manual optimization leaves them to ``training_step``) and validation
-through the pipeline are not provided.
+``sp_size`` or ``ep_size`` above 1, and the Fabric strategy. Trainer-driven gradient accumulation
+(manual optimization leaves it to ``training_step``) and validation through the pipeline are not
+provided.
 """
 
 from __future__ import annotations
@@ -42,26 +52,41 @@ import torch.distributed as dist
 
 MESH_DIM_NAMES = ("data_parallel", "pipeline_parallel")
 SCHEDULES = ("gpipe", "1f1b")
-__all__ = ["MESH_DIM_NAMES", "build_mesh", "check_module", "check_pp_size", "check_world_size", "pipeline_step",
-           "sampler_kwargs"]
+__all__ = ["MESH_DIM_NAMES", "build_mesh", "check_module", "check_pp_size", "check_trainer_clip", "check_world_size",
+           "pipeline_step", "sampler_kwargs"]
 
 
 def check_pp_size(pp_size: Any, *, sp_size: int, ep_size: int, tp_size: int) -> None:
-    """Refuse a bad ``pp_size`` and the combinations not composed in the strategy yet.
+    """Refuse a bad ``pp_size`` and the combinations not composed in the strategy yet
+    (``tp_size`` composes: 3-D parallelism, :mod:`plait.lightning.parallel_3d`).
 
     Raises:
         ValueError: ``pp_size`` is not a positive int, or is above 1 together with
-            ``tp_size``/``sp_size``/``ep_size`` above 1 (naming the fix).
+            ``sp_size``/``ep_size`` above 1 (naming the fix).
     """
+    del tp_size  # composes with pp_size (a (data_parallel, pipeline_parallel, tensor_parallel) mesh)
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ValueError(f"pp_size={pp_size!r} must be a positive int (1: off) dividing the world size.")
-    others = {name: size for name, size in (("tp_size", tp_size), ("sp_size", sp_size), ("ep_size", ep_size))
-              if size > 1}
+    others = {name: size for name, size in (("sp_size", sp_size), ("ep_size", ep_size)) if size > 1}
     if pp_size > 1 and others:
-        raise ValueError(f"pp_size={pp_size} with {others}: pipeline parallelism does not compose with tensor, "
-                         "sequence or expert parallelism in the plait Lightning strategy yet; use pp_size alone "
-                         "(the other sizes 1), or compose them by hand with zero_shard (see plait-zero-sharding's "
-                         "README, 'Pipeline parallelism').")
+        raise ValueError(f"pp_size={pp_size} with {others}: pipeline parallelism does not compose with sequence or "
+                         "expert parallelism in the plait Lightning strategy yet; use pp_size with tp_size only (the "
+                         "other sizes 1), or compose them by hand with zero_shard (see plait-zero-sharding's README, "
+                         "'Pipeline parallelism').")
+
+
+def check_trainer_clip(pp_size: int, gradient_clip_val: Any) -> None:
+    """Refuse ``Trainer(gradient_clip_val=...)`` under ``pp_size > 1`` before processes start
+    (Lightning refuses it under manual optimization, but only inside every launched rank).
+
+    Raises:
+        ValueError: naming the Trainer argument and the fix (``pipeline_step``'s own).
+    """
+    if pp_size > 1 and gradient_clip_val:
+        raise ValueError(f"Trainer(gradient_clip_val={gradient_clip_val!r}) with PlaitStrategy(pp_size={pp_size}): a "
+                         "pipeline trains under manual optimization, where Lightning does not clip; remove it from "
+                         "the Trainer and pass it to the step instead: pipeline_step(self, inputs, targets, ..., "
+                         f"gradient_clip_val={gradient_clip_val!r}) (the whole model's global norm).")
 
 
 def check_world_size(pp_size: int, world_size: int) -> None:
@@ -136,7 +161,7 @@ def _schedule(module: Any, n_microbatches: int, loss_fn: Callable, schedule: str
 
 def pipeline_step(module: Any, inputs: torch.Tensor, targets: torch.Tensor, *, n_microbatches: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                  schedule: str = "1f1b") -> torch.Tensor:
+                  schedule: str = "1f1b", gradient_clip_val: float | None = None) -> torch.Tensor:
     """One training step of the pipeline from ``training_step`` (manual optimization).
 
     Runs the schedule over ``n_microbatches`` microbatches of this data-parallel rank's batch (the
@@ -151,6 +176,11 @@ def pipeline_step(module: Any, inputs: torch.Tensor, targets: torch.Tensor, *, n
         n_microbatches: microbatches per step (must divide the batch).
         loss_fn: ``loss_fn(output, target)`` of one microbatch.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        gradient_clip_val: clip the gradients to this global norm before the step (``None``: no
+            clipping); the norm is the whole model's, over every stage and tp and dp rank
+            (Lightning's ``clip_gradients`` with ``"norm"``, which the plait strategy hands to
+            ``ZeroOptimizer.clip_grad_norm_``). The norm before clipping is then the optimizer's
+            ``last_grad_norm``.
 
     Returns:
         The step's loss (sum of the microbatch losses, detached), the same on every stage of the
@@ -170,6 +200,8 @@ def pipeline_step(module: Any, inputs: torch.Tensor, targets: torch.Tensor, *, n
     else:
         runner.step()
     optimizer = module.optimizers()
+    if gradient_clip_val is not None:
+        module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm="norm")
     optimizer.step()
     optimizer.zero_grad()
     total = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=inputs.device)

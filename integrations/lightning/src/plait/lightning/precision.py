@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -70,6 +71,11 @@ class _PlaitPrecisionMixin:
 
 
 def _clip_by_norm(optimizer: Any, clip_val: float) -> None:
+    if isinstance(optimizer, LightningOptimizer):
+        # Manual optimization passes Lightning's wrapper, an instance of a subclass of the
+        # ZeroOptimizer's class: its clip_grad_norm_ would record the clip on the wrapper, which
+        # the inner optimizer's step() never reads (the step would not clip).
+        optimizer = optimizer._optimizer
     clip = getattr(optimizer, "clip_grad_norm_", None)
     if clip is None:
         raise TypeError(f"{type(optimizer).__name__} is not a plait ZeroOptimizer; the plait strategies clip "

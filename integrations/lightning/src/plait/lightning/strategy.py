@@ -24,7 +24,8 @@ imports deepspeed). What differs from DDP:
 * ``pp_size`` (:mod:`plait.lightning.pipeline_parallel`): a ``(data_parallel, pipeline_parallel)``
   mesh given to the LightningModule before ``configure_model``, which builds this rank's stage;
   ZeRO shards it over ``"data_parallel"`` and ``training_step`` runs torch's pipeline schedule
-  under manual optimization (``pipeline_step``).
+  under manual optimization (``pipeline_step``). With ``tp_size`` too, a ``(data_parallel,
+  pipeline_parallel, tensor_parallel)`` mesh (:mod:`plait.lightning.parallel_3d`).
 * a failing rank leaves no orphans (:mod:`plait.lightning.failures`), and every training step
   sets the flight log's step, so a collective's error says at which step it failed.
 * on SLURM with auto-requeue (Lightning's default there), the requeue signal's checkpoint is saved
@@ -62,7 +63,7 @@ from torch import nn
 
 from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
-from plait.lightning import failures, parallel, pipeline_parallel, tensor_parallel
+from plait.lightning import failures, parallel, parallel_3d, pipeline_parallel
 from plait.lightning.config import PlaitConfig, check_agreement
 from plait.lightning.pieces import check_plan, shard_module
 from plait.lightning.pipeline_checkpoint import carry_optimizer_steps
@@ -239,7 +240,8 @@ class PlaitStrategy(DDPStrategy):
             ``self.device_mesh["data_parallel"]``, and ``training_step`` runs the schedule with
             :func:`plait.lightning.pipeline_parallel.pipeline_step` under manual optimization.
             Checkpoints hold the whole model's names given ``self.pipeline_name_map``
-            (:mod:`plait.lightning.pipeline_checkpoint`). Not with ``tp_size``/``sp_size``/``ep_size`` yet.
+            (:mod:`plait.lightning.pipeline_checkpoint`). With ``tp_size`` too: 3-D parallelism
+            (:mod:`plait.lightning.parallel_3d`); not with ``sp_size``/``ep_size`` yet.
         config: a whole :class:`PlaitConfig` instead of the fields above.
         accelerator: as for ``DDPStrategy``.
         parallel_devices: as for ``DDPStrategy``.
@@ -324,8 +326,9 @@ class PlaitStrategy(DDPStrategy):
         check_plan(self.plait_config, self.precision_plugin.precision)
         parallel.check_world_size(self.plait_config.sp_size, self.plait_config.ep_size,
                                   self.num_processes * self.num_nodes)
-        tensor_parallel.check_world_size(self.plait_config.tp_size, self.num_processes * self.num_nodes)
-        pipeline_parallel.check_world_size(self.plait_config.pp_size, self.num_processes * self.num_nodes)
+        parallel_3d.check_world_size(self.plait_config.tp_size, self.plait_config.pp_size,
+                                     self.num_processes * self.num_nodes)
+        pipeline_parallel.check_trainer_clip(self.plait_config.pp_size, getattr(trainer, "gradient_clip_val", None))
 
     # ---- sequence parallelism: sp groups share batches, each rank keeps its slice of the sequence
     @property
@@ -334,8 +337,8 @@ class PlaitStrategy(DDPStrategy):
         or tp group shares its batches)."""
         kwargs = parallel.sampler_kwargs(super().distributed_sampler_kwargs, self.plait_config.sp_size,
                                          self.global_rank)
-        kwargs = tensor_parallel.sampler_kwargs(kwargs, self.plait_config.tp_size, self.global_rank)
-        return pipeline_parallel.sampler_kwargs(kwargs, self.plait_config.pp_size, self.global_rank)
+        return parallel_3d.sampler_kwargs(kwargs, self.plait_config.tp_size, self.plait_config.pp_size,
+                                          self.global_rank)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch; with ``sp_size > 1`` keep this rank's slice of the sequence
@@ -348,18 +351,14 @@ class PlaitStrategy(DDPStrategy):
     # ---- failures: no orphans, named steps -------------------------------------------------------
     def setup_environment(self) -> None:
         """Arm the die-with-rank-0 guard in launched ranks, then set up as DDP does. With
-        ``tp_size > 1``, build the ``(data_parallel, tensor_parallel)`` mesh and give it to the
-        LightningModule (``self.device_mesh`` in ``configure_model``), as ``ModelParallelStrategy`` does."""
+        ``tp_size``/``pp_size`` above 1, build their mesh (:func:`plait.lightning.parallel_3d.build_mesh`) and
+        give it to the LightningModule (``self.device_mesh`` in ``configure_model``), as ModelParallelStrategy does."""
         failures.die_with_launcher()
         super().setup_environment()
         collectives.ensure_publisher()  # report from the start, before this rank's first collective
-        if self.plait_config.tp_size > 1:
-            self.device_mesh = tensor_parallel.build_mesh(self.plait_config.tp_size, self.world_size,
-                                                          self.root_device.type)
-        elif self.plait_config.pp_size > 1:
-            self.device_mesh = pipeline_parallel.build_mesh(self.plait_config.pp_size, self.world_size,
-                                                            self.root_device.type)
-        if self.plait_config.tp_size > 1 or self.plait_config.pp_size > 1:
+        if self.plait_config.tp_size > 1 or self.plait_config.pp_size > 1:  # (dp, [pp,] [tp]): parallel_3d
+            self.device_mesh = parallel_3d.build_mesh(self.plait_config.tp_size, self.plait_config.pp_size,
+                                                      self.world_size, self.root_device.type)
             assert self.lightning_module is not None
             self.lightning_module._device_mesh = self.device_mesh
 
