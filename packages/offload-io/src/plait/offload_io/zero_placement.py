@@ -29,7 +29,6 @@ This module does not import plait.zero_sharding: it implements the protocol by i
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import weakref
@@ -47,9 +46,10 @@ from plait.offload_io.config import OffloadConfig
 from plait.offload_io.engine import AsyncIOEngine
 from plait.offload_io.errors import OffloadIOError
 from plait.offload_io.file_store import FileStateStore
-from plait.offload_io.master_pieces import assemble, drop_whole, read_pieces, store_whole
+from plait.offload_io.master_pieces import read_pieces, store_whole
 from plait.offload_io.master_release import ReleasedMasters
 from plait.offload_io.shard_storage import CpuShardStorage, FileShardStorage
+from plait.offload_io.state_swapping import MaterializingMasters, StateSwapping, SwappingState
 from plait.offload_io.subgroups import (
     MASTER_KEY,
     MasterPiece,
@@ -62,7 +62,7 @@ from plait.offload_io.subgroups import (
 )
 
 
-class ZeroOffloadPlacement:
+class ZeroOffloadPlacement(StateSwapping):
     """A plait.zero_sharding ``StatePlacement`` that offloads masters and optimizer state.
 
     Args:
@@ -232,7 +232,7 @@ class ZeroOffloadPlacement:
             inner.register_state_dict_pre_hook(lambda _opt: self._swap_in())
             inner.register_state_dict_post_hook(self._after_state_dict)
             inner.register_load_state_dict_post_hook(self._after_load)
-            inner.state = _SwappingState(self, inner.state)
+            inner.state = SwappingState(self, inner.state)
         self.optimizer = inner
         return inner
 
@@ -312,7 +312,7 @@ class ZeroOffloadPlacement:
         With ``device="nvme"`` looking a master up brings its sub-group (master and state) into
         memory until the next step, which stores it again, so reads and in-place edits are safe.
         """
-        return _MaterializingMasters(self)
+        return MaterializingMasters(self)
 
     def shard_storage(self) -> CpuShardStorage | FileShardStorage | None:
         """Where plait-zero-sharding keeps stage-3 parameter shards (``OffloadConfig.param_device``).
@@ -507,148 +507,6 @@ class ZeroOffloadPlacement:
         if self.store is None or sg.kept:
             return
         write_back_state(self.store, sg, views, self._held, errors)
-
-    def _after_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        # torch's state_dict shares the per-parameter dicts with optimizer.state; copy them before
-        # the swapped-in tensors are dropped from the optimizer again.
-        state_dict["state"] = {index: dict(entry) for index, entry in state_dict["state"].items()}
-        self._swap_out(write=False)
-        return state_dict
-
-    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
-        # torch's load_state_dict replaces optimizer.state with a plain dict: store what it holds,
-        # then wrap it again (ZeroOptimizer re-reads inner.state after this hook). Masters are not
-        # part of that dict: ones still in the files come back into memory first, so registering
-        # the loaded state does not write placeholders over them.
-        with self._internal():
-            for pieces in self._pieces.values():
-                if not pieces[0].whole_in_memory():
-                    assemble(self.store, pieces, with_state=False)
-            for sg in self._subgroups:
-                if isinstance(sg, MasterPiece):
-                    continue
-                if sg.masters_out and self._from_store(sg):
-                    views = self.store.get(sg.id)
-                    sg.install_state({name: tensor.clone() for name, tensor in views.items()
-                                      if name.endswith("." + MASTER_KEY)})
-                    self.store.put(sg.id, dirty=False)
-            self._held.clear()
-            self._swap_out(write=True)
-        optimizer.state = _SwappingState(self, optimizer.state)
-
-    @contextlib.contextmanager
-    def _internal(self) -> Iterator[None]:
-        """The placement's own state accesses: no lazy swap-in (see :class:`_SwappingState`)."""
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-
-    def _materialize(self, master: Tensor) -> None:
-        """Bring the sub-group of ``master`` into the optimizer's memory for outside readers."""
-        if self._depth:
-            return
-        pieces = self._pieces.get(id(master))
-        if pieces is not None:
-            if not pieces[0].whole_in_memory():
-                with self._internal():
-                    assemble(self.store, pieces)
-                self._held.update(p.id for p in pieces)  # the next step stores it again
-            return
-        sg = self._subgroup_of.get(id(master))
-        if sg is None or not self._from_store(sg):
-            return
-        with self._internal():
-            views = self.store.get(sg.id)
-            sg.install_state({name: tensor.clone() for name, tensor in views.items()})
-            self.store.put(sg.id, dirty=False)
-            # Held: the next step steps it from memory and registers it again, so in-place edits
-            # made meanwhile (a sharded checkpoint load) are kept.
-            self._held.add(sg.id)
-
-    def _swap_in(self) -> None:
-        """Give every stored sub-group's state memory of its own inside the optimizer."""
-        with self._internal():
-            for pieces in self._pieces.values():
-                if not pieces[0].whole_in_memory():
-                    if any(p.own is not None for p in pieces):
-                        self._held.update(p.id for p in pieces)  # its only copy is the memory one
-                    assemble(self.store, pieces)
-            for sg in self._subgroups:
-                if isinstance(sg, MasterPiece):
-                    continue
-                if self._from_store(sg):
-                    views = self.store.get(sg.id)
-                    sg.install_state({name: tensor.clone() for name, tensor in views.items()})
-                    self.store.put(sg.id, dirty=False)
-
-    def _swap_out(self, *, write: bool) -> None:
-        """Drop the swapped-in state again; with ``write`` store what the optimizer holds first."""
-        if self.store is None:
-            return
-        with self._internal():
-            for pieces in self._pieces.values():
-                if not pieces[0].whole_in_memory() or pieces[0].id in self._held:
-                    continue
-                if write:
-                    store_whole(self.store, pieces, self._held, None)
-                else:
-                    drop_whole(pieces)
-            for sg in self._subgroups:
-                if sg.kept or sg.id in self._held or isinstance(sg, MasterPiece):
-                    continue
-                current = sg.tensor_state()
-                if write and current:
-                    self.store.register(sg.id, current)
-                if current and sg.id in self.store:
-                    sg.drop_tensor_state()
-            if write:
-                self.store.flush()
-
-
-class _MaterializingMasters(Mapping):
-    """:meth:`ZeroOffloadPlacement.masters` for outside readers: a lookup first brings an
-    NVMe-resident master (and its sub-group's state) into memory, see ``_materialize``."""
-
-    def __init__(self, placement: ZeroOffloadPlacement) -> None:
-        self._placement = placement
-
-    def __getitem__(self, key: str) -> Tensor:
-        master = self._placement._masters[key]
-        self._placement._materialize(master)
-        return master
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._placement._masters)
-
-    def __len__(self) -> int:
-        return len(self._placement._masters)
-
-
-class _SwappingState(collections.defaultdict):
-    """``optimizer.state`` for ``device="nvme"``: reading an offloaded master's entry from outside
-    the placement (``state[master]``, ``state.get(master)``, e.g. plait.zero_sharding's sharded
-    checkpoint) first brings its sub-group's tensors into memory, so readers never see the empty
-    entries the store leaves between steps."""
-
-    def __init__(self, placement: ZeroOffloadPlacement, state: Mapping) -> None:
-        super().__init__(dict, state)
-        self._placement = placement
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, Tensor):
-            self._placement._materialize(key)
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if isinstance(key, Tensor):
-            self._placement._materialize(key)
-        return super().get(key, default)
-
-    def __reduce__(self) -> Any:  # deep copies and pickles are plain state dicts
-        return (collections.defaultdict, (dict, dict(self)))
-
 
 def _grad_range(grad: Any, start: int, end: int) -> Tensor:
     """Elements ``[start, end)`` of a gradient shard: a view of a tensor, or read from the
