@@ -168,3 +168,32 @@ def test_ledger_is_empty_without_collectives_and_filters():
     with C.ByteLedger() as ledger:
         pass
     assert ledger.total() == 0 and ledger.by_op() == {} and ledger.volume() == 0
+
+
+def _scratch_reduce_scatter() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    out = {}
+    for n in (5, 4099):
+        full = torch.randn(world * n) * 1e3
+        want = torch.empty(n)
+        C.reduce_scatter_tensor(want, full.clone())
+        got, blocking = torch.empty(n), torch.empty(n)
+        scratch = full.clone()
+        with C.ByteLedger() as ledger:
+            work = C.reduce_scatter_tensor(got, scratch, async_op=True, input_is_scratch=True)
+            work.wait()
+            C.reduce_scatter_tensor(blocking, full.clone(), input_is_scratch=True)
+        out[n] = {"equal": torch.equal(got, want) and torch.equal(blocking, want),
+                  "overwritten": not torch.equal(scratch, full), "by_op": ledger.by_op()}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_of_a_scratch_input_is_bitwise_the_same(world):
+    """gloo reduces a scratch input in place (no copy of it) and keeps the same result bit for bit;
+    the ledger still counts a reduce-scatter of the input."""
+    for got in run_distributed(_scratch_reduce_scatter, world, timeout=90):
+        for n, r in got.items():
+            assert r["equal"] and r["overwritten"], (n, r)
+            assert r["by_op"] == {"reduce_scatter": 2 * world * n * FP32}, (n, r)

@@ -149,3 +149,17 @@ def test_fabric_refuses_separate_optimizer_setup_and_value_clipping() -> None:
         strategy.setup_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     with pytest.raises(ValueError, match="max_norm"):
         strategy.clip_gradients_value(torch.nn.Linear(1, 1), None, 1.0)
+
+
+def test_num_nodes_gives_zero_the_ranks_per_node() -> None:
+    """``num_nodes > 1``: ZeRO is told the layout (``devices`` ranks per node), so stage 3 reduces
+    in two hops across nodes without reading it from the environment (tested in the zero-sharding
+    package: ``test_zero_sharding_two_hop_default.py``, route ``given``)."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=PlaitFabricStrategy(ZeroConfig(stage=3)))
+    plan, group = fabric.strategy._parallel_plan()
+    assert group is None and plan.zero.ranks_per_node == 2 and plan.zero.two_hop_reduce
+    one_node = L.Fabric(accelerator="cpu", devices=2, strategy=PlaitFabricStrategy(ZeroConfig(stage=3)))
+    assert one_node.strategy._parallel_plan()[0].zero.ranks_per_node == "auto"
+    plan = PlaitConfig(zero=ZeroConfig(ranks_per_node=4))
+    assert pieces.with_nodes(plan, 2, 2, None) is plan  # the user's own layout wins
+    assert pieces.with_nodes(PlaitConfig(), 2, 2, object()).zero.ranks_per_node == "auto"  # a subgroup: left alone

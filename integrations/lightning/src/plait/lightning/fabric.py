@@ -39,7 +39,7 @@ from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
 from plait.lightning import failures, parallel
 from plait.lightning.config import PlaitConfig, check_agreement
-from plait.lightning.pieces import check_plan, shard_module
+from plait.lightning.pieces import check_plan, shard_module, with_nodes
 from plait.lightning.precision import PlaitFabricPrecision, precision_name_of
 from plait.lightning.strategy import build_config, join_restart_safe, move_module, parallel_plan, rebind_schedulers
 from plait.universal_ckpt.directory import resolve
@@ -183,7 +183,7 @@ class PlaitFabricStrategy(DDPStrategy):
 
     def _parallel_plan(self) -> tuple[PlaitConfig, Any]:
         plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type, self.world_size)
-        return plan, group
+        return with_nodes(plan, self.num_nodes, self.num_processes, group), group
 
     # ---- setup ----------------------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:

@@ -11,6 +11,7 @@ Offloading is the built-in case of a placement, found in plait-offload-io when t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -139,3 +140,17 @@ def shard_module(module: nn.Module, optimizer: Any, plan: PlaitConfig, precision
     for ext in regroupers:
         kwargs["param_groups"] = ext.regroup(kwargs["param_groups"])
     return zero_shard(module, optimizer, zero, mesh=group, init_fn=plan.init_fn, **kwargs, **optimizer_kwargs)
+
+
+def with_nodes(plan: PlaitConfig, num_nodes: int, devices: int, group: Any) -> PlaitConfig:
+    """``plan`` with ``ZeroConfig.ranks_per_node = devices`` when the run spans ``num_nodes > 1`` nodes.
+
+    Lightning numbers ranks node by node (``node_rank x devices + local_rank``), so the world's
+    nodes are runs of ``devices`` consecutive ranks and ZeRO-3 can reduce in two hops across them
+    without reading the layout from the environment. Left as it is when ZeRO shards over a
+    subgroup (``group`` not ``None``: its nodes are not the world's runs), on one node, or when
+    the user set ``ranks_per_node`` already.
+    """
+    if num_nodes <= 1 or group is not None or plan.zero.ranks_per_node != "auto":
+        return plan
+    return dataclasses.replace(plan, zero=dataclasses.replace(plan.zero, ranks_per_node=devices))

@@ -65,7 +65,7 @@ from plait.kernels import collectives
 from plait.lightning import checkpoint as ckpt
 from plait.lightning import failures, parallel, parallel_3d, pipeline_parallel
 from plait.lightning.config import PlaitConfig, check_agreement
-from plait.lightning.pieces import check_plan, shard_module
+from plait.lightning.pieces import check_plan, shard_module, with_nodes
 from plait.lightning.pipeline_checkpoint import carry_optimizer_steps
 from plait.lightning.precision import PlaitPrecision, precision_name_of
 from plait.lightning.slurm import SlurmRequeue
@@ -437,8 +437,8 @@ class PlaitStrategy(DDPStrategy):
             pipeline_parallel.check_module(module, self.plait_config.pp_size)
             plan, group = self.plait_config, self.device_mesh["data_parallel"]
         else:
-            plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type,
-                                                          self.world_size)
+            plan, self.device_mesh, group = parallel_plan(self.plait_config, self.root_device.type, self.world_size)
+            plan = with_nodes(plan, self.num_nodes, self.num_processes, group)  # ZeRO-3's two hops across nodes
         clip = getattr(trainer, "gradient_clip_val", None) or None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -10,6 +10,7 @@ are. Everything that can be wrong with the input is checked before anything is a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -257,28 +258,43 @@ def _constructor_options(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
 def _zeropp_policies(config: ZeroConfig, group: Any, gatherer: Any, reducer: Any) -> tuple[Any, Any]:
     """The gatherer and reducer ``config.zeropp`` asks for (collective: it may read the node layout);
     without ZeRO++, plain stage 3's node-aware reducer (see :func:`_node_aware_reducer`)."""
+    group = None if group is dist.group.WORLD else group
     if config.zeropp is None:
-        if reducer is None and config.stage == 3:
-            reducer = _node_aware_reducer(None if group is dist.group.WORLD else group)
+        if reducer is None and config.stage == 3 and config.two_hop_reduce:
+            reducer = _node_aware_reducer(group, config.ranks_per_node)
         return gatherer, reducer
     if gatherer is not None or reducer is not None:
         raise ValueError("zero_shard: ZeroConfig.zeropp builds the gatherer and reducer itself, and gatherer=/reducer= "
                          "were given too; drop one of them (make_zeropp_policies builds the same policies by hand).")
-    return make_zeropp_policies(config.zeropp, None if group is dist.group.WORLD else group)
+    zeropp = config.zeropp
+    if zeropp.ranks_per_node == "auto" and config.ranks_per_node != "auto":
+        zeropp = dataclasses.replace(zeropp, ranks_per_node=config.ranks_per_node)  # e.g. Lightning's num_nodes
+    return make_zeropp_policies(zeropp, group)
 
 
-def _node_aware_reducer(group: Any) -> Any:
+def _node_aware_reducer(group: Any, ranks_per_node: int | str = "auto") -> Any:
     """Plain stage 3 across several nodes: the exact two-hop reduce-scatter (inside each node, then
     across; :class:`~plait.zero_sharding.zeropp.HierarchicalReducer`), which sends a third of what
-    gloo's one-hop reduce-scatter sends between two nodes. Only where a launcher names the nodes
-    (torchrun's ``GROUP_RANK``, Lightning's ``NODE_RANK``, SLURM's ``SLURM_NODEID``) and they are
-    several, of more than one rank each, consecutive in ``group``; otherwise ``None`` (the one-hop
-    default). Collective over ``group`` when a launcher variable is set.
+    gloo's one-hop reduce-scatter sends between two nodes. With ``ranks_per_node`` given, where it
+    makes several nodes of several ranks. With ``"auto"``, only where a launcher says there are
+    several nodes (torchrun's ``GROUP_RANK`` or ``LOCAL_WORLD_SIZE`` below the world size,
+    Lightning's ``NODE_RANK``, SLURM's ``SLURM_NODEID``) and they are several, of more than one
+    rank each, consecutive in ``group``; otherwise ``None`` (the one-hop default). Collective over
+    ``group`` when it reads the layout.
     """
-    if not dist.is_initialized() or not any(os.environ.get(name, "").strip() for name in NODE_VARIABLES):
+    if not dist.is_initialized():
         return None
-    if os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size(group)):
+    world = dist.get_world_size(group)
+    if ranks_per_node != "auto":
+        if not 1 < ranks_per_node < world or world % ranks_per_node:  # type: ignore[operator]
+            return None  # one node, one rank per node, or a size that does not cut the group: one hop
+        return HierarchicalReducer(node_size=ranks_per_node, group=group)  # type: ignore[arg-type]
+    local, everyone = os.environ.get("LOCAL_WORLD_SIZE", "").strip(), dist.get_world_size()
+    if local == str(everyone):
         return None  # the launcher put every rank on this node (the same on every rank): no collective
+    several = local.isdigit() and int(local) < everyone  # torchrun's word, even without GROUP_RANK
+    if not several and not any(os.environ.get(name, "").strip() for name in NODE_VARIABLES):
+        return None
     try:
         layout = detect_layout(group)
     except ValueError:  # unequal or interleaved nodes (the same verdict on every rank): one hop
@@ -319,7 +335,8 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             ``master_dtype`` for the group (see :mod:`plait.zero_sharding.low_precision`).
         reducer, gatherer, placement: extension points (see :mod:`plait.zero_sharding.extension`).
             Without ``reducer`` and ZeRO++, stage 3 reduces in two exact hops when the launcher
-            names several nodes (:func:`_node_aware_reducer`), in one otherwise.
+            names several nodes or ``ZeroConfig.ranks_per_node`` cuts the group into several
+            (:func:`_node_aware_reducer`), in one otherwise or with ``two_hop_reduce=False``.
         init_fn: initialises a module whose meta parameters were just allocated (default
             ``module.reset_parameters()``).
         **optimizer_kwargs: options for the optimizer class.
