@@ -29,7 +29,14 @@ from plait.zero_sharding import (
     zero_shard,
 )
 from plait.zero_sharding.muon import MuonWithAdamW, muon_param_groups
-from plait.zero_sharding.whole_tensor import WholeTensorPlacement, assign_owners, register_whole_tensor, update_cost
+from plait.zero_sharding.whole_tensor import (
+    WholeTensorPlacement,
+    _copy_flat_range,
+    _flat_range,
+    assign_owners,
+    register_whole_tensor,
+    update_cost,
+)
 
 BATCH, SEQ, STEPS, WORLD = 4, 16, 3, 2
 
@@ -219,6 +226,19 @@ def test_owners_balance_newton_schulz_cost_not_bytes() -> None:
     owners = assign_owners(costs, 2)
     assert owners[0] == 0 and owners[1:] == [1, 1, 1, 1]  # bytes would have split them 1 + 2 / 3
     assert update_cost((5,)) == 5.0
+
+
+def test_owner_reads_a_tensor_in_one_shard_as_a_view_and_copies_only_across_shards() -> None:
+    # Two ranks' gathered shards of a 10-element unit; the owner reads its tensors' ranges from them.
+    shards = [torch.arange(0.0, 5.0), torch.arange(5.0, 10.0)]
+    inside = _flat_range(shards, (6, 9), 5)
+    assert torch.equal(inside, torch.arange(6.0, 9.0))
+    assert inside.data_ptr() == shards[1][1:].data_ptr()  # no copy: one rank holds it all
+    across = _flat_range(shards, (3, 8), 5)
+    assert torch.equal(across, torch.arange(3.0, 8.0))
+    out = torch.zeros(5)
+    _copy_flat_range(out, shards, (3, 8), 5)
+    assert torch.equal(out, torch.arange(3.0, 8.0))
 
 
 def test_undeclared_whole_tensor_optimizer_is_refused() -> None:

@@ -226,7 +226,7 @@ class WholeTensorPlacement:
             if not isinstance(grad, Tensor):
                 raise ValueError("a whole-tensor optimizer needs gradient shards in memory; turn gradient offload "
                                  "(grad_device='nvme') off.")
-            full_grad, full_master = self._gather(unit, grad)
+            grads_of, masters_of = self._gather(unit, grad)
             store, views = self.state_store, None
             if store is not None and key in owned:
                 views = store.install(optimizer, key, owned[key])
@@ -235,12 +235,11 @@ class WholeTensorPlacement:
             for slot in unit.slots:
                 whole = self.whole.get((key, slot.name))
                 if whole is not None:
-                    lo, hi = slot.flat_range
                     if store is not None:  # the placeholder views the gathered master meanwhile
-                        whole.data = full_master[lo:hi].view(slot.shape)
+                        whole.data = _flat_range(masters_of, slot.flat_range, unit.shard_numel).view(slot.shape)
                     else:
-                        whole.copy_(full_master[lo:hi].view(slot.shape))
-                    whole.grad = full_grad[lo:hi].view(slot.shape)
+                        _copy_flat_range(whole.view(-1), masters_of, slot.flat_range, unit.shard_numel)
+                    whole.grad = _flat_range(grads_of, slot.flat_range, unit.shard_numel).view(slot.shape)
             optimizer.step()
             for slot in unit.slots:  # the next unit's step must not move these again
                 whole = self.whole.get((key, slot.name))
@@ -254,18 +253,20 @@ class WholeTensorPlacement:
         if self.state_store is not None:
             self.state_store.flush()
 
-    def _gather(self, unit: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        """The unit's whole averaged gradient and fp32 master, flat (padded)."""
+    def _gather(self, unit: Any, grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Every group rank's flat shard of the unit's averaged gradient and of its fp32 master
+        (two lists indexed by group rank), as views of the gathered buffer: the owner copies out
+        only the pieces of the tensors it owns, not the whole unit twice."""
         master = self._masters[unit.key].detach()
         if unit.group_size == 1:
-            return grad.to(master.device), master
+            return [grad.to(master.device).reshape(-1)], [master.reshape(-1)]
         # The collective runs on the compute device (NCCL needs it); the owner steps on the master's.
         mine = torch.cat([grad.to(unit.device, torch.float32).reshape(-1), master.to(unit.device).reshape(-1)])
         out = torch.empty(unit.group_size * mine.numel(), dtype=torch.float32, device=unit.device)
         collectives.all_gather_into_tensor(out, mine, group=unit.group,
                                            name=f"whole-tensor gather of unit `{unit.key}`")
         out = out.view(unit.group_size, 2, unit.shard_numel).to(master.device)
-        return out[:, 0].reshape(-1), out[:, 1].reshape(-1)
+        return list(out[:, 0].unbind(0)), list(out[:, 1].unbind(0))
 
     def _scatter_back(self, unit: Any) -> None:
         """The updated tensors to the ranks holding their pieces; every rank writes its pieces.
@@ -309,6 +310,30 @@ class WholeTensorPlacement:
     def masters(self) -> Mapping[str, Tensor]:
         """key -> flat master shard."""
         return self._masters
+
+
+def _pieces(shards: list[Tensor], flat_range: tuple[int, int], shard_numel: int) -> list[tuple[int, Tensor]]:
+    """The pieces of the unit's flat range ``[start, stop)`` in the per-rank ``shards``: (offset
+    of the piece in the range, a view of it)."""
+    start, stop = flat_range
+    out = []
+    for rank in range(start // shard_numel, (stop - 1) // shard_numel + 1):
+        lo, hi = max(start, rank * shard_numel), min(stop, (rank + 1) * shard_numel)
+        out.append((lo - start, shards[rank][lo - rank * shard_numel:hi - rank * shard_numel]))
+    return out
+
+
+def _flat_range(shards: list[Tensor], flat_range: tuple[int, int], shard_numel: int) -> Tensor:
+    """The unit's flat range ``[start, stop)`` from the per-rank ``shards``: a view when one rank
+    holds all of it (no copy), else the pieces concatenated."""
+    pieces = [piece for _, piece in _pieces(shards, flat_range, shard_numel)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _copy_flat_range(out: Tensor, shards: list[Tensor], flat_range: tuple[int, int], shard_numel: int) -> None:
+    """Copy the unit's flat range ``[start, stop)`` from the per-rank ``shards`` into the flat ``out``."""
+    for offset, piece in _pieces(shards, flat_range, shard_numel):
+        out[offset:offset + piece.numel()].copy_(piece)
 
 
 def _write_piece(master: Tensor, unit: Any, slot: Any, values: Tensor) -> None:
