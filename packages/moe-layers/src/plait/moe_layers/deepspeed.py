@@ -146,7 +146,9 @@ class MoE(PlaitMoE):
             raise ValueError("MoE(used_token=...) is not supported by plait's DeepSpeed-style layer; mask the "
                              "unused tokens out of hidden_states instead.")
         out, losses = super().forward(hidden_states, return_losses=True)
-        counts = torch.bincount(self._last_expert_ids.reshape(-1), minlength=self.config.num_experts)
+        ids = self._last_expert_ids.reshape(-1)  # index_add_, not bincount: no data-sized output under compile
+        counts = torch.zeros(self.config.num_experts, dtype=torch.long, device=ids.device).index_add_(
+            0, ids, torch.ones_like(ids))
         return out, losses.load_balancing, counts
 
 

@@ -30,7 +30,7 @@ forward ``8 E + (S + R) H b``, backward ``(S + R) H b``, with ``S`` the rows thi
 Under torch.compile, expert-parallel dispatch takes the custom ops of
 :mod:`plait.moe_layers.dispatch_ops` instead (static, capacity-sized buffers, the same exchanges
 and bytes): a compiled block holding the MoE layer is one graph with no recompiles. On one rank
-(``ep_size=1``) compile still breaks the graph at ``nonzero`` over the kept assignments.
+(``ep_size=1``) it takes their static-shape local form (no ``nonzero``), also one graph.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from plait.kernels import collectives
 from plait.kernels.ops import combine_rows, permute_by_expert, permute_tokens
-from plait.moe_layers.dispatch_ops import traced_dispatch_combine
+from plait.moe_layers.dispatch_ops import traced_dispatch_combine, traced_local_dispatch_combine
 from plait.moe_layers.router import Routing
 
 
@@ -106,10 +106,12 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: torch.nn.Module
         ``(out, load)``: ``out`` ``[T, H]`` in ``x``'s dtype and ``load`` ``[E]`` int64 kept
         assignments per expert from this rank's tokens.
     """
-    if ep_size > 1 and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         # Static shapes and opaque exchanges (see dispatch_ops): one graph, no recompiles. Eager
         # keeps the path below, whose results are the reference.
-        return traced_dispatch_combine(x, routing, experts, num_experts, group, ep_size, label)
+        if ep_size > 1:
+            return traced_dispatch_combine(x, routing, experts, num_experts, group, ep_size, label)
+        return traced_local_dispatch_combine(x, routing, experts, num_experts)
     token, slot = routing.kept.nonzero(as_tuple=True)
     order, counts = permute_by_expert(routing.expert_ids[token, slot], num_experts)
     token = token[order]

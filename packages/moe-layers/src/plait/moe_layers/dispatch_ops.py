@@ -136,6 +136,46 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_save_routing)
 _combine_op.register_autograd(_combine_backward, setup_context=_save_routing)
 
 
+def _sorted_assignments(x: torch.Tensor, routing: Any,
+                        num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every ``(token, slot)`` assignment's row, by expert, dropped ones last (expert id ``E``).
+
+    Returns ``(rows [T*k, H], token [T*k], weights [T*k], counts [E + 1])``: the kept rows in
+    eager's order (by expert, then token and slot, as eager's ``nonzero`` lists them), each row's
+    token, its combine weight (0 for a dropped row) and the rows per expert with the dropped rows
+    counted last.
+    """
+    top_k = routing.expert_ids.shape[1]
+    kept = routing.kept.reshape(-1)
+    expert = torch.where(kept, routing.expert_ids.reshape(-1), num_experts)
+    order, counts = permute_by_expert(expert, num_experts + 1)
+    token = torch.div(order, top_k, rounding_mode="floor")
+    weights = torch.where(kept, routing.weights.reshape(-1), 0.0)[order]
+    return permute_tokens(x, token), token, weights, counts
+
+
+def traced_local_dispatch_combine(x: torch.Tensor, routing: Any, experts: torch.nn.Module,
+                                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`plait.moe_layers.dispatch.dispatch_combine` on one rank with static shapes.
+
+    Eager takes ``nonzero`` of the kept assignments (a data-dependent row count: a graph break
+    under torch.compile). Here all ``T * k`` assignments keep their row, dropped ones sorted after
+    every expert and counted in the last expert's segment so the counts still cover every row;
+    their combine weight is 0, so the combine adds exact zeros beyond eager's sum. The last expert
+    runs the dropped rows too (none when dropless): that extra compute is the cost of one graph.
+
+    Args:
+        x, routing, experts, num_experts: as ``dispatch_combine``.
+
+    Returns:
+        ``(out, load)`` as ``dispatch_combine``.
+    """
+    rows, token, weights, counts = _sorted_assignments(x, routing, num_experts)
+    segments = torch.cat([counts[:num_experts - 1], counts[num_experts - 1:].sum(0, keepdim=True)])
+    out_rows = experts(rows, segments)
+    return combine_rows(out_rows, token, weights, x.shape[0]).to(x.dtype), counts[:num_experts]
+
+
 def traced_dispatch_combine(x: torch.Tensor, routing: Any, experts: torch.nn.Module, num_experts: int,
                             group: Any, ep_size: int, label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`plait.moe_layers.dispatch.dispatch_combine` at ``ep_size > 1`` with static shapes.
@@ -151,18 +191,12 @@ def traced_dispatch_combine(x: torch.Tensor, routing: Any, experts: torch.nn.Mod
     Returns:
         ``(out, load)`` as ``dispatch_combine``.
     """
-    num_tokens, top_k = routing.expert_ids.shape
-    kept = routing.kept.reshape(-1)
-    expert = torch.where(kept, routing.expert_ids.reshape(-1), num_experts)
-    order, counts = permute_by_expert(expert, num_experts + 1)
+    rows, token, weights, counts = _sorted_assignments(x, routing, num_experts)
     counts = counts[:num_experts]
-    token = torch.div(order, top_k, rounding_mode="floor")
-    rows = permute_tokens(x, token)
     recv_counts, local_counts, arrival = torch.ops.plait.ep_route(counts, rows.shape[0], group.group_name,
                                                                         ep_size, label)
     received = _dispatch_op(rows, counts, recv_counts, arrival, group.group_name, f"{label} token dispatch all-to-all")
     out = experts(received, local_counts)
     out_rows = _combine_op(out, counts, recv_counts, arrival, rows.shape[0], group.group_name,
                            f"{label} token combine all-to-all")
-    weights = torch.where(kept, routing.weights.reshape(-1), 0.0)[order]
-    return combine_rows(out_rows, token, weights, num_tokens).to(x.dtype), counts
+    return combine_rows(out_rows, token, weights, x.shape[0]).to(x.dtype), counts

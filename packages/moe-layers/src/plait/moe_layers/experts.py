@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,8 +71,17 @@ class GatedExperts(nn.Module):
         _mark(self)
 
 
+def _output(out: Any) -> torch.Tensor:
+    """An expert's output tensor: ``(output, bias)`` experts (Megatron's) give the output, as DeepSpeed takes it."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 class ModuleExperts(nn.Module):
     """Experts given as arbitrary modules mapping ``[n, H] -> [n, H]``, run one after another.
+
+    Under torch.compile the experts run masked instead (see :meth:`forward`): each expert on every
+    row, each row keeping its own expert's output. That needs row-wise experts (a row's output
+    depends on that row only, as for MLPs) and costs ``E_local`` times the expert compute.
 
     Args:
         experts: one module per expert, all of them (sharding keeps a block).
@@ -92,18 +102,34 @@ class ModuleExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """As :meth:`GatedExperts.forward`; an expert without rows still joins the graph (zero
         gradients, never ``None``, so gradient reductions see the same tensors on every rank)."""
+        if torch.compiler.is_compiling():
+            return self._masked(x, counts)
         outputs = []
         start = 0
         for expert, count in zip(self.experts, counts.tolist()):
-            rows = x[start:start + count]
-            out = expert(rows)
-            if isinstance(out, tuple):  # (output, bias) experts, e.g. Megatron's: the output, as DeepSpeed takes it
-                out = out[0]
+            out = _output(expert(x[start:start + count]))
             if count == 0:
                 out = out + 0 * sum(p.sum() for p in expert.parameters())
             outputs.append(out)
             start += count
         return torch.cat(outputs) if outputs else x
+
+    def _masked(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The compiled form: every expert on all ``N`` rows, ``where`` keeps each row's own expert.
+
+        Why: eager's segments have data-dependent sizes (``counts.tolist()``: a graph break, and a
+        graph per distinct split). ``where`` selects, it does not add, so a row's output is its own
+        expert's output bit for bit whenever the expert computes a row the same way in a batch of
+        ``N`` as in its segment, and the other experts' outputs get exact zero gradients (so every
+        expert still gets a gradient, as in eager).
+        """
+        ends = torch.cumsum(counts, 0)
+        row_expert = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True).unsqueeze(-1)
+        result = None
+        for index, expert in enumerate(self.experts):
+            out = _output(expert(x))
+            result = torch.where(row_expert == index, out, 0.0 if result is None else result)
+        return x if result is None else result
 
     def shard(self, rank: int, size: int) -> None:
         """Keep only experts ``[rank * E/size, (rank + 1) * E/size)`` (in place, once)."""

@@ -134,7 +134,9 @@ def capacity_keep(expert_ids: torch.Tensor, priority: torch.Tensor | None, num_e
     if priority is not None:
         order = torch.argsort(-priority.detach().t().reshape(-1), stable=True)
     by_expert = order[torch.argsort(slot_major[order], stable=True)]
-    counts = torch.bincount(slot_major, minlength=num_experts)
+    # index_add_, not bincount (an output sized from the data: a graph break under torch.compile).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=slot_major.device).index_add_(
+        0, slot_major, torch.ones_like(slot_major))
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(order)
     rank[by_expert] = torch.arange(by_expert.numel(), device=order.device) - starts[slot_major[by_expert]]

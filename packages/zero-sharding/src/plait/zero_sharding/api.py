@@ -38,7 +38,7 @@ from plait.zero_sharding.partition import OptionGroup, build_partition
 from plait.zero_sharding.placements import GroupedPlacement
 from plait.zero_sharding.scoped_gather import gathered_parameters  # noqa: F401  (public here too)
 from plait.zero_sharding.tensor_parallel import check_tensor_parallel
-from plait.zero_sharding.validation import check_optimizer, check_same_across_ranks
+from plait.zero_sharding.validation import check_no_compiled_autograd, check_optimizer, check_same_across_ranks
 from plait.zero_sharding.whole_tensor import WholeTensorPlacement, check_placement, is_whole_tensor, update_cost
 from plait.zero_sharding.zeropp.config import make_zeropp_policies
 from plait.zero_sharding.zeropp.exact import HierarchicalReducer
@@ -360,6 +360,7 @@ def zero_shard(model: nn.Module, optimizer: Any, config: ZeroConfig | None = Non
             return model, model.zero_optimizer
         raise ValueError("model is already sharded with a different ZeroConfig; build a fresh model to re-shard.")
     cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    check_no_compiled_autograd(config.stage)
     check_optimizer(cls, config)
     check_placement(cls, placement, param_groups)
     dicts = [g if isinstance(g, dict) else {} for g in param_groups or []]

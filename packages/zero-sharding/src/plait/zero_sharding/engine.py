@@ -37,6 +37,7 @@ from plait.zero_sharding.partition import Partition
 from plait.zero_sharding.scoped_gather import register_owner
 from plait.zero_sharding.tensor_parallel import is_dtensor
 from plait.zero_sharding.units import FlatUnit
+from plait.zero_sharding.validation import check_no_compiled_autograd
 
 # Reduce-scatters in flight during backward before the oldest is waited for (its flat bucket
 # freed): two keep communication overlapped with the next unit's backward.
@@ -248,6 +249,7 @@ class ZeroEngine:
 
     def _queue_callback(self) -> None:
         if not self.callback_queued:
+            check_no_compiled_autograd(self.config.stage, running=True)  # it would never call back
             self.callback_queued = True
             if self.config.stage == 3 and not self.pinned:
                 self.backward_pass.start()
@@ -256,6 +258,10 @@ class ZeroEngine:
             if started is not None:
                 started()  # a backward begins: e.g. offloaded optimizer state can start reading
 
+    # Not traced: under compiled autograd this post-accumulate-grad hook would be traced into the
+    # backward graph, where dynamo refuses its queue_callback with an assertion; disabled, it runs
+    # eagerly and _queue_callback refuses compiled autograd with a message naming the setting.
+    @torch.compiler.disable
     def _on_grad(self, unit: FlatUnit) -> None:
         self._queue_callback()
         unit.ready += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -93,3 +94,44 @@ def check_same_across_ranks(model: nn.Module, config: ZeroConfig, optimizer_cls:
     if problems:
         raise ValueError("zero_shard inputs differ across ranks: " + "; ".join(problems)
                          + ". Build the same model, config and optimizer on every rank.")
+
+
+def _compiled_autograd_state() -> tuple[bool, bool]:
+    """``(flag, engaged)``: ``torch._dynamo.config.compiled_autograd`` is set, and compiled autograd
+    is running a backward now (its flag or its ``_enable`` context). Read from ``sys.modules``:
+    nothing to import when dynamo was never loaded (then neither can be on)."""
+    config = sys.modules.get("torch._dynamo.config")
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    flag = bool(getattr(config, "compiled_autograd", False))
+    engaged = module is not None and bool(module.compiled_autograd_enabled or module.in_compiled_autograd_region)
+    return flag, engaged
+
+
+def check_no_compiled_autograd(stage: int, *, running: bool = False) -> None:
+    """Refuse torch's compiled autograd, which plait's ZeRO does not support (any stage).
+
+    Why: compiled autograd runs ZeRO's gradient hooks (eagerly: they are compiler-disabled) but
+    never the end-of-backward callback they queue, which launches the last reductions, resets the
+    per-unit gradient counts and releases the units. The first step is right and every later one
+    silently wrong (measured: the third loss differs at stage 2). Compiling the model itself
+    (``model.compile()``, or per block) is supported.
+
+    Args:
+        stage: the ZeRO stage, for the message.
+        running: called from a backward hook: refuse only if compiled autograd runs this backward
+            (the flag alone leaves a backward outside any compiled region eager); otherwise
+            (``zero_shard``) refuse the flag itself, before anything is sharded.
+
+    Raises:
+        RuntimeError: naming the setting and the fix.
+    """
+    flag, engaged = _compiled_autograd_state()
+    if engaged or (flag and not running):
+        raise RuntimeError(
+            f"plait ZeRO stage {stage} does not run under torch's compiled autograd "
+            "(torch._dynamo.config.compiled_autograd = True, or torch._dynamo.compiled_autograd._enable): "
+            "compiled autograd skips ZeRO's end-of-backward callback (the last gradient reductions, the "
+            "release of gathered units), so gradients would be wrong from the second step on. Set "
+            "torch._dynamo.config.compiled_autograd = False; torch.compile of the model (model.compile(), "
+            "or each block) works with plait's ZeRO at every stage."
+        )

@@ -3,9 +3,12 @@ is registered once per process, so "on" and "off" cannot share one).
 
     python -m plait.vllm.benchmarks.engine_worker --model DIR --out result.json [--load-format F] [--compiled]
 
-Writes ``{"seconds": [...], "prefill_seconds": [...], "tokens": N, "startup_seconds": s}``: the
-wall time of each timed ``generate`` round, of a one-token round (prefill only) timed right after
-each, the tokens each round generated and the engine's start-up time. ``--compiled`` starts vLLM's
+Writes ``{"seconds": [...], "prefill_seconds": [...], "cpu_seconds": [...], "prefill_cpu_seconds": [...],
+"tokens": N, "startup_seconds": s}``: the wall time of each timed ``generate`` round, of a one-token
+round (prefill only) timed right after each, the process CPU time (all threads) of both, the tokens
+each round generated and the engine's start-up time. CPU time is what a comparison on a loaded
+machine can use (wall time counts the other jobs' turns), with one torch thread so that no OpenMP
+thread spins while it waits. ``--compiled`` starts vLLM's
 default compiled engine (no ``enforce_eager``); start-up then includes its compilation.
 """
 
@@ -42,20 +45,22 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     prefill_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-    seconds, prefill = [], []
+    seconds, prefill, cpu, prefill_cpu = [], [], [], []
     for _ in range(args.rounds):
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - begin)
+        cpu.append(time.process_time() - begin_cpu)
         # The same prompts for one token: what the round spends outside decoding, so that
         # (round - prefill) / (new tokens - 1) is the decode time per token.
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         llm.generate(prompts, prefill_params, use_tqdm=False)
         prefill.append(time.perf_counter() - begin)
+        prefill_cpu.append(time.process_time() - begin_cpu)
     tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     with open(args.out, "w") as file:
-        json.dump({"seconds": seconds, "prefill_seconds": prefill, "tokens": tokens, "startup_seconds": startup},
-                  file)
+        json.dump({"seconds": seconds, "prefill_seconds": prefill, "cpu_seconds": cpu,
+                   "prefill_cpu_seconds": prefill_cpu, "tokens": tokens, "startup_seconds": startup}, file)
 
 
 if __name__ == "__main__":
