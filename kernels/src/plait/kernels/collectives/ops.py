@@ -101,54 +101,13 @@ def reduce_scatter_tensor(
     group: Any | None = None,
     async_op: bool = False,
     name: str | None = None,
-    scratch_input: bool = False,
 ) -> Any:
     """Reduce ``input`` (``world x output``) across ranks; each rank keeps its slice in ``output``.
-
-    ``scratch_input=True`` says the caller never reads ``input`` again, so it may be overwritten.
-    On gloo with CPU tensors the op then runs as an in-place all-reduce of ``input`` whose own
-    slice is copied into ``output`` on ``wait()``: gloo's reduce-scatter is that same all-reduce,
-    run on a clone of ``input`` made in the calling thread (a full copy, and fresh pages to fault
-    in, every call), so the values are bit for bit the same and only the clone is saved.
 
     Counted bytes: ``input`` (the full tensor being reduced).
     """
     record("reduce_scatter", group, tensor_nbytes(input), input.dtype)
-    if scratch_input and input.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        work = hangs.run("reduce_scatter", group, flight_group(group), flight.current_label(name), None,
-                         _torch["all_reduce"], input, op=op, group=group, async_op=True)
-        own = input.chunk(dist.get_world_size(group))[dist.get_rank(group)]
-        handle = _SliceOnWait(work, own, output)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
     return _issue("reduce_scatter_tensor", name, output, input, op=op, group=group, async_op=async_op)
-
-
-class _SliceOnWait:
-    """The handle of a gloo reduce-scatter run as an all-reduce (see :func:`reduce_scatter_tensor`):
-    ``wait()`` waits for the all-reduce, then copies this rank's slice into the output, once."""
-
-    __slots__ = ("_work", "_own", "_output")
-
-    def __init__(self, work: Any, own: torch.Tensor, output: torch.Tensor) -> None:
-        self._work, self._own, self._output = work, own, output
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        """Wait for the all-reduce and fill the output (later calls only wait)."""
-        self._work.wait(*args, **kwargs)
-        if self._own is not None:
-            self._output.copy_(self._own)
-            self._own = None
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the all-reduce has finished (the output is filled by ``wait()``)."""
-        return self._work.is_completed()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
 
 
 def all_reduce(

@@ -293,12 +293,8 @@ class ZeroEngine:
             self._fold(unit, None, flat, flat[:unit.shard_numel])
             return
         out = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
-        # A bucket flat_grads just built is read by nothing after the reduction: the default
-        # reducer may reduce in it (on gloo, saving the clone its reduce-scatter makes).
-        scratch = {"scratch": True} if type(reducer) is DefaultReducer and unit.full_grad is None \
-            and not self._stashes(unit) else {}
         with profiling.comm_range("reduce_scatter", block=False), named(f"ZeRO reduce-scatter of unit `{unit.key}`"):
-            handle = reducer.reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key, **scratch)
+            handle = reducer.reduce_scatter(flat, out, group=unit.reduce_group, key=unit.key)
         self.pending_reduce.append((unit, handle, flat, out))
         # Bound the flat gradient buckets alive at once: fold reductions that are done. Waiting
         # for one still in flight could deadlock when ranks reach it at different points of

@@ -178,10 +178,9 @@ class ShardStorage(Protocol):
 class DefaultReducer:
     """Plain reduce-scatter / all-reduce through :mod:`plait.kernels.collectives`, async."""
 
-    def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str, scratch: bool = False) -> Any:
-        """See :meth:`GradientReducer.reduce_scatter`; ``scratch=True``: ``full`` may be overwritten
-        (the engine's own bucket; see ``collectives.reduce_scatter_tensor(scratch_input=)``)."""
-        return collectives.reduce_scatter_tensor(shard_out, full, group=group, async_op=True, scratch_input=scratch)
+    def reduce_scatter(self, full: Tensor, shard_out: Tensor, *, group: Any, key: str) -> Any:
+        """See :meth:`GradientReducer.reduce_scatter`."""
+        return collectives.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
 
     def all_reduce(self, tensor: Tensor, *, group: Any, key: str) -> Any:
         """See :meth:`GradientReducer.all_reduce`."""
