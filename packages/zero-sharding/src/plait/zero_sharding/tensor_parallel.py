@@ -154,7 +154,7 @@ def weighted_sumsq(unit: Any, grad: torch.Tensor) -> torch.Tensor:
     """
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for slot, _param_range, (lo, hi) in unit.local_pieces():
-        piece = torch.linalg.vector_norm(grad[lo:hi], dtype=torch.float64).square()  # float64 sums: see shard_sumsq
+        piece = torch.linalg.vector_norm(grad[lo:hi]).double().square()
         total += piece * slot_norm_weight(slot.param, unit.replicas)
     return total
 
