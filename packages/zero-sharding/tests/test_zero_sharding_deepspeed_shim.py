@@ -87,7 +87,8 @@ def test_losses_equal_deepspeed_within_1e5(runs: pathlib.Path, index: int, name:
     micro_batches = STEPS * CONFIGS[name]["gradient_accumulation_steps"]
     assert len(ours["losses"]) == len(theirs["losses"]) == micro_batches
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
-    assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=1e-5)
+    # float64 shard norms on both sides; DeepSpeed stage 1/2 rounds its sum to fp32 (one ulp)
+    assert ours["grad_norms"] == pytest.approx(theirs["grad_norms"], rel=3e-7)
     assert ours["lrs"] == pytest.approx(theirs["lrs"], rel=1e-9, abs=1e-12)
     assert (ours["global_steps"], ours["train_batch_size"]) == (theirs["global_steps"], theirs["train_batch_size"])
 

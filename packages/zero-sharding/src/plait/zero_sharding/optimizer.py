@@ -34,6 +34,8 @@ from plait.zero_sharding.tensor_parallel import weighted_sumsq
 
 # Post-step all-gathers in flight at once (see ZeroOptimizer.step).
 MAX_PENDING_GATHER = 2
+#: elements per float64 piece of a gradient-norm sum (an 8 MiB temporary; see shard_sumsq)
+NORM_CHUNK = 1 << 20
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -172,8 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 grad = grad * factor
                 self._owned.add(unit.key)
             grads[unit.key] = grad
-            # fp32 norm of one shard (one pass, no float64 copy); shards are summed in float64.
-            sq = torch.linalg.vector_norm(grad).double().square()
+            sq = shard_sumsq(grad)
             if not torch.isfinite(sq):
                 local[1] = 1.0
             elif unit.tensor_parallel:  # TP shards are distinct across tp ranks: weighted per parameter
@@ -285,9 +286,21 @@ def _wait_gather(handle: Any) -> None:
 
 def _stashed_grad(stashed: StashedGrad, factor: float) -> tuple[StashedGrad, torch.Tensor]:
     """A stored gradient scaled by ``factor`` (applied when the step reads it) and its squared
-    fp32 norm, computed over the whole shard read back once, as the in-memory path does."""
+    norm, computed over the whole shard read back once, as the in-memory path does."""
     scaled = stashed * factor
-    return scaled, torch.linalg.vector_norm(scaled.read()).double().square()
+    return scaled, shard_sumsq(scaled.read())
+
+
+def shard_sumsq(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of one gradient shard as a float64 scalar, accumulated in float64.
+
+    torch's CPU ``vector_norm`` of an fp32 tensor accumulates in fp32 and loses about 1e-4 of a
+    million-element shard's norm, which shifts the clip coefficient (and so every later step) away
+    from DeepSpeed's, whose per-tensor norms are taken in float64. ``dtype=float64`` casts a copy,
+    so the shard goes through in pieces of :data:`NORM_CHUNK` elements to bound that copy.
+    """
+    pieces = grad.reshape(-1).split(NORM_CHUNK)
+    return torch.stack([torch.linalg.vector_norm(piece, dtype=torch.float64) for piece in pieces]).square().sum()
 
 
 class _ShardWrites:
