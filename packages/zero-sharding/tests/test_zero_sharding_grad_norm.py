@@ -16,7 +16,7 @@ from torch import nn
 
 from plait.kernels.testing import run_distributed
 from plait.zero_sharding import ZeroConfig, zero_shard
-from plait.zero_sharding.optimizer import NORM_CHUNK, shard_sumsq
+from plait.zero_sharding.grad_norm import NORM_CHUNK, shard_sumsq
 
 
 def test_shard_sumsq_is_the_float64_sum_of_squares() -> None:

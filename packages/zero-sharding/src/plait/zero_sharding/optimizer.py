@@ -27,6 +27,7 @@ from plait.zero_sharding import profiling
 from plait.zero_sharding.composition import notify
 from plait.zero_sharding.engine import ZeroEngine
 from plait.zero_sharding.extension import wait
+from plait.zero_sharding.grad_norm import shard_sumsq
 from plait.zero_sharding.grad_stash import StashedGrad
 from plait.zero_sharding.loss_scaler import LossScaler
 from plait.zero_sharding.replicas import check_replicas
@@ -34,8 +35,6 @@ from plait.zero_sharding.tensor_parallel import weighted_sumsq
 
 # Post-step all-gathers in flight at once (see ZeroOptimizer.step).
 MAX_PENDING_GATHER = 2
-#: elements per float64 piece of a gradient-norm sum (an 8 MiB temporary; see shard_sumsq)
-NORM_CHUNK = 1 << 20
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -289,18 +288,6 @@ def _stashed_grad(stashed: StashedGrad, factor: float) -> tuple[StashedGrad, tor
     norm, computed over the whole shard read back once, as the in-memory path does."""
     scaled = stashed * factor
     return scaled, shard_sumsq(scaled.read())
-
-
-def shard_sumsq(grad: torch.Tensor) -> torch.Tensor:
-    """The squared L2 norm of one gradient shard as a float64 scalar, accumulated in float64.
-
-    torch's CPU ``vector_norm`` of an fp32 tensor accumulates in fp32 and loses about 1e-4 of a
-    million-element shard's norm, which shifts the clip coefficient (and so every later step) away
-    from DeepSpeed's, whose per-tensor norms are taken in float64. ``dtype=float64`` casts a copy,
-    so the shard goes through in pieces of :data:`NORM_CHUNK` elements to bound that copy.
-    """
-    pieces = grad.reshape(-1).split(NORM_CHUNK)
-    return torch.stack([torch.linalg.vector_norm(piece, dtype=torch.float64) for piece in pieces]).square().sum()
 
 
 class _ShardWrites:

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from plait.kernels import collectives
+from plait.zero_sharding.grad_norm import shard_sumsq
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -156,7 +157,7 @@ def weighted_sumsq(unit: Any, grad: torch.Tensor, copies: int | None = None) -> 
     """
     total = torch.zeros((), dtype=torch.float64, device=grad.device)
     for slot, _param_range, (lo, hi) in unit.local_pieces():
-        piece = torch.linalg.vector_norm(grad[lo:hi]).double().square()
+        piece = shard_sumsq(grad[lo:hi])
         total += piece * slot_norm_weight(slot.param, unit.replicas if copies is None else copies)
     return total
 
