@@ -421,6 +421,7 @@ def available() -> bool:
     return load() is not None
 
 
+@functools.cache  # asked on every gemv call (decode's hot path): one ctypes call per process
 def isas() -> tuple[str, ...]:
     """The instruction sets :func:`gemv` can run here, best last: ``("avx2",)`` or ``("avx2", "avx512")``.
 
