@@ -86,6 +86,41 @@ def test_quantized_checkpoint_to_hf_and_back(tmp_path, llama, args, config):
     for (name, a), b in zip(ours.state_dict().items(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert _tokens(reloaded) == want
+    _check_plait_cpu_kernel(tmp_path / "hf", reloaded)
+
+
+def _check_plait_cpu_kernel(directory, reference) -> None:
+    """``load_quantized_pretrained(cpu_kernel="plait")`` runs plait's own CPU kernels on the same codes:
+    the same buffers, and logits within fp32 summation-order error of the torch path's."""
+    from plait.inference_kernels.quantization import QuantizedLinear
+    from plait.kernels.ops import quant_matmul_cpu
+
+    if not quant_matmul_cpu.cpu_supported():
+        return  # no AVX2: "plait" is refused here (test_load_quantized_pretrained_refuses_bad_cpu_kernel)
+    fast = load_quantized_pretrained(directory, cpu_kernel="plait")
+    linears = [m for m in fast.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.cpu_kernel == "plait" and m._own for m in linears)
+    for (name, a), b in zip(reference.state_dict().items(), fast.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for tokens in (3, 40):  # the register GEMV (decode), then the blocked dequantize + GEMM (prefill)
+        ids = torch.randint(0, 512, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            torch.testing.assert_close(fast(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_load_quantized_pretrained_refuses_bad_cpu_kernel(tmp_path, llama, monkeypatch):
+    """A cpu_kernel that cannot run is refused by name before any file is read (cfg/ is not even quantized)."""
+    from plait.kernels.ops import quant_matmul_cpu
+
+    llama.config.save_pretrained(tmp_path / "cfg")
+    with pytest.raises(ValueError, match=r"load_quantized_pretrained\(cpu_kernel\)='avx' is not supported"):
+        load_quantized_pretrained(tmp_path / "cfg", cpu_kernel="avx")
+    monkeypatch.setattr(quant_matmul_cpu, "available", lambda: False)
+    monkeypatch.setattr(quant_matmul_cpu, "build_error", "no C++ compiler ('c++' not found; set CXX)")
+    with pytest.raises(ValueError, match=r"load_quantized_pretrained\(cpu_kernel\)='plait' cannot be used here: "
+                                         r"no C\+\+ compiler"):
+        load_quantized_pretrained(tmp_path / "cfg", cpu_kernel="plait")
 
 
 def test_quantized_export_refusals(tmp_path, llama):

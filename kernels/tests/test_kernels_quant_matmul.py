@@ -202,11 +202,15 @@ def test_avx2_kernels_match_reference_and_dequantize_bitwise(scheme):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(70, 256, generator=gen)  # 70 rows: full 4- and 2-row tiles plus a remainder
     codes, scales, zeros = quantize_weight(w, scheme)
-    for rows in (1, 2, 3, 8, 9):  # every register tile shape (1-4 input rows) and more than one tile
+    # every register tile shape (AVX2: 1-4 input rows; AVX-512: 1-8) and more than one tile, on
+    # every instruction set this CPU runs
+    for rows in (1, 2, 3, 5, 8, 9, 13):
         x = torch.randn(2, rows, 256, generator=gen)
         want = quant_matmul_reference(x, codes, scales, zeros, scheme)
-        tolerance("quant_matmul_avx2", torch.float32).assert_close(
-            cpu.gemv(x, codes, scales, zeros, scheme.group_size), want, what=f"{_ids(scheme)} rows={rows}")
+        for isa in cpu.isas():
+            tolerance("quant_matmul_avx2", torch.float32).assert_close(
+                cpu.gemv(x, codes, scales, zeros, scheme.group_size, isa=isa), want,
+                what=f"{_ids(scheme)} rows={rows} {isa}")
     out = torch.empty(20, 256)
     cpu.dequantize_rows(codes, scales, zeros, scheme.group_size, 40, 60, out)
     assert torch.equal(out, dequantize_weight(codes[40:60], scales[40:60], None if zeros is None else zeros[40:60],
@@ -225,8 +229,9 @@ def test_avx2_kernels_exact_where_every_sum_is_exact():
         codes, scales, zeros = quantize_weight(torch.randn(36, 64, generator=gen), scheme)
         scales = torch.full_like(scales, 0.25)
         x = torch.randint(-3, 4, (5, 64), generator=gen).float()
-        assert torch.equal(cpu.gemv(x, codes, scales, zeros, scheme.group_size),
-                           quant_matmul_reference(x, codes, scales, zeros, scheme))
+        for isa in cpu.isas():
+            assert torch.equal(cpu.gemv(x, codes, scales, zeros, scheme.group_size, isa=isa),
+                               quant_matmul_reference(x, codes, scales, zeros, scheme)), isa
 
 
 def test_avx2_kernels_refuse_what_they_cannot_take():
@@ -237,6 +242,9 @@ def test_avx2_kernels_refuse_what_they_cannot_take():
     codes, scales, _ = quantize_weight(torch.randn(8, 64), QuantScheme(kind="int8"))
     with pytest.raises(ValueError, match="x must be float32"):
         cpu.gemv(torch.randn(1, 64, dtype=torch.bfloat16), codes, scales, None, None)
+    with pytest.raises(ValueError, match=r"isa='sse' cannot run here; use one of avx2"):
+        cpu.gemv(torch.randn(1, 64), codes, scales, None, None, isa="sse")
+    assert cpu.isas()[0] == "avx2" and set(cpu.isas()) <= set(cpu.ISAS)
     with pytest.raises(ValueError, match=r"rows \[4, 12\)"):
         cpu.dequantize_rows(codes, scales, None, None, 4, 12, torch.empty(8, 64))
     assert cpu.library_path().exists() and cpu.build_seconds is not None

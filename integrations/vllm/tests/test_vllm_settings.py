@@ -48,6 +48,16 @@ def test_vllm_cpu_path_setting(monkeypatch):
         settings.cpu_path()
 
 
+def test_vllm_quant_cpu_kernel_setting(monkeypatch):
+    monkeypatch.delenv("PLAIT_VLLM_QUANT_CPU_KERNEL", raising=False)
+    assert settings.quant_cpu_kernel() == "torch"
+    monkeypatch.setenv("PLAIT_VLLM_QUANT_CPU_KERNEL", " Plait ")
+    assert settings.quant_cpu_kernel() == "plait"
+    monkeypatch.setenv("PLAIT_VLLM_QUANT_CPU_KERNEL", "avx")
+    with pytest.raises(ValueError, match="PLAIT_VLLM_QUANT_CPU_KERNEL='avx' is not one of torch, plait"):
+        settings.quant_cpu_kernel()
+
+
 @pytest.mark.timeout(60)
 def test_vllm_switched_off_registers_nothing_and_imports_no_vllm(monkeypatch):
     monkeypatch.setenv("PLAIT_VLLM", "0")

@@ -33,6 +33,12 @@ def _layer_classes(model) -> list[str]:
     return sorted({type(module).__name__ for module in model.modules()})
 
 
+def _quant_cpu_kernels(model) -> list[str]:
+    """Whose CPU kernels the engine's QuantizedLinears run: ``plait`` only where plait's own kernels take them."""
+    return sorted({("plait" if module._own else "torch") for module in model.modules()
+                   if type(module).__name__ == "QuantizedLinear"})
+
+
 
 def main() -> None:
     """Run the engine(s) and write the JSON result."""
@@ -63,6 +69,7 @@ def main() -> None:
         result[name] = {"tokens": [list(out.outputs[0].token_ids) for out in outputs], "startup_seconds": startup,
                         # a function of this script pickles only into this process (TP=1 runs here)
                         "layers": llm.apply_model(_layer_classes)[0] if args.tp == 1 else None,
+                        "quant_cpu_kernels": llm.apply_model(_quant_cpu_kernels)[0] if args.tp == 1 else None,
                         "load_reports": reports}  # one per tensor-parallel rank
         del llm
     if args.corrupt:

@@ -446,7 +446,7 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ),
     ("quant_matmul_avx2", torch.float32): Tolerance(
         atol=1e-4, rtol=1e-5,
-        reason="plait's AVX2 kernels (quant_matmul_cpu) multiply fp32 activations by the reference's own "
+        reason="plait's AVX2/AVX-512 kernels (quant_matmul_cpu) multiply fp32 activations by the reference's own "
                "dequantized int4 weights (the same single rounding of (q - z) * scale) and, for int8, by the "
                "codes with the channel scale applied to the sum; the sum runs in 16 lanes in another order. "
                "A few fp32 ulps of the largest partial sum (observed under 5e-7 relative, K 768).",

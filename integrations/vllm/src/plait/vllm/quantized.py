@@ -14,6 +14,9 @@ computes for the same weights.
 It claims a checkpoint when ``LLM(..., quantization="plait_weight_only")`` asks for it, or, with
 no ``quantization`` argument, when the ``quantization_config`` carries plait's record (a plait
 export). Pass ``quantization="compressed-tensors"`` to use vLLM's own kernels instead.
+``PLAIT_VLLM_QUANT_CPU_KERNEL=plait`` runs the CPU matmuls on plait's own AVX2 kernels instead of
+torch's (``QuantizeConfig.cpu_kernel``); where they cannot be built, the engine refuses to start,
+naming the variable, before any weight is loaded.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from vllm.model_executor.parameter import (
     PackedvLLMParameter,
 )
 
-from plait.inference_kernels.quantization.modules import QuantizedLinear
+from plait.inference_kernels.quantization.modules import QuantizedLinear, check_cpu_kernel
 from plait.inference_kernels.quantization.pretrained import config_from_json, unpack_zero_points
 from plait.kernels.ops.quant_matmul import QuantScheme
+from plait.vllm import settings
 
 NAME = "plait_weight_only"
 _PARAMS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
@@ -44,12 +48,19 @@ class PlaitWeightOnlyConfig(QuantizationConfig):
     Args:
         scheme: the weights' format.
         ignore: module names kept in full precision (the config's ``ignore``).
+        cpu_kernel: whose CPU kernels run the Linears (``QuantizeConfig.cpu_kernel``: ``"torch"``
+            or ``"plait"``).
+
+    Raises:
+        ValueError: ``cpu_kernel`` unknown or not available here (named).
     """
 
-    def __init__(self, scheme: QuantScheme, ignore: list[str]) -> None:
+    def __init__(self, scheme: QuantScheme, ignore: list[str], cpu_kernel: str = "torch") -> None:
         super().__init__()
+        check_cpu_kernel(cpu_kernel, field="PlaitWeightOnlyConfig.cpu_kernel")
         self.scheme = scheme
         self.ignore = ignore
+        self.cpu_kernel = cpu_kernel
 
     def get_name(self) -> str:
         """``"plait_weight_only"``."""
@@ -71,12 +82,15 @@ class PlaitWeightOnlyConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict) -> PlaitWeightOnlyConfig:
-        """Parse the ``quantization_config``.
+        """Parse the ``quantization_config``; the CPU kernel comes from ``PLAIT_VLLM_QUANT_CPU_KERNEL``.
 
         Raises:
-            ValueError: a scheme plait's formats do not hold (named).
+            ValueError: a scheme plait's formats do not hold (named); ``PLAIT_VLLM_QUANT_CPU_KERNEL``
+                unknown, or ``plait`` where plait's CPU kernels cannot be built (named, with the fix).
         """
-        return cls(config_from_json(config).scheme, list(config.get("ignore", [])))
+        cpu_kernel = settings.quant_cpu_kernel()
+        check_cpu_kernel(cpu_kernel, field="PLAIT_VLLM_QUANT_CPU_KERNEL")
+        return cls(config_from_json(config).scheme, list(config.get("ignore", [])), cpu_kernel)
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict, user_quant: str | None,
@@ -96,7 +110,7 @@ class PlaitWeightOnlyConfig(QuantizationConfig):
             return None
         if is_layer_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
-        return PlaitWeightOnlyLinearMethod(self.scheme)
+        return PlaitWeightOnlyLinearMethod(self.scheme, cpu_kernel=self.cpu_kernel)
 
 
 class PlaitWeightOnlyLinearMethod(LinearMethodBase):
@@ -104,10 +118,12 @@ class PlaitWeightOnlyLinearMethod(LinearMethodBase):
 
     Args:
         scheme: the weights' format.
+        cpu_kernel: whose CPU kernels run it (``QuantizeConfig.cpu_kernel``).
     """
 
-    def __init__(self, scheme: QuantScheme) -> None:
+    def __init__(self, scheme: QuantScheme, *, cpu_kernel: str = "torch") -> None:
         self.scheme = scheme
+        self.cpu_kernel = cpu_kernel
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra) -> None:
@@ -152,7 +168,7 @@ class PlaitWeightOnlyLinearMethod(LinearMethodBase):
             codes = (codes.to(torch.int16) - 128).to(torch.int8)
         zeros = None if self.scheme.symmetric else unpack_zero_points(layer.weight_zero_point.data, n)
         quantized = QuantizedLinear.from_codes(codes, layer.weight_scale.data.to(torch.float32), zeros, self.scheme,
-                                               in_features=k, dtype=layer.plait_dtype)
+                                               in_features=k, dtype=layer.plait_dtype, cpu_kernel=self.cpu_kernel)
         for name in _PARAMS:
             if hasattr(layer, name):
                 delattr(layer, name)

@@ -6,6 +6,9 @@
 * ``PLAIT_VLLM_CPU_PATH``: which implementation plait's ops run on vLLM's CPU platform:
   ``auto`` (default: per op, whichever measured faster on CPU, see ``ops.CPU_PATH``), ``plait``
   (plait's torch reference for every op) or ``vllm`` (vLLM's own CPU path for every op).
+* ``PLAIT_VLLM_QUANT_CPU_KERNEL``: whose CPU kernels run ``quantization="plait_weight_only"``
+  Linears: ``torch`` (default: torch's weight-packed matmuls) or ``plait`` (plait's own AVX2
+  kernels, ``QuantizeConfig.cpu_kernel="plait"``; built on first use, which needs a C++ compiler).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 
 CPU_PATHS = ("auto", "plait", "vllm")
+QUANT_CPU_KERNELS = ("torch", "plait")
 
 
 def plugin_enabled() -> bool:
@@ -40,4 +44,17 @@ def cpu_path() -> str:
     if raw not in CPU_PATHS:
         raise ValueError(f"PLAIT_VLLM_CPU_PATH={raw!r} is not one of {', '.join(CPU_PATHS)}; "
                          "unset it for the measured default (auto).")
+    return raw
+
+
+def quant_cpu_kernel() -> str:
+    """The ``PLAIT_VLLM_QUANT_CPU_KERNEL`` choice: ``torch`` (default) or ``plait``.
+
+    Raises:
+        ValueError: any other value (the message lists the valid ones).
+    """
+    raw = os.environ.get("PLAIT_VLLM_QUANT_CPU_KERNEL", "torch").strip().lower() or "torch"
+    if raw not in QUANT_CPU_KERNELS:
+        raise ValueError(f"PLAIT_VLLM_QUANT_CPU_KERNEL={raw!r} is not one of {', '.join(QUANT_CPU_KERNELS)}; "
+                         "unset it for torch's weight-packed kernels.")
     return raw

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from plait.inference_kernels.quantization.apply import QuantizeConfig, quantize
+from plait.inference_kernels.quantization.modules import check_cpu_kernel
 from plait.kernels.ops.quant_matmul import INT4_GROUP_SIZES, unpack_int4
 
 
@@ -74,25 +75,29 @@ def _translate(tensors: dict[str, torch.Tensor], kind: str) -> dict[str, torch.T
 
 
 def load_quantized_pretrained(path: str | os.PathLike, *, cpu_kernels: bool = True,
-                              cpu_bf16_decode: bool = False) -> nn.Module:
+                              cpu_bf16_decode: bool = False, cpu_kernel: str = "torch") -> nn.Module:
     """A transformers causal LM with plait's quantized Linears, from a pack-quantized directory.
 
     Args:
         path: a directory with config.json (holding the compressed-tensors ``quantization_config``)
             and ``*.safetensors``.
-        cpu_kernels, cpu_bf16_decode: as :class:`QuantizeConfig`.
+        cpu_kernels, cpu_bf16_decode, cpu_kernel: as :class:`QuantizeConfig` (``cpu_kernel="plait"``
+            runs plait's own AVX2 CPU kernels; refused before any file is read where they cannot
+            be built here).
 
     Returns:
         The model in eval mode, quantized (:func:`plait.inference_kernels.quantization.revert`
         turns its modules into Linears holding the dequantized weights).
 
     Raises:
-        ValueError: no quantization_config, or one plait does not read (named); a tensor missing
-            from or unknown to the model (named by ``load_state_dict``).
+        ValueError: ``cpu_kernel`` unknown or not available here (named); no quantization_config,
+            or one plait does not read (named); a tensor missing from or unknown to the model (named
+            by ``load_state_dict``).
     """
     import transformers
     from safetensors.torch import load_file
 
+    check_cpu_kernel(cpu_kernel, field="load_quantized_pretrained(cpu_kernel)")
     path = Path(path)
     body = json.loads((path / "config.json").read_text())
     if "quantization_config" not in body:
@@ -110,6 +115,7 @@ def load_quantized_pretrained(path: str | os.PathLike, *, cpu_kernels: bool = Tr
                             head=head is not None and not any(n in ignored for n, m in model.named_modules()
                                                               if m is head),
                             skip=skip, keep_original=False, cpu_kernels=cpu_kernels, cpu_bf16_decode=cpu_bf16_decode,
+                            cpu_kernel=cpu_kernel,
                             experts=False)  # pack-quantized targets Linears: fused experts stay as stored
     quantize(model, config)
     state = {}
