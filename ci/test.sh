@@ -24,6 +24,20 @@ start=$(date +%s)
 # mostly wait and could share the two cores with another.
 busy() { python ci/cpu_busy.py mark "$1"; }
 python ci/cpu_busy.py reset
+# Whatever happens (a failed stage exits at once under set -e), a whole run ends with the slowest
+# tests of every pytest run so far (ci/slowest.py) and the cores busy per stage.
+whole_run=$(( $# == 0 ))
+finish() {
+  local rc=$?
+  if [ "$whole_run" = 1 ]; then
+    python ci/slowest.py build/junit 30 || true
+    busy "end" || true
+    python ci/cpu_busy.py report || true
+  fi
+  echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"
+  exit "$rc"
+}
+trap finish EXIT
 busy "ruff"; echo "== ruff"; ruff check .
 busy "layout"; echo "== layout"; python ci/check_layout.py
 # The documentation site: results pages current, mkdocs build --strict, every internal link, and
@@ -81,5 +95,3 @@ if [ "$#" -eq 0 ]; then
 else
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
 fi
-if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; busy "end"; python ci/cpu_busy.py report; fi
-echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"
