@@ -19,6 +19,14 @@ import importlib
 
 OPTIONAL = ("torch._dynamo", "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
             "lightning.pytorch")
+# plait's own feature packages, where installed: a rank of a ZeRO or 1-bit test imports them (and
+# torch.distributed.tensor under them) for 0.2-0.7 CPU-seconds, every rank of every test. Safe to
+# import once before forking: they read the environment when called (settings), never at import,
+# and start no thread at import. The integrations are left out: importing one changes its host
+# framework (plait.lightning registers its strategy names), which a test must see happen itself.
+PLAIT = ("plait.kernels.collectives", "plait.kernels.ops", "plait.zero_sharding", "plait.offload_io",
+         "plait.onebit_optim", "plait.universal_ckpt", "plait.moe_layers", "plait.ulysses_sp",
+         "plait.inference_kernels")
 
 
 def _load(names: tuple[str, ...]) -> list[str]:
@@ -33,4 +41,4 @@ def _load(names: tuple[str, ...]) -> list[str]:
     return loaded
 
 
-LOADED = _load(OPTIONAL)
+LOADED = _load(OPTIONAL + PLAIT)
