@@ -59,7 +59,7 @@ if [ "$#" -eq 0 ]; then
   # `shared`: each lane, once its own part is done, takes the next of these groups of long files
   # that the other lane has not taken (longest first), so the two lanes end about together whatever
   # their own parts cost on the day; a fixed split went stale whenever one lane's tests got cheaper.
-  # A group is one pytest run (one test process server to start, about 8 CPU-s), hence groups.
+  # A group is one pytest run (one test process server to start: 6.4 CPU-s of imports), hence groups.
   reliability=(tests/test_reliability_*.py)
   guides=(tests/test_docs_guides.py)
   shared=("tests/test_onebit_quality.py tests/test_offload_capacity.py tests/test_zeropp_two_nodes.py"
