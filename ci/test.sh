@@ -24,6 +24,20 @@ start=$(date +%s)
 # mostly wait and could share the two cores with another.
 busy() { python ci/cpu_busy.py mark "$1"; }
 python ci/cpu_busy.py reset
+# Whatever happens (a failed stage exits at once under set -e), a whole run ends with the slowest
+# tests of every pytest run so far (ci/slowest.py) and the cores busy per stage.
+whole_run=$(( $# == 0 ))
+finish() {
+  local rc=$?
+  if [ "$whole_run" = 1 ]; then
+    python ci/slowest.py build/junit 30 || true
+    busy "end" || true
+    python ci/cpu_busy.py report || true
+  fi
+  echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"
+  exit "$rc"
+}
+trap finish EXIT
 busy "ruff"; echo "== ruff"; ruff check .
 busy "layout"; echo "== layout"; python ci/check_layout.py
 # The documentation site: results pages current, mkdocs build --strict, every internal link, and
@@ -38,13 +52,33 @@ if [ "$#" -eq 0 ]; then
   # restarts: it mostly waits on timeouts and restarts, and docs/reliability.md measures it passing
   # beside a load generator), then plait-vllm's tests and the training-to-vLLM test inside the vLLM
   # environment (.venv-vllm, built in the background above; in .venv they skip), then the guides'
-  # examples (tests/test_docs_guides.py; the vLLM guide runs in .venv-vllm), then a few long
-  # cross-package tests moved out of the main run so that both lanes take about as long (`moved`),
-  # then the main job end to end, as the README's first command runs it. The reliability suite
-  # does not run beside install-alone: it slowed that stage's tests by 1.8x (both cores are busy).
+  # examples (tests/test_docs_guides.py; the vLLM guide runs in .venv-vllm), then its share of the
+  # long cross-package files below (`shared`), then the main job end to end, as the README's first
+  # command runs it. The reliability suite does not run beside install-alone: it slowed that
+  # stage's tests by 1.8x (both cores are busy).
+  # `shared`: each lane, once its own part is done, takes the next of these groups of long files
+  # that the other lane has not taken (longest first), so the two lanes end about together whatever
+  # their own parts cost on the day; a fixed split went stale whenever one lane's tests got cheaper.
+  # A group is one pytest run (one test process server to start: 6.4 CPU-s of imports), hence groups.
   reliability=(tests/test_reliability_*.py)
   guides=(tests/test_docs_guides.py)
-  moved=(tests/test_onebit_quality.py tests/test_offload_capacity.py tests/test_zeropp_two_nodes.py)
+  shared=("tests/test_onebit_quality.py tests/test_offload_capacity.py tests/test_zeropp_two_nodes.py"
+          "tests/test_onebit_zero_lamb.py tests/test_onebit_zero.py"
+          "tests/test_onebit_zero_one.py tests/test_onebit_zero_clip_fp16.py")
+  read -r -a shared_files <<< "${shared[*]}"
+  rm -rf build/claimed && mkdir -p build/claimed
+  run_shared() {  # $1: the lane; runs each shared group that no lane has taken yet
+    local rc=0 group name files
+    for group in "${shared[@]}"; do
+      read -r -a files <<< "$group"
+      name=$(basename "${files[0]}" .py)
+      mkdir "build/claimed/$name" 2>/dev/null || continue  # mkdir is atomic: exactly one lane takes it
+      busy "two lanes ($1: $name and the rest of its group)"; echo "== $group (in the $1 lane)"
+      python -m pytest -q -ra --durations=5 --junitxml="build/junit/shared-$name.xml" --basetemp="build/pytest-shared-$1" \
+        "${files[@]}" || rc=1
+    done
+    return "$rc"
+  }
   echo "== tests (what did not already pass installed alone); beside them: ${reliability[*]}, then the vLLM tests, then ${guides[*]}"
   second_lane() {
     busy "two lanes (second: reliability)"
@@ -61,8 +95,7 @@ if [ "$#" -eq 0 ]; then
     fi
     busy "two lanes (second: guides)"
     python -m pytest -q -ra --durations=5 --junitxml=build/junit/guides.xml --basetemp=build/pytest-guides "${guides[@]}" || return 1
-    busy "two lanes (second: moved)"
-    python -m pytest -q -ra --durations=5 --junitxml=build/junit/moved.xml --basetemp=build/pytest-moved "${moved[@]}" || return 1
+    run_shared second || return 1
     busy "two lanes (second: main job)"
     echo "== main job"; plait train --out build/main-job-ci
     busy "second lane finished"
@@ -72,14 +105,13 @@ if [ "$#" -eq 0 ]; then
   main_rc=0
   PYTHONPATH="$ROOT/ci${PYTHONPATH:+:$PYTHONPATH}" PLAIT_SKIP_PASSED="${PLAIT_ISOLATION_DIR:-$ROOT/build/install-alone}/passed" \
     python -m pytest -q -ra --durations=40 --junitxml=build/junit/main.xml -p passed_alone \
-    "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" "${moved[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
+    "${reliability[@]/#/--ignore=}" "${guides[@]/#/--ignore=}" "${shared_files[@]/#/--ignore=}" --ignore=tests/test_vllm_serving.py --ignore=tests/test_docs_guide_vllm.py || main_rc=$?
+  run_shared main || main_rc=1
   busy "main lane finished"
   lane_rc=0
   wait "$lane" || lane_rc=$?
-  echo "== reliability suite, then vllm tests (.venv-vllm), the guides, ${moved[*]} and the main job: ran beside the tests above"; cat build/second-lane.log
+  echo "== reliability suite, then vllm tests (.venv-vllm), the guides, the shared groups it took and the main job: ran beside the tests above"; cat build/second-lane.log
   [ "$main_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ] || { echo "test.sh: tests failed"; exit 1; }
 else
   echo "== tests"; python -m pytest -q -ra --durations=15 "$@"
 fi
-if [ "$#" -eq 0 ]; then python ci/slowest.py build/junit 30; busy "end"; python ci/cpu_busy.py report; fi
-echo "test.sh: finished in $(( $(date +%s) - start ))s after setup"

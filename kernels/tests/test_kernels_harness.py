@@ -120,8 +120,8 @@ def test_ranks_start_with_the_heavy_optional_modules_already_imported():
     expected = [name for name in ("transformers.models.llama.modeling_llama", "lightning.pytorch")
                 if name in preload.LOADED]
     assert present == [expected, expected]
-    # torch._dynamo is preloaded in every environment (plait's collectives import it through
-    # torch.compiler.disable; without transformers or Lightning nothing else loads it before a rank).
+    # torch._dynamo is preloaded in every environment (the compile tests' ranks import it; without
+    # transformers or Lightning nothing else loads it before a rank, plait's modules included).
     assert preload.LOADED[0] == "torch._dynamo"
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from plait.kernels import settings
 from plait.kernels.collectives import teardown
 from plait.kernels.collectives.flight import LOG, CollectiveEvent
+from plait.kernels.eager import eager_only
 
 KEY_PREFIX = "plait/flight/"
 # A report is a small store write; one that takes longer than this means the store's host is in
@@ -311,7 +312,7 @@ def is_communication_failure(exc: RuntimeError) -> bool:
 # Never traced: the flight log, the publisher and the diagnosis are Python-side bookkeeping (clocks,
 # store clients, a thread) that must run as written on every call. Under torch.compile a call
 # from compiled code becomes a graph break here, and the collective runs eagerly with its record.
-@torch.compiler.disable
+@eager_only
 def run(op: str, group: Any | None, group_label: str, label: str, peers: list[int] | None, call: Any, /,
         *args: Any, **kwargs: Any) -> Any:
     """Enter ``op`` in the flight log, issue it, and turn its failure into a named error.

@@ -6,12 +6,11 @@ Trainer and Lightning take 2-4 s each to import, and most distributed tests buil
 A module that is not installed, or fails to import, is skipped: the rank imports it itself (and
 meets the same error where the test can report it), and the server stays up for every other test.
 
-``torch._dynamo`` comes first: ``plait.kernels.collectives`` (imported by every rank that issues a
-plait collective) and the ZeRO engine mark functions ``torch.compiler.disable``, which imports it,
-and it costs a rank about as much CPU time as torch itself (2.9 s of a rank's 3.0 s importing
-``plait.kernels.collectives``, measured under load). transformers and Lightning import it too, so
-in the full environment it was already loaded here; in a distribution's own environment without
-them (CI's install-alone stage) every rank paid for it.
+``torch._dynamo`` comes first: it costs a process about as much CPU time as torch itself (1.6 of
+3.5 CPU-seconds), and the ranks of the compile tests, transformers' models and Lightning import it.
+plait's own modules do not (:func:`plait.kernels.eager.eager_only` marks the code compile
+never traces without importing it), so in a distribution's own environment without transformers
+and Lightning (CI's install-alone stage) only this server pays for it, once per test session.
 """
 
 from __future__ import annotations
@@ -20,6 +19,14 @@ import importlib
 
 OPTIONAL = ("torch._dynamo", "transformers", "transformers.models.llama.modeling_llama", "transformers.trainer",
             "lightning.pytorch")
+# plait's own feature packages, where installed: a rank of a ZeRO or 1-bit test imports them (and
+# torch.distributed.tensor under them) for 0.2-0.7 CPU-seconds, every rank of every test. Safe to
+# import once before forking: they read the environment when called (settings), never at import,
+# and start no thread at import. The integrations are left out: importing one changes its host
+# framework (plait.lightning registers its strategy names), which a test must see happen itself.
+PLAIT = ("plait.kernels.collectives", "plait.kernels.ops", "plait.zero_sharding", "plait.offload_io",
+         "plait.onebit_optim", "plait.universal_ckpt", "plait.moe_layers", "plait.ulysses_sp",
+         "plait.inference_kernels")
 
 
 def _load(names: tuple[str, ...]) -> list[str]:
@@ -34,4 +41,4 @@ def _load(names: tuple[str, ...]) -> list[str]:
     return loaded
 
 
-LOADED = _load(OPTIONAL)
+LOADED = _load(OPTIONAL + PLAIT)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from plait.kernels import collectives
+from plait.kernels.eager import eager_only
 from plait.kernels.ops import combine_rows, permute_by_expert, permute_tokens
 from plait.moe_layers.dispatch_ops import traced_dispatch_combine, traced_local_dispatch_combine
 from plait.moe_layers.router import Routing
@@ -65,7 +66,7 @@ def all_to_all_rows(rows: torch.Tensor, send: list[int], recv: list[int], group:
 # Eager only: the split sizes of the row exchange are the other ranks' routing decisions, known only
 # after this exchange, as Python ints. Under torch.compile, dispatch_combine takes the custom ops of
 # dispatch_ops instead; the disable stays for a caller that compiles this function directly.
-@torch.compiler.disable
+@eager_only
 def _exchange_counts(counts: torch.Tensor, group: Any, ep_size: int,
                      label: str) -> tuple[torch.Tensor, list[int], list[int]]:
     """Step 1: per-expert counts from every rank, and the rows to send to / receive from each."""

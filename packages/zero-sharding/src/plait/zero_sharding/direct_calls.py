@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.kernels.eager import eager_only
 from plait.zero_sharding.units import FlatUnit
 
 
@@ -104,7 +105,7 @@ class DirectCalls:
             return
         self._enter_outermost(units)
 
-    @torch.compiler.disable
+    @eager_only
     def _enter_outermost(self, units: list[FlatUnit]) -> None:
         if _in_backward():
             self.outer.append([])
@@ -120,7 +121,7 @@ class DirectCalls:
         if fresh and not torch.is_grad_enabled() and not self.engine.pinned:
             self._release(fresh)
 
-    @torch.compiler.disable
+    @eager_only
     def _release(self, fresh: list[FlatUnit]) -> None:
         for unit in fresh:
             unit.release()

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from plait.kernels.collectives import named
+from plait.kernels.eager import eager_only
 from plait.zero_sharding import profiling
 from plait.zero_sharding.config import ZeroConfig
 from plait.zero_sharding.direct_calls import DirectCalls
@@ -157,19 +158,20 @@ class ZeroEngine:
         self.handles.clear()
 
     # ---- stage 3 forward ----------------------------------------------------------------------
-    # The module hooks below are never traced by torch.compile (``torch.compiler.disable``): they
-    # issue collectives through the flight recorder, mutate the units' buffers and follow the
+    # The module hooks below are never traced by torch.compile (``eager_only``: torch.compiler.disable
+    # without importing dynamo before something compiles): they issue collectives through the
+    # flight recorder, mutate the units' buffers and follow the
     # ordering cursors, decisions that depend on which hooks fired on this rank. A compiled block
     # or model therefore breaks its graph at the hook call (the hook loop of ``Module.__call__``),
     # never inside the block's own forward, and the hooks run in the eager order.
-    @torch.compiler.disable
+    @eager_only
     def _root_pre_forward(self, root: list[FlatUnit]) -> None:
         if not _in_backward() and not self.pinned:
             self.forward_pass.start()
         for unit in root:
             unit.gather(self.gatherer, "forward")
 
-    @torch.compiler.disable
+    @eager_only
     def _root_post_forward(self, root: list[FlatUnit]) -> None:
         if not _in_backward():
             self.forward_pass.finish()  # modules this rank skipped are gathered as everywhere else
@@ -189,7 +191,7 @@ class ZeroEngine:
             for unit in units:
                 unit.release()
 
-    @torch.compiler.disable
+    @eager_only
     def _pre_forward(self, module: nn.Module, units: list[FlatUnit]) -> None:
         if self.pinned:
             return
@@ -205,7 +207,7 @@ class ZeroEngine:
             if not recompute:
                 self._prefetch(cursor, position, phase)
 
-    @torch.compiler.disable
+    @eager_only
     def _post_forward(self, module: nn.Module, units: list[FlatUnit], out: Any) -> None:
         if self.pinned or _in_backward():
             return
@@ -236,7 +238,7 @@ class ZeroEngine:
 
     # ---- backward -----------------------------------------------------------------------------
     # Not traced either: compiled autograd would otherwise trace this multi-grad hook's gathers.
-    @torch.compiler.disable
+    @eager_only
     def _pre_backward(self, module: nn.Module, units: list[FlatUnit]) -> None:
         self._queue_callback()
         if self.pinned:
