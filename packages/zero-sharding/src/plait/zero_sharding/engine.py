@@ -263,7 +263,7 @@ class ZeroEngine:
     # Not traced: under compiled autograd this post-accumulate-grad hook would be traced into the
     # backward graph, where dynamo refuses its queue_callback with an assertion; disabled, it runs
     # eagerly and _queue_callback refuses compiled autograd with a message naming the setting.
-    @torch.compiler.disable
+    @eager_only
     def _on_grad(self, unit: FlatUnit) -> None:
         self._queue_callback()
         unit.ready += 1
