@@ -39,7 +39,8 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
     post-step all-gather is skipped; every other gather (warm-up steps, loads) is ZeRO's exact one.
 
     Args:
-        config: the ``OnebitAdamConfig`` (``zero_param_sync="update"``).
+        config: the ``OnebitAdamConfig`` (``zero_param_sync="update"``; 1-bit LAMB's subclass:
+            :mod:`plait.onebit_optim.under_zero.replicated_lamb`).
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
@@ -57,9 +58,10 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
         """
         super().bind(engine)
         if engine.gatherer is not self or any(unit.gatherer is not None for unit in engine.units):
-            raise ValueError("OnebitAdamConfig(zero_param_sync='update') makes the 1-bit exchange the parameter "
-                             "gatherer (the post-step all-gather is skipped); drop zero_shard(gatherer=...) and "
-                             "param groups' zero_gatherer, or use zero_param_sync='gather'.")
+            raise ValueError(f"{type(self.config).__name__}(zero_param_sync='update') makes the 1-bit exchange "
+                             "the parameter gatherer (the post-step all-gather is skipped); drop "
+                             "zero_shard(gatherer=...) and param groups' zero_gatherer, or use "
+                             "zero_param_sync='gather'.")
         masters = engine.placement.masters()
         for unit in engine.units:
             lo, _ = unit.shard_range
@@ -69,10 +71,11 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
                       and master.data_ptr() == unit.full[lo:].data_ptr())
             if not inside:
                 raise ValueError(
-                    f"OnebitAdamConfig(zero_param_sync='update'): unit {unit.key!r}'s fp32 master is not the shard "
-                    "of this rank's replica (bf16/fp16 compute or an offloaded master), so the other shards' "
-                    "masters are not here to update. Use zero_param_sync='gather' (with bf16 compute ZeRO's "
-                    "post-step gather already moves 2 bytes per parameter) or fp32 compute without offload.")
+                    f"{type(self.config).__name__}(zero_param_sync='update'): unit {unit.key!r}'s fp32 master is "
+                    "not the shard of this rank's replica (bf16/fp16 compute or an offloaded master), so the "
+                    "other shards' masters are not here to update. Use zero_param_sync='gather' (with bf16 "
+                    "compute ZeRO's post-step gather already moves 2 bytes per parameter) or fp32 compute "
+                    "without offload.")
 
     def all_gather(self, shard: torch.Tensor, full_out: torch.Tensor, *, group: Any, key: str, phase: str) -> Any:
         """ZeRO's exact all-gather, except the post-step one after a compressed step (phase
