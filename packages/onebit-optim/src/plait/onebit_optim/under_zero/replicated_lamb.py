@@ -101,7 +101,7 @@ class ReplicatedLambExchange(ReplicatedUpdateExchange):
         Marks the post-step gather as not needed."""
         state = self.units[key]
         unit, shard = state.unit, state.unit.shard_numel
-        momentum = self._full_momentum(state)  # every rank decodes the same bits the owners stepped with
+        momentum = self.synchronised_momentum(state)  # the same bits the owners stepped with
         last, variance, fresh = self.last_momentum[key], self.variance[key], self.fresh[key]
         chunks = []
         for owner in range(state.world):
