@@ -300,7 +300,7 @@ class OnebitZeroExchange:
         flat.view(state.world, state.shard).copy_(decoded[:, :state.shard])  # every element is written here
         for slot, factor in zip(unit.slots, state.factors):
             part = flat[slot.offset:slot.offset + slot.numel]
-            part.copy_(part / factor)
+            part.div_(factor)  # in place: the same division, without a temporary of the tensor
             mask = self.masks.get(id(slot.param))
             if mask is not None:
                 part.mul_(mask.reshape(-1))
@@ -370,7 +370,7 @@ class OnebitZeroExchange:
         for slot, (plo, phi), (slo, shi) in unit.local_pieces():
             factor = factors[unit.slots.index(slot)]
             part = shard[slo:shi]
-            part.copy_(part / factor)
+            part.div_(factor)  # in place: the same division, without a temporary of the tensor
             mask = self.masks.get(id(slot.param))
             if mask is not None:
                 part.mul_(mask.reshape(-1)[plo:phi])
