@@ -35,6 +35,7 @@ TABLES = [
     ("packages/ulysses-sp/README.md", "packages/ulysses-sp/benchmarks/results/ulysses-sp.json"),
     ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim.json"),
     ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim-quality.json"),
+    ("packages/onebit-optim/README.md", "packages/onebit-optim/benchmarks/results/onebit-optim-settings.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io.json"),
     ("packages/offload-io/README.md", "packages/offload-io/benchmarks/results/offload-io-capacity.json"),
     ("integrations/lightning/README.md", "integrations/lightning/benchmarks/results/lightning.json"),

@@ -182,10 +182,14 @@ class OnebitAdamConfig:
         check_max_grad_norm("OnebitAdamConfig", self.max_grad_norm)
         check_loss_scaling("OnebitAdamConfig", self.loss_scaling)
         _check_ratio("OnebitAdamConfig", "variance_floor", self.variance_floor)
-        if self.zero_param_sync not in ("gather", "update"):
-            raise ValueError(f"OnebitAdamConfig.zero_param_sync={self.zero_param_sync!r} must be \"gather\" (ZeRO's "
-                             "exact parameter all-gather) or \"update\" (every rank applies the decoded update to "
-                             "its whole replica); pass one of them.")
+        _check_param_sync("OnebitAdamConfig", self.zero_param_sync)
+
+
+def _check_param_sync(owner: str, value: Any) -> None:
+    if value not in ("gather", "update"):
+        raise ValueError(f"{owner}.zero_param_sync={value!r} must be \"gather\" (ZeRO's exact parameter "
+                         "all-gather) or \"update\" (every rank applies the decoded update to its whole replica); "
+                         "pass one of them.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,6 +217,13 @@ class OnebitLambConfig:
             would otherwise take most of its tensor's update, whose norm the trust ratio fixes).
             Where no element is below it, the update is the published algorithm bit for bit.
             ``0`` turns it off. In ``[0, 1]``.
+        zero_param_sync: under ZeRO-1/2 only, as :class:`OnebitAdamConfig`'s: ``"gather"`` (ZeRO's
+            exact post-step all-gather) or ``"update"``: every rank computes the whole update and
+            its per-tensor norms from the synchronised momentum it decodes anyway, and applies it
+            to its whole replica; bit for bit ``"gather"``, for fp32 compute, at the cost of the
+            whole frozen and fresh variances and the last momentum on every rank (12 bytes per
+            parameter) and the whole update's arithmetic
+            (:mod:`plait.onebit_optim.under_zero.replicated_lamb`).
     """
 
     freeze_step: int | str = 100
@@ -226,9 +237,11 @@ class OnebitLambConfig:
     settle: SettleConfig = SettleConfig()
     max_grad_norm: float | None = None
     loss_scaling: LossScaling | None = None
+    zero_param_sync: str = "gather"
 
     def __post_init__(self) -> None:
         owner = "OnebitLambConfig"
+        _check_param_sync(owner, self.zero_param_sync)
         check_freeze_step(owner, self.freeze_step)
         _check_settle(owner, self.settle)
         check_max_grad_norm(owner, self.max_grad_norm)

@@ -38,14 +38,29 @@ def adamw_step(states: Any, params: list[torch.Tensor], group: dict[str, Any]) -
                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
-def frozen_variance_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], freeze_step: int) -> None:
+def frozen_denominator(exp_avg_sq: torch.Tensor, group: dict[str, Any], freeze_step: int) -> torch.Tensor:
+    """``sqrt(v / (1 - beta2^freeze_step)) + eps`` of a variance frozen at ``freeze_step``, computed
+    as :func:`frozen_variance_update` does (a new tensor): constant while the variance is frozen."""
+    beta2, eps = group["betas"][1], group["eps"]
+    return exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2 ** freeze_step)).add_(eps)
+
+
+def frozen_variance_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], freeze_step: int,
+                           denom: torch.Tensor | None = None) -> None:
     """One compressed-phase update of ``p`` from its synchronised ``exp_avg`` and the variance frozen at
-    ``freeze_step`` (bias-corrected as of that step), with decoupled weight decay."""
-    beta1, beta2 = group["betas"]
-    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    ``freeze_step`` (bias-corrected as of that step), with decoupled weight decay.
+
+    Args:
+        p, state, group, freeze_step: the parameter, its state, options and the freeze step.
+        denom: :func:`frozen_denominator` of ``state["exp_avg_sq"]`` when the caller keeps it (the
+            same bits; saves its square root every step), else computed here.
+    """
+    beta1 = group["betas"][0]
+    lr, weight_decay = group["lr"], group["weight_decay"]
     state["step"] += 1
     step_size = lr / (1 - beta1 ** state["step"].item())
     if weight_decay:
         p.mul_(1 - lr * weight_decay)
-    denom = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** freeze_step)).add_(eps)  # one temporary
+    if denom is None:
+        denom = frozen_denominator(state["exp_avg_sq"], group, freeze_step)  # one temporary
     p.addcdiv_(state["exp_avg"], denom, value=-step_size)

@@ -17,6 +17,7 @@ from plait.onebit_optim.under_zero.adam01 import ShardedZeroOneAdam, ZeroOneZero
 from plait.onebit_optim.under_zero.exchange import OnebitZeroExchange
 from plait.onebit_optim.under_zero.onebit_adam import ShardedOnebitAdam
 from plait.onebit_optim.under_zero.onebit_lamb import ShardedOnebitLamb
+from plait.onebit_optim.under_zero.replicated_lamb import ReplicatedLambExchange
 from plait.onebit_optim.under_zero.replicated_update import ReplicatedUpdateExchange
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
@@ -79,12 +80,12 @@ def compose_with_zero(optimizer: Any, zero_config: Any, *, param_groups: list[di
 
 
 def _exchange_class(name: str, config: Any) -> type:
-    """The reducer for ``name``: 0/1 Adam's, 1-bit Adam's without the post-step gather
-    (``zero_param_sync="update"``), or the 1-bit exchange with ZeRO's exact gather."""
+    """The reducer for ``name``: 0/1 Adam's, 1-bit Adam's or 1-bit LAMB's without the post-step
+    gather (``zero_param_sync="update"``), or the 1-bit exchange with ZeRO's exact gather."""
     if name == "ZeroOneAdam":
         return ZeroOneZeroExchange
     if getattr(config, "zero_param_sync", "gather") == "update":
-        return ReplicatedUpdateExchange
+        return ReplicatedLambExchange if name == "OnebitLamb" else ReplicatedUpdateExchange
     return OnebitZeroExchange
 
 

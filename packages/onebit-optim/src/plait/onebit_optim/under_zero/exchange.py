@@ -293,14 +293,14 @@ class OnebitZeroExchange:
         if state.signs is None:  # gathered in fp32 (first compressed step / after a load)
             assert state.scales is not None
             return state.scales.clone()  # the caller updates it in place; a skipped step needs it again
-        decoded = torch.empty(state.world, state.chunk, dtype=torch.float32, device=unit.device)
+        decoded = state.scratch_buffer("decoded", state.world * state.chunk).view(state.world, state.chunk)
         for server, signs in enumerate(state.signs.view(state.world, -1)):  # +-(that server's scale)
             unpack_scaled_signs(signs, state.chunk, state.scales[server], out=decoded[server])
-        flat = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
-        flat.view(state.world, state.shard).copy_(decoded[:, :state.shard])
+        flat = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.device)  # padded = world x shard:
+        flat.view(state.world, state.shard).copy_(decoded[:, :state.shard])  # every element is written here
         for slot, factor in zip(unit.slots, state.factors):
             part = flat[slot.offset:slot.offset + slot.numel]
-            part.copy_(part / factor)
+            part.div_(factor)  # in place: the same division, without a temporary of the tensor
             mask = self.masks.get(id(slot.param))
             if mask is not None:
                 part.mul_(mask.reshape(-1))
@@ -350,12 +350,16 @@ class OnebitZeroExchange:
         rms.mul_(1.0 / world)
         united = rms.mean()
         factors = torch.where(rms > 0, united / rms, 1.0).tolist()
-        logical = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.device)
+        # Kept buffers (the caller is done with them before this unit's next exchange); where a shard
+        # is whole sign bytes the exchange layout is the logical one and the values go straight in.
+        buffer = state.scratch_buffer("exchange", world * state.chunk)
+        direct = state.chunk == state.shard
+        logical = buffer if direct else state.scratch_buffer("logical", unit.padded_numel)
         for slot, tensor, factor in zip(unit.slots, tensors, factors):
-            logical[slot.offset:slot.offset + slot.numel] = tensor.reshape(-1) * factor
-        buffer = torch.zeros(world, state.chunk, dtype=torch.float32, device=unit.device)
-        buffer[:, :state.shard].copy_(logical.view(world, state.shard))
-        return buffer.view(-1), factors
+            torch.mul(tensor.reshape(-1), factor, out=logical[slot.offset:slot.offset + slot.numel])
+        if not direct:
+            buffer.view(world, state.chunk)[:, :state.shard].copy_(logical.view(world, state.shard))
+        return buffer, factors
 
     def _own_shard(self, state: UnitState, own: torch.Tensor, factors: list[float]) -> torch.Tensor:
         """This rank's decoded server chunk as its shard of the unit: unscaled per tensor, masked,
@@ -366,7 +370,7 @@ class OnebitZeroExchange:
         for slot, (plo, phi), (slo, shi) in unit.local_pieces():
             factor = factors[unit.slots.index(slot)]
             part = shard[slo:shi]
-            part.copy_(part / factor)
+            part.div_(factor)  # in place: the same division, without a temporary of the tensor
             mask = self.masks.get(id(slot.param))
             if mask is not None:
                 part.mul_(mask.reshape(-1)[plo:phi])

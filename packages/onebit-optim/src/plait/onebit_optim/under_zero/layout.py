@@ -25,6 +25,17 @@ class UnitState:
         self.scales: torch.Tensor | None = None
         self.factors: list[float] = []
         self.momentum: torch.Tensor | None = None  # this step's averaged momentum shard, for the inner step
+        # Scratch buffers kept from step to step (name -> flat fp32, zero where never written): a new
+        # tensor of the unit's size every step costs fresh pages, more than the arithmetic on it.
+        self.scratch: dict[str, torch.Tensor] = {}
+
+    def scratch_buffer(self, name: str, numel: int) -> torch.Tensor:
+        """The unit's scratch buffer ``name`` of ``numel`` fp32 elements, zeros when first made; the
+        caller overwrites what it uses and leaves the rest as it was (its padding stays zero)."""
+        buffer = self.scratch.get(name)
+        if buffer is None or buffer.numel() != numel:
+            buffer = self.scratch[name] = torch.zeros(numel, dtype=torch.float32, device=self.unit.device)
+        return buffer
 
 
 def chunk_of(shard: int) -> int:

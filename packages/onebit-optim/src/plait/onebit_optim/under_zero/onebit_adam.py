@@ -58,8 +58,14 @@ class ShardedOnebitAdam(ShardedInner):
                 floor_shard_(unit, state["exp_avg_sq"], self.config.variance_floor, name="OnebitAdam")
             state["exp_avg"].copy_(momentum)
             step_before = state["step"].clone()
-            frozen_variance_update(p, state, group, self.exchange.freeze_step)
-            # zero_param_sync="update": the other shards of the replica too, instead of the gather.
+            # zero_param_sync="update": the other shards of the replica too, instead of the gather, and
+            # the frozen denominator is kept whole (this shard's piece of it is this shard's own).
             update_others = getattr(self.exchange, "update_other_shards", None)
+            denom = None
+            if update_others is not None:
+                unit = self.exchange.units[keys[id(p)]].unit
+                lo = unit.group_rank * unit.shard_numel
+                denom = self.exchange.denominator(keys[id(p)], group, state)[lo:lo + unit.shard_numel]
+            frozen_variance_update(p, state, group, self.exchange.freeze_step, denom=denom)
             if update_others is not None:
                 update_others(keys[id(p)], step_before, group, state)

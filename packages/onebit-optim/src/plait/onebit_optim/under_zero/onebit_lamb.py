@@ -22,8 +22,9 @@ load leaves them alone, and saved as ``ext.onebit.lamb.*`` pieces by the exchang
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from plait.onebit_optim.rules.lamb import (
     square_limbs,
 )
 from plait.onebit_optim.under_zero.layout import ShardedInner
+from plait.onebit_optim.under_zero.replicated_lamb import owner_pieces
 from plait.onebit_optim.under_zero.variance_floor import floor_shard_
 
 
@@ -105,7 +107,7 @@ class ShardedOnebitLamb(ShardedInner):
         self._ensure_coeff(key, len(unit.slots))
         state = _lamb_state(self.state[p], p)
         update = lamb_direction_(p, state, group)
-        weight_norm, update_norm = _tensor_norms(unit, (p, update))
+        weight_norm, update_norm = _tensor_norms(unit, [(owner_pieces(unit, unit.group_rank), (p, update))], True)
         coeffs = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm, 1.0)
         coeffs.clamp_(self.config.min_coeff, self.config.max_coeff)
         self._apply(p, unit, update, -group["lr"] * coeffs)
@@ -119,19 +121,30 @@ class ShardedOnebitLamb(ShardedInner):
         if int(self.exchange.steps[0]) == self.exchange.freeze_step:  # the variance freezes now: floor it, and
             floor_shard_(unit, state["exp_avg_sq"], cfg.variance_floor, name="OnebitLamb")  # start the
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])  # fresh one from it, as OnebitLamb does
-        weight_decay = group["weight_decay"]
+        # zero_param_sync="update" (under_zero.replicated_lamb): every other owner's chunk of the replica
+        # too, with the per-tensor maxima and norms taken over all chunks here instead of all-reduced.
+        replica = getattr(self.exchange, "other_chunks", None)
+        if replica is not None:
+            self.exchange.prepare(key, state)  # before this step changes the fresh variance shard
         # exp_avg (the last synchronised momentum shard) is consumed and becomes ``momentum``.
-        denom, prelim, update = frozen_lamb_direction(p, state, momentum, state["exp_avg"], group)
-        factors = _tensor_max(unit, denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"]))
-        if weight_decay:
-            prelim_norm, update_norm = _tensor_norms(unit, (prelim, update))
+        chunks = [_chunk(p, owner_pieces(unit, unit.group_rank), state, momentum, state["exp_avg"], group)]
+        if replica is not None:
+            chunks += [_chunk(chunk_p, owner_pieces(unit, owner), chunk_state, chunk_m, last, group)
+                       for owner, chunk_p, chunk_state, chunk_m, last in replica(key)]
+        reduce = replica is None
+        factors = _tensor_max(unit, [(c.pieces, c.ratio) for c in chunks], reduce)
+        if group["weight_decay"]:
+            prelim_norm, update_norm = _tensor_norms(unit, [(c.pieces, (c.prelim, c.update)) for c in chunks], reduce)
             ratio = torch.where(update_norm > 0, (prelim_norm / update_norm).clamp(max=1.0), 1.0)
             factors = factors * ratio + (1 - ratio)
         factors.clamp_(cfg.factor_min, cfg.factor_max)
-        last = self.last_factor[key]
-        factors = torch.minimum(torch.maximum(factors, last * (1 - cfg.factor_threshold)),
-                                last * (1 + cfg.factor_threshold))
-        self._apply(p, unit, update, -group["lr"] * self.coeff_freeze[key] * factors)
+        last_factor = self.last_factor[key]
+        factors = torch.minimum(torch.maximum(factors, last_factor * (1 - cfg.factor_threshold)),
+                                last_factor * (1 + cfg.factor_threshold))
+        alphas = -group["lr"] * self.coeff_freeze[key] * factors
+        for c in chunks:
+            for index, slo, shi in c.pieces:
+                c.params[slo:shi].add_(c.update[slo:shi], alpha=float(alphas[index]))
         self._pending[key] = ("compressed", factors)
 
     @staticmethod
@@ -156,42 +169,76 @@ class ShardedOnebitLamb(ShardedInner):
         return out
 
 
-def _tensor_norms(unit: Any, flats: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Whole-tensor L2 norms (float64, one per slot of ``unit``) of each shard-shaped tensor in
-    ``flats``, summed exactly (:mod:`plait.onebit_optim.rules.lamb`): a MAX all-reduce of the
-    pieces' largest magnitudes fixes each tensor's fixed-point exponent, a SUM all-reduce of the
-    pieces' int64 limbs completes the sums. Bit for bit ``exact_norm`` of the whole tensor, at any
-    world size (``8 + 16`` bytes per tensor and row)."""
-    pieces = [(unit.slots.index(slot), slo, shi) for slot, _, (slo, shi) in unit.local_pieces() if shi > slo]
-    maxima = torch.zeros(len(flats), len(unit.slots), dtype=torch.float64)
-    for index, slo, shi in pieces:
-        for row, flat in enumerate(flats):
-            maxima[row, index] = float(flat[slo:shi].abs().max())
+class _Chunk(NamedTuple):
+    """One owner's chunk of a unit in a compressed step: the parameters it updates, its tensor
+    pieces, and its elementwise quantities (each the shard's length)."""
+
+    params: torch.Tensor
+    pieces: list[tuple[int, int, int]]
+    ratio: torch.Tensor  # frozen / fresh variance denominator
+    prelim: torch.Tensor
+    update: torch.Tensor
+
+
+def _chunk(p: torch.Tensor, pieces: list[tuple[int, int, int]], state: dict[str, Any], momentum: torch.Tensor,
+           last: torch.Tensor, group: dict[str, Any]) -> _Chunk:
+    """The elementwise part of 1-bit LAMB's compressed step on one chunk (``last`` is consumed)."""
+    denom, prelim, update = frozen_lamb_direction(p, state, momentum, last, group)
+    return _Chunk(p, pieces, denom / state["exp_avg_sq_fresh"].sqrt().add_(group["eps"]), prelim, update)
+
+
+Pieces = list[tuple[int, int, int]]
+
+
+def _raise(maxima: torch.Tensor, index: int, value: float) -> None:
+    """``maxima[index] = max(maxima[index], value)``, where a NaN wins (as a tensor's max, and a MAX
+    all-reduce, keep it) and stays."""
+    if math.isnan(value) or value > float(maxima[index]):
+        maxima[index] = value
+
+
+def _tensor_norms(unit: Any, chunks: list[tuple[Pieces, tuple[torch.Tensor, ...]]],
+                  reduce: bool) -> tuple[torch.Tensor, ...]:
+    """Whole-tensor L2 norms (float64, one per slot of ``unit``) of each row of shard-shaped
+    tensors, over the pieces of the given chunks (this rank's shard; with ``zero_param_sync="update"``
+    every owner's chunk), summed exactly (:mod:`plait.onebit_optim.rules.lamb`): the pieces' largest
+    magnitudes fix each tensor's fixed-point exponent, their int64 limbs add up. With ``reduce`` a
+    MAX and a SUM all-reduce over the unit's group complete them (``8 + 16`` bytes per tensor and
+    row). Bit for bit ``exact_norm`` of the whole tensor, at any world size and either way."""
+    rows = len(chunks[0][1])
+    maxima = torch.zeros(rows, len(unit.slots), dtype=torch.float64)
+    for pieces, flats in chunks:
+        for index, slo, shi in pieces:
+            for row, flat in enumerate(flats):
+                _raise(maxima[row], index, float(flat[slo:shi].abs().max()))
     maxima.nan_to_num_(nan=float("inf"))  # a NaN piece makes its tensor's norm inf (a MAX keeps inf)
-    if unit.group_size > 1:
+    if reduce and unit.group_size > 1:
         collectives.all_reduce(maxima, op=dist.ReduceOp.MAX, group=unit.group,
                                name=f"OnebitLamb per-tensor norm maximum all-reduce of `{unit.key}`")
     finite = maxima.isfinite()
     exponents = [[norm_exponent(v) if ok else 0 for v, ok in zip(row, oks)]
                  for row, oks in zip(maxima.tolist(), finite.tolist())]
-    limbs = torch.zeros(len(flats), len(unit.slots), 2, dtype=torch.int64)
-    for index, slo, shi in pieces:
-        for row, flat in enumerate(flats):
-            if bool(finite[row, index]):
-                limbs[row, index] += square_limbs(flat[slo:shi], exponents[row][index])
-    if unit.group_size > 1:
+    limbs = torch.zeros(rows, len(unit.slots), 2, dtype=torch.int64)
+    for pieces, flats in chunks:
+        for index, slo, shi in pieces:
+            for row, flat in enumerate(flats):
+                if bool(finite[row, index]):
+                    limbs[row, index] += square_limbs(flat[slo:shi], exponents[row][index])
+    if reduce and unit.group_size > 1:
         collectives.all_reduce(limbs, group=unit.group, name=f"OnebitLamb per-tensor norm all-reduce of `{unit.key}`")
     norms = torch.tensor([[norm_from_limbs(limbs[row, t], exponents[row][t]) for t in range(len(unit.slots))]
-                          for row in range(len(flats))], dtype=torch.float64)
+                          for row in range(rows)], dtype=torch.float64)
     return tuple(torch.where(finite, norms, maxima))
 
 
-def _tensor_max(unit: Any, flat: torch.Tensor) -> torch.Tensor:
-    """Whole-tensor maxima (float64, one per slot) of a shard-shaped tensor, by a MAX all-reduce."""
+def _tensor_max(unit: Any, chunks: list[tuple[Pieces, torch.Tensor]], reduce: bool) -> torch.Tensor:
+    """Whole-tensor maxima (float64, one per slot) of shard-shaped tensors over the given chunks'
+    pieces, with ``reduce`` completed by a MAX all-reduce (exact in any order)."""
     maxima = torch.full((len(unit.slots),), float("-inf"), dtype=torch.float64)
-    for slot, _, (slo, shi) in unit.local_pieces():
-        maxima[unit.slots.index(slot)] = float(flat[slo:shi].max())
-    if unit.group_size > 1:
+    for pieces, flat in chunks:
+        for index, slo, shi in pieces:
+            _raise(maxima, index, float(flat[slo:shi].max()))
+    if reduce and unit.group_size > 1:
         collectives.all_reduce(maxima, op=dist.ReduceOp.MAX, group=unit.group,
                                name=f"OnebitLamb per-tensor factor all-reduce of `{unit.key}`")
     return maxima

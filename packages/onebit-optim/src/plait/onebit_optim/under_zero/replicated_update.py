@@ -13,8 +13,11 @@ owner's master shard, so the elementwise arithmetic is the same sequence of oper
 results are the same bits: the parameters equal those of ``zero_param_sync="gather"`` bit for bit
 (tested), while the post-step all-gather (``b P`` bytes per step) is skipped.
 
-Costs: the whole frozen variance on every rank (4 bytes per parameter instead of ``4 / W``), its
-all-gather once (``4 P`` bytes), and the update's arithmetic over the whole model on every rank.
+Costs: the whole frozen denominator on every rank (4 bytes per parameter instead of ``4 / W``;
+computed once from the whole frozen variance, all-gathered once, ``4 P`` bytes, which it replaces),
+and the update's arithmetic over the whole model on every rank. CPU per step is kept down by
+decoding the synchronised momentum once per step (the update's decode is handed to the next
+step's exchange, which starts from it) and by taking the denominator's square root once.
 Only for fp32 compute, where the master shard *is* the replica's shard: with bf16 or fp16
 compute the fp32 masters of the other shards are not on this rank (ZeRO's gather already moves
 the compute dtype there, 2 bytes per parameter), and an offloaded master is not in the replica;
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from plait.kernels import collectives
-from plait.onebit_optim.rules.adam import frozen_variance_update
+from plait.onebit_optim.rules.adam import frozen_denominator, frozen_variance_update
 from plait.onebit_optim.under_zero.exchange import OnebitZeroExchange
 from plait.onebit_optim.under_zero.layout import UnitState
 
@@ -39,7 +42,8 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
     post-step all-gather is skipped; every other gather (warm-up steps, loads) is ZeRO's exact one.
 
     Args:
-        config: the ``OnebitAdamConfig`` (``zero_param_sync="update"``).
+        config: the ``OnebitAdamConfig`` (``zero_param_sync="update"``; 1-bit LAMB's subclass:
+            :mod:`plait.onebit_optim.under_zero.replicated_lamb`).
         masks: ``{id(parameter): fp32 0/1 mask}`` applied to the exchanged momentum.
     """
 
@@ -47,6 +51,12 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
         super().__init__(config, masks)
         self.variance: dict[str, torch.Tensor] = {}  # unit key -> whole frozen variance (padded flat fp32)
         self._updated_here = False  # this step's other shards were updated on this rank
+        # unit key -> the synchronised momentum decoded for this step's update, which is also what the
+        # next step's exchange starts from: decoded once, not twice.
+        self._decoded: dict[str, torch.Tensor] = {}
+        # unit key -> ((beta2, eps, freeze step), whole frozen denominator): the variance is frozen, so
+        # its square root is taken once instead of every step (in place of the whole variance).
+        self._denominators: dict[str, tuple[tuple[float, float, int], torch.Tensor]] = {}
 
     def bind(self, engine: Any) -> None:
         """As 1-bit Adam's exchange's, and check that every rank can update its whole replica.
@@ -57,9 +67,10 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
         """
         super().bind(engine)
         if engine.gatherer is not self or any(unit.gatherer is not None for unit in engine.units):
-            raise ValueError("OnebitAdamConfig(zero_param_sync='update') makes the 1-bit exchange the parameter "
-                             "gatherer (the post-step all-gather is skipped); drop zero_shard(gatherer=...) and "
-                             "param groups' zero_gatherer, or use zero_param_sync='gather'.")
+            raise ValueError(f"{type(self.config).__name__}(zero_param_sync='update') makes the 1-bit exchange "
+                             "the parameter gatherer (the post-step all-gather is skipped); drop "
+                             "zero_shard(gatherer=...) and param groups' zero_gatherer, or use "
+                             "zero_param_sync='gather'.")
         masters = engine.placement.masters()
         for unit in engine.units:
             lo, _ = unit.shard_range
@@ -69,10 +80,11 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
                       and master.data_ptr() == unit.full[lo:].data_ptr())
             if not inside:
                 raise ValueError(
-                    f"OnebitAdamConfig(zero_param_sync='update'): unit {unit.key!r}'s fp32 master is not the shard "
-                    "of this rank's replica (bf16/fp16 compute or an offloaded master), so the other shards' "
-                    "masters are not here to update. Use zero_param_sync='gather' (with bf16 compute ZeRO's "
-                    "post-step gather already moves 2 bytes per parameter) or fp32 compute without offload.")
+                    f"{type(self.config).__name__}(zero_param_sync='update'): unit {unit.key!r}'s fp32 master is "
+                    "not the shard of this rank's replica (bf16/fp16 compute or an offloaded master), so the "
+                    "other shards' masters are not here to update. Use zero_param_sync='gather' (with bf16 "
+                    "compute ZeRO's post-step gather already moves 2 bytes per parameter) or fp32 compute "
+                    "without offload.")
 
     def all_gather(self, shard: torch.Tensor, full_out: torch.Tensor, *, group: Any, key: str, phase: str) -> Any:
         """ZeRO's exact all-gather, except the post-step one after a compressed step (phase
@@ -90,6 +102,19 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
         """As 1-bit Adam's exchange's (nothing was updated, so the gather is not skipped)."""
         super().on_skipped_step(step)
         self._updated_here = False
+        self._decoded = {}
+
+    def _full_momentum(self, state: UnitState) -> torch.Tensor:
+        """As 1-bit Adam's exchange's, but the momentum :meth:`synchronised_momentum` decoded for the
+        last update is handed over (the caller changes it in place) instead of decoded again."""
+        kept = self._decoded.pop(state.unit.key, None)
+        return kept if kept is not None else super()._full_momentum(state)
+
+    def synchronised_momentum(self, state: UnitState) -> torch.Tensor:
+        """This step's synchronised momentum of the whole unit (decoded from the exchange's 1-bit
+        form, as the owners' shards were), kept for the next step's exchange; read it only."""
+        momentum = self._decoded[state.unit.key] = super()._full_momentum(state)
+        return momentum
 
     def whole_variance(self, state: UnitState, shard: torch.Tensor) -> torch.Tensor:
         """The unit's whole frozen variance: all-gathered exactly from the (floored) shards the first
@@ -102,6 +127,23 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
                                                name=f"{self.NAME} frozen-variance all-gather of `{unit.key}` (once)")
             self.variance[unit.key] = whole
         return whole
+
+    def denominator(self, key: str, group: dict[str, Any], shard_state: dict[str, Any]) -> torch.Tensor:
+        """Unit ``key``'s whole frozen denominator (:func:`frozen_denominator` of the whole frozen
+        variance, gathered once), made once and kept while ``beta2``, ``eps`` and the freeze step stay.
+
+        Args:
+            key: the unit.
+            group: the unit's optimizer options.
+            shard_state: this rank's optimizer state of the unit (its floored ``exp_avg_sq`` shard).
+        """
+        settings = (group["betas"][1], group["eps"], int(self.freeze_step))
+        kept = self._denominators.get(key)
+        if kept is None or kept[0] != settings:
+            variance = self.whole_variance(self.units[key], shard_state["exp_avg_sq"])
+            kept = self._denominators[key] = (settings, frozen_denominator(variance, group, settings[2]))
+            del self.variance[key]  # the denominator replaces it (gathered again if the settings change)
+        return kept[1]
 
     def update_other_shards(self, key: str, step_before: torch.Tensor, group: dict[str, Any],
                             shard_state: dict[str, Any]) -> None:
@@ -116,17 +158,17 @@ class ReplicatedUpdateExchange(OnebitZeroExchange):
         """
         state = self.units[key]
         unit, shard = state.unit, state.unit.shard_numel
-        variance = self.whole_variance(state, shard_state["exp_avg_sq"])
-        momentum = self._full_momentum(state)  # every rank decodes the same bits the owners stepped with
+        denom = self.denominator(key, group, shard_state)
+        momentum = self.synchronised_momentum(state)  # the same bits the owners stepped with
         for owner in range(state.world):
             if owner == state.rank:
                 continue
             piece = slice(owner * shard, (owner + 1) * shard)
-            chunk_state = {"step": step_before.clone(), "exp_avg": momentum[piece], "exp_avg_sq": variance[piece]}
-            frozen_variance_update(unit.full[piece], chunk_state, group, self.freeze_step)
+            chunk_state = {"step": step_before.clone(), "exp_avg": momentum[piece]}
+            frozen_variance_update(unit.full[piece], chunk_state, group, self.freeze_step, denom=denom[piece])
         self._updated_here = True
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """As 1-bit Adam's exchange's; the whole variance is gathered again from the loaded shards."""
         super().load_sharded_state_dict(state)
-        self.variance = {}
+        self.variance, self._decoded, self._denominators = {}, {}, {}
