@@ -8,7 +8,8 @@ from plait.kernels.bench import BenchRow
 from plait.kernels.benchmarks import netem
 from plait.zero_sharding.benchmarks import two_node, two_node_worker
 
-SPEC = {**two_node.spec_for(True), "modes": ["DDP", "plait ZeRO-3", "plait hpZ", "plait ZeRO++"]}
+ONE_HOP_ZERO3 = two_node_worker.ZERO3_ONE_HOP
+SPEC = {**two_node.spec_for(True), "modes": ["DDP", ONE_HOP_ZERO3, "plait ZeRO-3", "plait hpZ", "plait ZeRO++"]}
 
 
 def test_without_root_it_says_why_and_exits_nonzero(monkeypatch, capsys):
@@ -37,6 +38,8 @@ def test_torchrun_runs_one_agent_per_namespace_on_node_zero_address():
 
 def test_modes_map_to_zeropp_parts():
     assert two_node_worker.zeropp_settings("plait ZeRO-3", 2) is None
+    assert two_node_worker.zeropp_settings(ONE_HOP_ZERO3, 2) is None
+    assert two_node.REFERENCE_BYTES == ONE_HOP_ZERO3  # ZeRO++'s cuts are against DeepSpeed's one-hop ZeRO-3
     hpz = two_node_worker.zeropp_settings("plait hpZ", 2)
     assert hpz["quantized_weights"] is False and hpz["quantized_gradients"] is False
     assert hpz["hierarchical_partition_size"] in ("auto", 2)  # the launcher's node size where the config reads it
@@ -79,14 +82,16 @@ def _result(nbytes, fast, slow):
 
 
 def test_rows_table_and_targets():
-    nbytes = {"DDP": 107e6, "plait ZeRO-3": 200e6, "plait hpZ": 130e6, "plait ZeRO++": 18e6}
-    fast = {"DDP": 0.4, "plait ZeRO-3": 0.6, "plait hpZ": 0.6, "plait ZeRO++": 0.6}
-    slow = {"DDP": 0.8, "plait ZeRO-3": 1.3, "plait hpZ": 1.0, "plait ZeRO++": 0.7}
+    nbytes = {"DDP": 107e6, ONE_HOP_ZERO3: 200e6, "plait ZeRO-3": 128e6, "plait hpZ": 130e6, "plait ZeRO++": 18e6}
+    fast = {"DDP": 0.4, ONE_HOP_ZERO3: 0.6, "plait ZeRO-3": 0.6, "plait hpZ": 0.6, "plait ZeRO++": 0.6}
+    slow = {"DDP": 0.8, ONE_HOP_ZERO3: 1.4, "plait ZeRO-3": 1.3, "plait hpZ": 1.0, "plait ZeRO++": 0.7}
     rows = two_node.rows_from(_result(nbytes, fast, slow), SPEC)
     got = {(r.benchmark, r.figure): r for r in rows}
     assert got[("plait ZeRO++", two_node.BYTES_FIGURE)].ratio == pytest.approx(0.09)
     assert got[("plait ZeRO++", two_node.BYTES_FIGURE)].passed is True
     assert got[("plait hpZ", two_node.BYTES_FIGURE)].passed is True  # 0.65 <= 0.70
+    assert got[("plait ZeRO-3", two_node.BYTES_FIGURE)].ratio == pytest.approx(0.64)  # two hops, no target
+    assert got[("plait ZeRO-3", two_node.BYTES_FIGURE)].peer == ONE_HOP_ZERO3
     step = got[("plait ZeRO++", "step at 1 Gbit/s (ms)")]
     assert step.ours == pytest.approx(700) and step.ratio == pytest.approx(0.875) and step.passed is False
     assert got[("DDP", "step unthrottled (ms)")].target == ""
