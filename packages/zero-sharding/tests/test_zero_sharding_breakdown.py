@@ -82,7 +82,7 @@ def test_readme_before_after_is_the_rendering_of_the_two_results_files() -> None
     readme = (PACKAGE / "README.md").read_text()
     marker = "zero-breakdown-before-after"
     block = readme.split(f"<!-- {marker}:start -->\n", 1)[1].split(f"\n<!-- {marker}:end -->", 1)[0]
-    assert block == breakdown.render_before_after(before, after, label="post-step gathers in place")
+    assert block == breakdown.render_before_after(before, after, label="reduce-scatter in place")
     # The change removed one shard copy per resident unit and step: ZeRO-2 copies fewer elements.
     def copied(rows: list[BenchRow]) -> float:
         return next(r.ours for r in rows if r.peer == "plait ZeRO-2" and r.figure == "elements copied/step")
