@@ -33,6 +33,7 @@ from plait.onebit_optim import OnebitAdam, OnebitAdamConfig, OnebitLamb, OnebitL
 from plait.onebit_optim.exchange.compressed import average_gradients
 from plait.onebit_optim.under_zero.layout import exchange_nbytes
 from plait.zero_sharding import ZeroConfig, zero_shard
+from plait.zero_sharding.grad_norm import shard_sumsq
 
 BATCH, SEQ, FREEZE = 8, 32, 3
 BUCKET = 150_000  # several ZeRO units on tiny-llama
@@ -84,15 +85,15 @@ def _flat(unit: object, grads: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def _clip_norm(units: list, grads: dict[str, torch.Tensor], warmup: bool) -> float:
     """The norm the ZeRO composition clips against, summed in the engine's order: during warm-up
-    the averaged gradient's, from each rank's shard of each unit (fp32 norms, float64 squares,
-    ranks added last); after it ``sqrt(mean over ranks of ||local bucket||^2)``."""
+    the averaged gradient's, from each rank's shard of each unit (squares summed in float64 as
+    ``shard_sumsq`` sums them, ranks added last); after it ``sqrt(mean over ranks of ||local bucket||^2)``."""
     world = dist.get_world_size()
     if warmup:
         per_rank = [0.0] * world
         for unit in units:
             shards = _flat(unit, grads).view(world, unit.shard_numel)
             for rank in range(world):
-                per_rank[rank] += float(torch.linalg.vector_norm(shards[rank])) ** 2
+                per_rank[rank] += float(shard_sumsq(shards[rank]))
         return math.sqrt(sum(per_rank))
     squares = torch.zeros(1, dtype=torch.float64)
     for unit in units:
