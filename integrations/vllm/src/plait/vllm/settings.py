@@ -34,17 +34,22 @@ def plugin_enabled() -> bool:
                      "loader in vLLM) or PLAIT_VLLM=0 (register nothing).")
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str, unset: str) -> str:
+    """The lower-cased value of environment variable ``name`` (``default`` when unset or empty),
+    refused unless it is one of ``choices``; ``unset`` says what leaving it unset gives."""
+    raw = os.environ.get(name, default).strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}; unset it for {unset}.")
+    return raw
+
+
 def cpu_path() -> str:
     """The ``PLAIT_VLLM_CPU_PATH`` choice: ``auto``, ``plait`` or ``vllm``.
 
     Raises:
         ValueError: any other value (the message lists the valid ones).
     """
-    raw = os.environ.get("PLAIT_VLLM_CPU_PATH", "auto").strip().lower() or "auto"
-    if raw not in CPU_PATHS:
-        raise ValueError(f"PLAIT_VLLM_CPU_PATH={raw!r} is not one of {', '.join(CPU_PATHS)}; "
-                         "unset it for the measured default (auto).")
-    return raw
+    return _choice("PLAIT_VLLM_CPU_PATH", CPU_PATHS, "auto", "the measured default (auto)")
 
 
 def quant_cpu_kernel() -> str:
@@ -53,8 +58,4 @@ def quant_cpu_kernel() -> str:
     Raises:
         ValueError: any other value (the message lists the valid ones).
     """
-    raw = os.environ.get("PLAIT_VLLM_QUANT_CPU_KERNEL", "torch").strip().lower() or "torch"
-    if raw not in QUANT_CPU_KERNELS:
-        raise ValueError(f"PLAIT_VLLM_QUANT_CPU_KERNEL={raw!r} is not one of {', '.join(QUANT_CPU_KERNELS)}; "
-                         "unset it for torch's weight-packed kernels.")
-    return raw
+    return _choice("PLAIT_VLLM_QUANT_CPU_KERNEL", QUANT_CPU_KERNELS, "torch", "torch's weight-packed kernels")
